@@ -1,0 +1,401 @@
+//! Gateway configuration: the serde structs, their `Default` (the only home of defaults), and validation.
+//!
+//! Every default lives in a `Default` impl below. The CLI only overrides fields that were given;
+//! the README's config reference is written from these impls.
+
+use std::{net::SocketAddr, path::Path, time::Duration};
+
+use serde::{Deserialize, Serialize};
+
+/// Environment variable that overrides the routing policy, so an A/B switch is one value in a Deployment.
+pub const POLICY_ENV: &str = "KVROUTE_POLICY";
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read {path}: {source}")]
+    Read {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("{path}: {message}")]
+    Parse { path: String, message: String },
+    #[error("invalid config: {0}")]
+    Invalid(String),
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Config {
+    /// Address the gateway listens on.
+    pub listen: SocketAddr,
+    /// The vLLM workers behind the gateway.
+    pub workers: Vec<WorkerConfig>,
+    /// Which routing policy picks a worker, and its parameters.
+    pub policy: PolicyConfig,
+    /// How the prompt is cut into hashed blocks.
+    pub routing_key: RoutingKeyConfig,
+    pub timeouts: TimeoutConfig,
+    /// Largest accepted request body, in bytes (413 above it).
+    pub body_limit_bytes: usize,
+    /// Requests in flight a worker may hold before the gateway answers 429; 0 means no limit.
+    pub max_inflight_per_worker: usize,
+    /// How many other workers a request may be retried on when its worker refused the connection.
+    pub connect_retries: usize,
+    /// How long a worker that refused a connection is left out of routing, in seconds.
+    pub eject_seconds: f64,
+    /// How long in-flight requests may run after SIGTERM before the gateway exits, in seconds.
+    pub drain_seconds: f64,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            listen: SocketAddr::from(([127, 0, 0, 1], 8080)),
+            workers: Vec::new(),
+            policy: PolicyConfig::default(),
+            routing_key: RoutingKeyConfig::default(),
+            timeouts: TimeoutConfig::default(),
+            body_limit_bytes: 8 * 1024 * 1024,
+            max_inflight_per_worker: 0,
+            connect_retries: 2,
+            eject_seconds: 5.0,
+            drain_seconds: 30.0,
+        }
+    }
+}
+
+/// What the command line (or `KVROUTE_POLICY`) says on top of the file.
+#[derive(Clone, Debug, Default)]
+pub struct Overrides {
+    pub listen: Option<SocketAddr>,
+    /// Replaces the file's worker list when not empty.
+    pub workers: Vec<String>,
+    pub policy: Option<String>,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WorkerConfig {
+    /// Base URL of the worker, e.g. `http://10.0.0.7:8000` (no `/v1`).
+    pub url: String,
+    /// Stable name used in metrics, the response header and the prefix hash; defaults to the URL's host:port.
+    #[serde(default)]
+    pub name: Option<String>,
+    /// Models this worker serves; empty means any model.
+    #[serde(default)]
+    pub models: Vec<String>,
+}
+
+impl WorkerConfig {
+    pub fn from_url(url: impl Into<String>) -> Self {
+        Self {
+            url: url.into(),
+            name: None,
+            models: Vec::new(),
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
+pub enum PolicyConfig {
+    RoundRobin,
+    LeastConn,
+    Prefix(PrefixParams),
+}
+
+impl Default for PolicyConfig {
+    fn default() -> Self {
+        PolicyConfig::Prefix(PrefixParams::default())
+    }
+}
+
+impl PolicyConfig {
+    pub const NAMES: [&'static str; 3] = ["round_robin", "least_conn", "prefix"];
+
+    pub fn name(&self) -> &'static str {
+        match self {
+            PolicyConfig::RoundRobin => "round_robin",
+            PolicyConfig::LeastConn => "least_conn",
+            PolicyConfig::Prefix(_) => "prefix",
+        }
+    }
+
+    /// The policy called `name`, keeping `self`'s parameters when it is already that policy.
+    pub fn with_name(self, name: &str) -> Result<Self, ConfigError> {
+        if self.name() == name {
+            return Ok(self);
+        }
+        match name {
+            "round_robin" => Ok(PolicyConfig::RoundRobin),
+            "least_conn" => Ok(PolicyConfig::LeastConn),
+            "prefix" => Ok(PolicyConfig::Prefix(PrefixParams::default())),
+            other => Err(ConfigError::Invalid(format!(
+                "unknown policy {other:?}; expected one of {}",
+                Self::NAMES.join(", ")
+            ))),
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct PrefixParams {
+    /// How many leading blocks of the routing key choose the worker.
+    pub key_blocks: usize,
+    /// Bounded load: a worker is over its bound when its in-flight count would exceed
+    /// `load_factor` × the pool's mean (counting the new request).
+    pub load_factor: f64,
+    /// How many further candidates in hash order are tried before falling back to least-connections.
+    pub spill_candidates: usize,
+}
+
+impl Default for PrefixParams {
+    fn default() -> Self {
+        Self {
+            key_blocks: 4,
+            load_factor: 1.5,
+            spill_candidates: 1,
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RoutingKeyConfig {
+    /// Size of one hashed block of the canonical prompt, in bytes.
+    pub block_bytes: usize,
+    /// Blocks hashed at most; bytes past `block_bytes × max_blocks` are never read.
+    pub max_blocks: usize,
+}
+
+impl Default for RoutingKeyConfig {
+    fn default() -> Self {
+        Self {
+            block_bytes: 256,
+            max_blocks: 16,
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct TimeoutConfig {
+    /// TCP connect to a worker, in seconds.
+    pub connect_seconds: f64,
+    /// From sending a request to the worker's response headers, in seconds.
+    /// (vLLM sends a non-streaming answer's headers only when generation ends.)
+    pub first_byte_seconds: f64,
+    /// Longest silence between two chunks of a response body, in seconds.
+    pub idle_stream_seconds: f64,
+}
+
+impl Default for TimeoutConfig {
+    fn default() -> Self {
+        Self {
+            connect_seconds: 2.0,
+            first_byte_seconds: 600.0,
+            idle_stream_seconds: 120.0,
+        }
+    }
+}
+
+impl TimeoutConfig {
+    pub fn connect(&self) -> Duration {
+        Duration::from_secs_f64(self.connect_seconds)
+    }
+    pub fn first_byte(&self) -> Duration {
+        Duration::from_secs_f64(self.first_byte_seconds)
+    }
+    pub fn idle_stream(&self) -> Duration {
+        Duration::from_secs_f64(self.idle_stream_seconds)
+    }
+}
+
+impl Config {
+    /// The config the gateway runs with: the file's (or the defaults), then the overrides, validated.
+    pub fn load(path: Option<&Path>, overrides: Overrides) -> Result<Self, ConfigError> {
+        let base = match path {
+            Some(p) => Self::parse_file(p)?,
+            None => Self::default(),
+        };
+        let config = base.with_overrides(overrides)?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Reads a YAML file without validating it. Unknown keys are errors.
+    pub fn parse_file(path: &Path) -> Result<Self, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.display().to_string(),
+            source,
+        })?;
+        serde_saphyr::from_str(&text).map_err(|e| ConfigError::Parse {
+            path: path.display().to_string(),
+            message: e.to_string(),
+        })
+    }
+
+    /// Parses and validates YAML text.
+    pub fn from_yaml(text: &str) -> Result<Self, ConfigError> {
+        let config: Config = serde_saphyr::from_str(text).map_err(|e| ConfigError::Parse {
+            path: "<config>".into(),
+            message: e.to_string(),
+        })?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    pub fn with_overrides(mut self, o: Overrides) -> Result<Self, ConfigError> {
+        if let Some(listen) = o.listen {
+            self.listen = listen;
+        }
+        if !o.workers.is_empty() {
+            self.workers = o.workers.into_iter().map(WorkerConfig::from_url).collect();
+        }
+        if let Some(name) = o.policy {
+            self.policy = self.policy.with_name(&name)?;
+        }
+        Ok(self)
+    }
+
+    /// Checks what serde cannot: ranges, URLs, duplicate names.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let bad = |m: String| Err(ConfigError::Invalid(m));
+        if self.workers.is_empty() {
+            return bad("at least one worker is required (workers: [{url: ...}] or --worker URL)".into());
+        }
+        let mut names = std::collections::HashSet::new();
+        for w in &self.workers {
+            let uri: http::Uri = match w.url.parse() {
+                Ok(u) => u,
+                Err(e) => return bad(format!("worker url {:?}: {e}", w.url)),
+            };
+            if uri.scheme_str() != Some("http") || uri.authority().is_none() {
+                return bad(format!(
+                    "worker url {:?} must be http://host:port (https is not supported yet)",
+                    w.url
+                ));
+            }
+            let name = worker_name(w);
+            if !names.insert(name.clone()) {
+                return bad(format!("two workers are named {name:?}; names must be unique"));
+            }
+        }
+        if self.routing_key.block_bytes == 0 || self.routing_key.max_blocks == 0 {
+            return bad("routing_key.block_bytes and routing_key.max_blocks must be at least 1".into());
+        }
+        if let PolicyConfig::Prefix(p) = &self.policy {
+            if p.key_blocks == 0 || p.key_blocks > self.routing_key.max_blocks {
+                return bad(format!(
+                    "policy.key_blocks must be between 1 and routing_key.max_blocks ({})",
+                    self.routing_key.max_blocks
+                ));
+            }
+            if !(p.load_factor.is_finite() && p.load_factor >= 1.0) {
+                return bad("policy.load_factor must be a number >= 1.0".into());
+            }
+        }
+        let t = &self.timeouts;
+        for (name, v) in [
+            ("timeouts.connect_seconds", t.connect_seconds),
+            ("timeouts.first_byte_seconds", t.first_byte_seconds),
+            ("timeouts.idle_stream_seconds", t.idle_stream_seconds),
+            ("eject_seconds", self.eject_seconds),
+            ("drain_seconds", self.drain_seconds),
+        ] {
+            if !(v.is_finite() && v > 0.0 && v < 1e7) {
+                return bad(format!("{name} must be a positive number of seconds"));
+            }
+        }
+        if self.body_limit_bytes == 0 {
+            return bad("body_limit_bytes must be at least 1".into());
+        }
+        Ok(())
+    }
+}
+
+/// The name a worker goes by: its configured name, else the URL's authority.
+pub fn worker_name(w: &WorkerConfig) -> String {
+    if let Some(n) = &w.name {
+        return n.clone();
+    }
+    w.url
+        .parse::<http::Uri>()
+        .ok()
+        .and_then(|u| u.authority().map(|a| a.to_string()))
+        .unwrap_or_else(|| w.url.clone())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_fill_a_minimal_file() {
+        let c = Config::from_yaml("workers: [{url: 'http://127.0.0.1:9000'}]").unwrap();
+        assert_eq!(c.policy, PolicyConfig::Prefix(PrefixParams::default()));
+        assert_eq!(c.body_limit_bytes, Config::default().body_limit_bytes);
+        assert_eq!(worker_name(&c.workers[0]), "127.0.0.1:9000");
+    }
+
+    #[test]
+    fn unknown_keys_are_rejected() {
+        let e = Config::from_yaml("workers: [{url: 'http://a:1'}]\nlisten_port: 3").unwrap_err();
+        assert!(e.to_string().contains("listen_port"), "{e}");
+        let e = Config::from_yaml("workers: [{url: 'http://a:1'}]\npolicy: {kind: prefix, blocks: 3}")
+            .unwrap_err();
+        assert!(e.to_string().contains("blocks"), "{e}");
+    }
+
+    #[test]
+    fn policy_params_parse_and_validate() {
+        let c = Config::from_yaml(
+            "workers: [{url: 'http://a:1'}]\npolicy: {kind: prefix, load_factor: 2.0, key_blocks: 2}",
+        )
+        .unwrap();
+        let PolicyConfig::Prefix(p) = c.policy else {
+            panic!("not prefix")
+        };
+        assert_eq!((p.load_factor, p.key_blocks, p.spill_candidates), (2.0, 2, 1));
+        assert!(Config::from_yaml("workers: [{url: 'http://a:1'}]\npolicy: {kind: prefix, load_factor: 0.5}").is_err());
+        assert!(Config::from_yaml("workers: [{url: 'http://a:1'}]\npolicy: {kind: fastest}").is_err());
+    }
+
+    #[test]
+    fn invalid_workers_are_rejected() {
+        assert!(Config::from_yaml("workers: []").is_err());
+        assert!(Config::from_yaml("workers: [{url: 'ftp://a:1'}]").is_err());
+        assert!(Config::from_yaml("workers: [{url: 'http://a:1'}, {url: 'http://a:1'}]").is_err());
+    }
+
+    #[test]
+    fn overrides_beat_the_file_and_are_validated() {
+        let file = Config::from_yaml("workers: [{url: 'http://a:1'}]\npolicy: {kind: prefix, key_blocks: 2}").unwrap();
+        let c = file
+            .clone()
+            .with_overrides(Overrides {
+                listen: Some("0.0.0.0:9".parse().unwrap()),
+                workers: vec!["http://b:2".into(), "http://c:3".into()],
+                policy: Some("round_robin".into()),
+            })
+            .unwrap();
+        assert_eq!(c.listen.port(), 9);
+        assert_eq!(c.workers.len(), 2);
+        assert_eq!(c.policy, PolicyConfig::RoundRobin);
+        let same = file.clone().with_overrides(Overrides::default()).unwrap();
+        assert_eq!(same, file);
+        assert!(Config::load(None, Overrides::default()).is_err(), "no workers");
+    }
+
+    #[test]
+    fn with_name_keeps_params_of_the_same_policy_only() {
+        let p = PolicyConfig::Prefix(PrefixParams {
+            key_blocks: 2,
+            ..Default::default()
+        });
+        assert_eq!(p.clone().with_name("prefix").unwrap(), p);
+        assert_eq!(p.clone().with_name("least_conn").unwrap(), PolicyConfig::LeastConn);
+        assert!(p.with_name("random").is_err());
+    }
+}

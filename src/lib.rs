@@ -1,0 +1,18 @@
+//! kvroute: a prefix-aware routing gateway for pools of vLLM workers.
+//!
+//! A request's path through the gateway, one module per stage:
+//! [`server`] (router, layers, shutdown) → [`routes`] (thin handlers) → [`routing_key`]
+//! (prompt → chained block hashes) → [`policy`] (which worker) → [`proxy`] (send, relay, account)
+//! → [`workers`] (the pool). Errors become responses in one table in [`error`]; every metric lives
+//! in [`metrics`]; every default in [`config`].
+#![forbid(unsafe_code)]
+
+pub mod config;
+pub mod error;
+pub mod metrics;
+pub mod policy;
+pub mod proxy;
+pub mod routes;
+pub mod routing_key;
+pub mod server;
+pub mod workers;

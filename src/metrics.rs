@@ -1,0 +1,114 @@
+//! Every gateway metric, in one registry, rendered in the Prometheus text format on `/metrics`.
+//!
+//! Label values come from bounded sets: routes are the matched route names, workers are the
+//! configured pool, policies and outcomes are enums, status is the HTTP status code.
+
+use prometheus::{
+    Encoder, HistogramOpts, HistogramVec, IntCounterVec, IntGaugeVec, Opts, Registry, TextEncoder,
+};
+
+/// Latency buckets from 1 ms to 5 min: TTFT of a warm prefix is milliseconds, a cold long prompt seconds.
+const LATENCY_BUCKETS: &[f64] = &[
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
+];
+
+#[derive(Clone)]
+pub struct Metrics {
+    registry: Registry,
+    /// `route`, `policy`, `worker` ("none" when no worker was picked), `status`.
+    pub requests: IntCounterVec,
+    /// `policy`, `outcome` (preferred, spilled, least_conn_fallback).
+    pub routing_decisions: IntCounterVec,
+    /// `worker`.
+    pub worker_inflight: IntGaugeVec,
+    /// `policy`, `worker`: from receiving the request to the worker's response headers.
+    pub ttfb: HistogramVec,
+    /// `policy`, `worker`: from receiving the request to the end of the response body.
+    pub duration: HistogramVec,
+    /// `worker`, `kind` (connect, timeout, idle_timeout, body).
+    pub upstream_errors: IntCounterVec,
+    /// `phase` (waiting: before the worker's headers; streaming: during the body).
+    pub client_disconnects: IntCounterVec,
+    /// `worker`: upstream requests the gateway dropped because its client went away.
+    pub upstream_aborts: IntCounterVec,
+}
+
+impl Metrics {
+    pub fn new() -> Self {
+        let registry = Registry::new();
+        let counter = |name: &str, help: &str, labels: &[&str]| {
+            let c = IntCounterVec::new(Opts::new(name, help), labels).expect("static metric definition");
+            registry.register(Box::new(c.clone())).expect("metric registered once");
+            c
+        };
+        let histogram = |name: &str, help: &str| {
+            let h = HistogramVec::new(
+                HistogramOpts::new(name, help).buckets(LATENCY_BUCKETS.to_vec()),
+                &["policy", "worker"],
+            )
+            .expect("static metric definition");
+            registry.register(Box::new(h.clone())).expect("metric registered once");
+            h
+        };
+        let worker_inflight = IntGaugeVec::new(
+            Opts::new("kvroute_worker_inflight", "Requests in flight to a worker through this gateway."),
+            &["worker"],
+        )
+        .expect("static metric definition");
+        registry
+            .register(Box::new(worker_inflight.clone()))
+            .expect("metric registered once");
+        Self {
+            requests: counter(
+                "kvroute_requests_total",
+                "Requests answered, by route, policy, worker and HTTP status.",
+                &["route", "policy", "worker", "status"],
+            ),
+            routing_decisions: counter(
+                "kvroute_routing_decisions_total",
+                "Routing decisions, by policy and outcome (preferred, spilled, least_conn_fallback).",
+                &["policy", "outcome"],
+            ),
+            worker_inflight,
+            ttfb: histogram(
+                "kvroute_time_to_first_byte_seconds",
+                "From the request's arrival to the worker's response headers.",
+            ),
+            duration: histogram(
+                "kvroute_request_duration_seconds",
+                "From the request's arrival to the end of the response body.",
+            ),
+            upstream_errors: counter(
+                "kvroute_upstream_errors_total",
+                "Failed upstream requests, by worker and kind (connect, timeout, idle_timeout, body).",
+                &["worker", "kind"],
+            ),
+            client_disconnects: counter(
+                "kvroute_client_disconnects_total",
+                "Clients that went away before their response ended, by phase (waiting, streaming).",
+                &["phase"],
+            ),
+            upstream_aborts: counter(
+                "kvroute_upstream_aborts_total",
+                "Upstream requests dropped by the gateway because their client went away.",
+                &["worker"],
+            ),
+            registry,
+        }
+    }
+
+    /// The Prometheus text exposition of every metric.
+    pub fn render(&self) -> String {
+        let mut buf = Vec::new();
+        TextEncoder::new()
+            .encode(&self.registry.gather(), &mut buf)
+            .expect("text encoding into a Vec cannot fail");
+        String::from_utf8(buf).expect("the text format is UTF-8")
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}

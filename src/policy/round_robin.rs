@@ -1,0 +1,68 @@
+//! `round_robin`: each request goes to the next worker in order.
+//!
+//! Algorithm: a shared counter modulo the pool size; an unusable worker is skipped for the next
+//! usable one (outcome `spilled`). O(1) per request when all workers are usable, O(n) at worst.
+//! No parameters. Ignores the prompt, so it throws away KV-cache locality: the baseline to beat.
+
+use std::sync::{
+    atomic::{AtomicUsize, Ordering},
+    Arc,
+};
+
+use super::{Outcome, Policy, Selection};
+use crate::{routing_key::RequestInfo, workers::Worker};
+
+#[derive(Debug, Default)]
+pub struct RoundRobin {
+    next: AtomicUsize,
+}
+
+impl Policy for RoundRobin {
+    fn name(&self) -> &'static str {
+        "round_robin"
+    }
+
+    fn select(&self, workers: &[Arc<Worker>], _req: &RequestInfo) -> Option<Selection> {
+        let n = workers.len();
+        if n == 0 {
+            return None;
+        }
+        let start = self.next.fetch_add(1, Ordering::Relaxed) % n;
+        (0..n).map(|k| (start + k) % n).find(|&i| workers[i].is_usable()).map(|index| Selection {
+            index,
+            outcome: if index == start { Outcome::Preferred } else { Outcome::Spilled },
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::workers::test_workers;
+    use std::time::Duration;
+
+    #[test]
+    fn cycles_evenly() {
+        let ws = test_workers(3);
+        let rr = RoundRobin::default();
+        let mut counts = [0; 3];
+        for _ in 0..300 {
+            counts[rr.select(&ws, &RequestInfo::unkeyed()).unwrap().index] += 1;
+        }
+        assert_eq!(counts, [100, 100, 100]);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn skips_ejected_workers() {
+        let ws = test_workers(3);
+        ws[1].eject_for(Duration::from_secs(10));
+        let rr = RoundRobin::default();
+        let picks: Vec<_> = (0..6).map(|_| rr.select(&ws, &RequestInfo::unkeyed()).unwrap()).collect();
+        assert!(picks.iter().all(|s| s.index != 1));
+        assert_eq!(picks[1].outcome, Outcome::Spilled);
+        for w in &ws {
+            w.eject_for(Duration::from_secs(10));
+        }
+        assert!(rr.select(&ws, &RequestInfo::unkeyed()).is_none());
+    }
+}

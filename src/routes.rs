@@ -1,0 +1,160 @@
+//! Thin HTTP handlers: read the body within its limit, compute the routing key, hand over to the proxy.
+
+use std::{sync::Arc, time::Duration};
+
+use axum::{
+    body::Body,
+    extract::{Request, State},
+    http::{header, StatusCode},
+    response::{IntoResponse, Response},
+    Json,
+};
+use bytes::Bytes;
+use http_body_util::{BodyExt, LengthLimitError, Limited};
+
+use crate::{
+    error::{error_response, ApiError},
+    policy::{LeastConn, Policy},
+    proxy::{forward, Route, Upstreams},
+    routing_key::{self, PromptField, RequestInfo},
+};
+
+/// Shared state of the handlers.
+#[derive(Clone)]
+pub struct AppState {
+    pub upstreams: Arc<Upstreams>,
+    pub policy: Arc<dyn Policy>,
+    /// Picks the worker for paths that carry no prompt.
+    pub passthrough: Arc<LeastConn>,
+}
+
+pub async fn completions(State(s): State<AppState>, req: Request) -> Response {
+    routed(s, Route::Completions, PromptField::Prompt, req).await
+}
+
+pub async fn chat_completions(State(s): State<AppState>, req: Request) -> Response {
+    routed(s, Route::ChatCompletions, PromptField::Messages, req).await
+}
+
+async fn routed(s: AppState, route: Route, field: PromptField, req: Request) -> Response {
+    let up = &s.upstreams;
+    let (parts, body) = req.into_parts();
+    let result = async {
+        let body = read_body(&parts.headers, body, up.config.body_limit_bytes).await?;
+        let info = routing_key::extract(&body, field, &up.config.routing_key)?;
+        forward(up, s.policy.as_ref(), route, &parts, body, &info).await
+    }
+    .await;
+    respond(&s, route, s.policy.name(), result)
+}
+
+/// Any other `/v1/*` path, sent as it is to the least-loaded worker.
+pub async fn passthrough(State(s): State<AppState>, req: Request) -> Response {
+    let up = &s.upstreams;
+    let (parts, body) = req.into_parts();
+    let result = async {
+        let body = read_body(&parts.headers, body, up.config.body_limit_bytes).await?;
+        forward(up, s.passthrough.as_ref(), Route::Passthrough, &parts, body, &RequestInfo::unkeyed()).await
+    }
+    .await;
+    respond(&s, Route::Passthrough, s.passthrough.name(), result)
+}
+
+/// Counts gateway-made errors (proxied responses are counted by the proxy) and renders them.
+fn respond(s: &AppState, route: Route, policy: &str, result: Result<Response, ApiError>) -> Response {
+    match result {
+        Ok(resp) => resp,
+        Err(e) => {
+            let status = e.status_and_type().0;
+            s.upstreams
+                .metrics
+                .requests
+                .with_label_values(&[route.as_str(), policy, "none", status.as_str()])
+                .inc();
+            if status.is_server_error() {
+                tracing::warn!(route = route.as_str(), error = %e, "request failed");
+            }
+            e.into_response()
+        }
+    }
+}
+
+async fn read_body(headers: &http::HeaderMap, body: Body, limit: usize) -> Result<Bytes, ApiError> {
+    let declared = headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > limit as u64) {
+        return Err(ApiError::BodyTooLarge { limit });
+    }
+    match Limited::new(body, limit).collect().await {
+        Ok(collected) => Ok(collected.to_bytes()),
+        Err(e) if e.downcast_ref::<LengthLimitError>().is_some() => Err(ApiError::BodyTooLarge { limit }),
+        Err(e) => Err(ApiError::InvalidRequest(format!("could not read the request body: {e}"))),
+    }
+}
+
+/// `GET /v1/models`: the union of every usable worker's models, without duplicates.
+pub async fn models(State(s): State<AppState>) -> Response {
+    let up = &s.upstreams;
+    let snapshot = up.pool.snapshot();
+    let asks = snapshot.iter().filter(|w| w.is_usable()).map(|w| async move {
+        let uri = format!("{}://{}/v1/models", w.scheme, w.authority);
+        let req = http::Request::get(uri).body(http_body_util::Full::new(Bytes::new())).ok()?;
+        let resp = tokio::time::timeout(Duration::from_secs(10), up.client.request(req)).await.ok()?.ok()?;
+        if !resp.status().is_success() {
+            return None;
+        }
+        let bytes = tokio::time::timeout(Duration::from_secs(10), resp.into_body().collect())
+            .await
+            .ok()?
+            .ok()?
+            .to_bytes();
+        serde_json::from_slice::<serde_json::Value>(&bytes).ok()
+    });
+    let answers: Vec<_> = futures_util::future::join_all(asks).await.into_iter().flatten().collect();
+    if answers.is_empty() {
+        return ApiError::NoWorker.into_response();
+    }
+    let mut seen = std::collections::HashSet::new();
+    let data: Vec<serde_json::Value> = answers
+        .iter()
+        .filter_map(|a| a.get("data").and_then(|d| d.as_array()))
+        .flatten()
+        .filter(|m| m.get("id").and_then(|id| id.as_str()).is_some_and(|id| seen.insert(id.to_owned())))
+        .cloned()
+        .collect();
+    Json(serde_json::json!({"object": "list", "data": data})).into_response()
+}
+
+/// `GET /health`: the process is alive.
+pub async fn health() -> Response {
+    Json(serde_json::json!({"status": "ok"})).into_response()
+}
+
+/// `GET /ready`: at least one worker is usable.
+pub async fn ready(State(s): State<AppState>) -> Response {
+    if s.upstreams.pool.any_usable() {
+        Json(serde_json::json!({"status": "ready"})).into_response()
+    } else {
+        ApiError::NoWorker.into_response()
+    }
+}
+
+/// `GET /metrics`: the Prometheus text exposition.
+pub async fn metrics(State(s): State<AppState>) -> Response {
+    (
+        [(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")],
+        s.upstreams.metrics.render(),
+    )
+        .into_response()
+}
+
+pub async fn not_found(req: Request) -> Response {
+    ApiError::RouteNotFound(req.uri().path().to_owned()).into_response()
+}
+
+pub async fn method_not_allowed(req: Request) -> Response {
+    let msg = format!("method {} is not allowed on {}", req.method(), req.uri().path());
+    error_response(StatusCode::METHOD_NOT_ALLOWED, "MethodNotAllowedError", &msg, None)
+}

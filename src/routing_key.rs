@@ -1,0 +1,314 @@
+//! Routing key: a request body → the prompt's canonical bytes → a chain of xxh3 block hashes.
+//!
+//! The canonical bytes are the prompt as a worker's prefix cache sees it, in order:
+//! - `prompt` as a string: its UTF-8 bytes; a list of strings: joined by 0x1E;
+//!   token ids (or lists of them): each id as 4 little-endian bytes;
+//! - `messages`: for each message `role 0x1F content 0x1E`, where a list of content parts
+//!   contributes each text part's text and each other part's JSON with sorted keys.
+//!
+//! Field order in the JSON and whitespace never change the bytes, so the same conversation prefix
+//! always gives the same leading hashes. Only `block_bytes × max_blocks` bytes are ever produced,
+//! so the cost is bounded whatever the prompt's size. Block `i`'s hash is xxh3 of the block seeded
+//! with block `i-1`'s hash (block 0 is seeded with the model's hash), so it covers everything before it.
+
+use std::borrow::Cow;
+
+use serde::Deserialize;
+use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
+
+use crate::{config::RoutingKeyConfig, error::ApiError};
+
+/// What the router needs to know of a request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RequestInfo {
+    pub model: Option<String>,
+    /// Chained hashes of the leading blocks; the last may cover a partial block.
+    pub block_hashes: Vec<u64>,
+}
+
+impl RequestInfo {
+    /// A request with no prompt to key on (e.g. a passthrough path).
+    pub fn unkeyed() -> Self {
+        Self {
+            model: None,
+            block_hashes: Vec::new(),
+        }
+    }
+
+    /// The hash that covers the first `blocks` blocks (or the whole key if it is shorter).
+    pub fn key_at_depth(&self, blocks: usize) -> Option<u64> {
+        let n = blocks.min(self.block_hashes.len());
+        n.checked_sub(1).map(|i| self.block_hashes[i])
+    }
+}
+
+/// Which body field carries the prompt.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PromptField {
+    Prompt,
+    Messages,
+}
+
+#[derive(Deserialize)]
+struct RequestView<'a> {
+    #[serde(default, borrow)]
+    model: Option<Cow<'a, str>>,
+    #[serde(default, borrow)]
+    prompt: Option<PromptView<'a>>,
+    #[serde(default, borrow)]
+    messages: Option<Vec<MessageView<'a>>>,
+}
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum PromptView<'a> {
+    Text(#[serde(borrow)] Cow<'a, str>),
+    Texts(#[serde(borrow)] Vec<Cow<'a, str>>),
+    Tokens(Vec<u32>),
+    TokenBatches(Vec<Vec<u32>>),
+}
+
+#[derive(Deserialize)]
+struct MessageView<'a> {
+    #[serde(borrow)]
+    role: Cow<'a, str>,
+    #[serde(default, borrow)]
+    content: Option<ContentView<'a>>,
+}
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum ContentView<'a> {
+    Text(#[serde(borrow)] Cow<'a, str>),
+    Parts(Vec<serde_json::Value>),
+}
+
+/// Appends bytes until the cap, then ignores the rest.
+struct Capped {
+    buf: Vec<u8>,
+    cap: usize,
+}
+
+impl Capped {
+    fn push(&mut self, bytes: &[u8]) -> bool {
+        let room = self.cap - self.buf.len();
+        self.buf.extend_from_slice(&bytes[..bytes.len().min(room)]);
+        self.buf.len() < self.cap
+    }
+}
+
+/// Parses a completions or chat body and computes its routing key.
+pub fn extract(body: &[u8], field: PromptField, cfg: &RoutingKeyConfig) -> Result<RequestInfo, ApiError> {
+    let view: RequestView = serde_json::from_slice(body).map_err(|e| {
+        if e.is_data() {
+            ApiError::InvalidRequest(format!("invalid request: {e}"))
+        } else {
+            ApiError::InvalidJson(e.to_string())
+        }
+    })?;
+    let cap = cfg.block_bytes.saturating_mul(cfg.max_blocks);
+    let mut out = Capped {
+        buf: Vec::with_capacity(cap.min(body.len() + 64)),
+        cap,
+    };
+    match field {
+        PromptField::Prompt => {
+            let prompt = view
+                .prompt
+                .ok_or_else(|| ApiError::InvalidRequest("`prompt` is required".into()))?;
+            write_prompt(&prompt, &mut out);
+        }
+        PromptField::Messages => {
+            let messages = view
+                .messages
+                .ok_or_else(|| ApiError::InvalidRequest("`messages` is required".into()))?;
+            if messages.is_empty() {
+                return Err(ApiError::InvalidRequest("`messages` must not be empty".into()));
+            }
+            write_messages(&messages, &mut out);
+        }
+    }
+    let model = view.model.map(Cow::into_owned);
+    let seed = xxh3_64(model.as_deref().unwrap_or("").as_bytes());
+    Ok(RequestInfo {
+        model,
+        block_hashes: chain_hashes(&out.buf, cfg.block_bytes, seed),
+    })
+}
+
+fn write_prompt(prompt: &PromptView, out: &mut Capped) {
+    match prompt {
+        PromptView::Text(t) => {
+            out.push(t.as_bytes());
+        }
+        PromptView::Texts(ts) => {
+            for t in ts {
+                if !(out.push(t.as_bytes()) && out.push(b"\x1e")) {
+                    break;
+                }
+            }
+        }
+        PromptView::Tokens(ids) => write_tokens(ids, out),
+        PromptView::TokenBatches(batches) => {
+            for ids in batches {
+                write_tokens(ids, out);
+            }
+        }
+    }
+}
+
+fn write_tokens(ids: &[u32], out: &mut Capped) {
+    for id in ids {
+        if !out.push(&id.to_le_bytes()) {
+            return;
+        }
+    }
+}
+
+fn write_messages(messages: &[MessageView], out: &mut Capped) {
+    for m in messages {
+        if !(out.push(m.role.as_bytes()) && out.push(b"\x1f")) {
+            return;
+        }
+        match &m.content {
+            None => {}
+            Some(ContentView::Text(t)) => {
+                out.push(t.as_bytes());
+            }
+            Some(ContentView::Parts(parts)) => {
+                for p in parts {
+                    let more = match p.get("text").and_then(|t| t.as_str()) {
+                        Some(text) if p.get("type").and_then(|t| t.as_str()) == Some("text") => {
+                            out.push(text.as_bytes())
+                        }
+                        _ => out.push(p.to_string().as_bytes()),
+                    };
+                    if !more {
+                        return;
+                    }
+                }
+            }
+        }
+        if !out.push(b"\x1e") {
+            return;
+        }
+    }
+}
+
+/// Chained block hashes: `h[i] = xxh3(block[i], seed = h[i-1])`, `h[-1] = seed`.
+pub fn chain_hashes(bytes: &[u8], block_bytes: usize, seed: u64) -> Vec<u64> {
+    let mut prev = seed;
+    bytes
+        .chunks(block_bytes)
+        .map(|block| {
+            prev = xxh3_64_with_seed(block, prev);
+            prev
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn cfg(block: usize, max: usize) -> RoutingKeyConfig {
+        RoutingKeyConfig {
+            block_bytes: block,
+            max_blocks: max,
+        }
+    }
+
+    fn chat_key(body: serde_json::Value) -> RequestInfo {
+        extract(body.to_string().as_bytes(), PromptField::Messages, &cfg(8, 64)).unwrap()
+    }
+
+    #[test]
+    fn field_order_and_whitespace_do_not_change_the_key() {
+        let a = br#"{"model":"m","prompt":"hello world, this is long"}"#;
+        let b = b"{ \"prompt\" : \"hello world, this is long\",\n \"model\": \"m\", \"max_tokens\": 5}";
+        let c = cfg(8, 64);
+        assert_eq!(
+            extract(a, PromptField::Prompt, &c).unwrap(),
+            extract(b, PromptField::Prompt, &c).unwrap()
+        );
+    }
+
+    #[test]
+    fn string_content_equals_single_text_part() {
+        let a = chat_key(serde_json::json!({"messages":[{"role":"user","content":"same words here"}]}));
+        let b = chat_key(serde_json::json!({"messages":[{"role":"user","content":[{"type":"text","text":"same words here"}]}]}));
+        assert_eq!(a, b);
+    }
+
+    #[test]
+    fn a_longer_conversation_keeps_the_earlier_turns_hashes() {
+        let turn1 = serde_json::json!({"messages":[
+            {"role":"system","content":"You are a careful assistant."},
+            {"role":"user","content":"What is a KV cache?"}]});
+        let mut turn2 = turn1.clone();
+        turn2["messages"]
+            .as_array_mut()
+            .unwrap()
+            .extend([serde_json::json!({"role":"assistant","content":"It stores keys."}),
+                     serde_json::json!({"role":"user","content":"And values?"})]);
+        let (a, b) = (chat_key(turn1), chat_key(turn2));
+        let full_blocks = a.block_hashes.len() - 1; // the last block of turn 1 is partial
+        assert!(full_blocks >= 4);
+        assert_eq!(a.block_hashes[..full_blocks], b.block_hashes[..full_blocks]);
+        assert!(b.block_hashes.len() > a.block_hashes.len());
+    }
+
+    #[test]
+    fn model_seeds_the_chain() {
+        let c = cfg(8, 4);
+        let a = extract(br#"{"model":"a","prompt":"xyz"}"#, PromptField::Prompt, &c).unwrap();
+        let b = extract(br#"{"model":"b","prompt":"xyz"}"#, PromptField::Prompt, &c).unwrap();
+        assert_ne!(a.block_hashes, b.block_hashes);
+        assert_eq!(a.model.as_deref(), Some("a"));
+    }
+
+    #[test]
+    fn token_prompts_are_keyed() {
+        let c = cfg(16, 4);
+        let a = extract(br#"{"prompt":[1,2,3,4,5,6,7,8,9]}"#, PromptField::Prompt, &c).unwrap();
+        let b = extract(br#"{"prompt":[[1,2,3,4,5,6,7,8,9]]}"#, PromptField::Prompt, &c).unwrap();
+        assert_eq!(a.block_hashes.len(), 3); // 36 bytes in 16-byte blocks
+        assert_eq!(a.block_hashes, b.block_hashes);
+    }
+
+    #[test]
+    fn bad_bodies_are_client_errors() {
+        let c = cfg(8, 4);
+        for (body, field) in [
+            (&b"{not json"[..], PromptField::Prompt),
+            (br#"{"model":"m"}"#, PromptField::Prompt),
+            (br#"{"messages":[]}"#, PromptField::Messages),
+            (br#"{"prompt":{"a":1}}"#, PromptField::Prompt),
+            (br#"[1,2]"#, PromptField::Prompt),
+        ] {
+            let e = extract(body, field, &c).unwrap_err();
+            assert_eq!(e.status_and_type().0, 400, "{e}");
+        }
+    }
+
+    proptest! {
+        #[test]
+        fn only_the_first_bytes_are_hashed(prefix in "[a-z ]{40,60}", tail_a in "[a-z]{0,50}", tail_b in "[a-z]{0,50}") {
+            let c = cfg(8, 4); // 32 bytes are hashed
+            let body = |t: &str| serde_json::json!({"prompt": format!("{prefix}{t}")}).to_string();
+            let a = extract(body(&tail_a).as_bytes(), PromptField::Prompt, &c).unwrap();
+            let b = extract(body(&tail_b).as_bytes(), PromptField::Prompt, &c).unwrap();
+            prop_assert_eq!(a.block_hashes.len(), 4);
+            prop_assert_eq!(a, b);
+        }
+
+        #[test]
+        fn shared_leading_blocks_share_hashes(common in proptest::collection::vec(any::<u8>(), 0..100), a in proptest::collection::vec(any::<u8>(), 1..50), b in proptest::collection::vec(any::<u8>(), 1..50)) {
+            let join = |t: &[u8]| [common.as_slice(), t].concat();
+            let (ha, hb) = (chain_hashes(&join(&a), 16, 7), chain_hashes(&join(&b), 16, 7));
+            let full = common.len() / 16;
+            prop_assert_eq!(&ha[..full], &hb[..full]);
+        }
+    }
+}

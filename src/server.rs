@@ -1,0 +1,112 @@
+//! The gateway server: the router, its layers, and serving an already-bound listener until shutdown.
+
+use std::{sync::Arc, time::Duration};
+
+use axum::{
+    routing::{any, get, post},
+    Router,
+};
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+use tower_http::trace::TraceLayer;
+
+use crate::{
+    config::Config,
+    metrics::Metrics,
+    policy::{self, LeastConn},
+    proxy::{http_client, Upstreams},
+    routes::{self, AppState},
+    workers::Pool,
+};
+
+impl AppState {
+    pub fn new(config: Config) -> Result<Self, String> {
+        let metrics = Metrics::new();
+        let pool = Pool::from_config(&config.workers, &metrics)?;
+        Ok(Self {
+            policy: policy::build(&config.policy),
+            passthrough: Arc::new(LeastConn::default()),
+            upstreams: Arc::new(Upstreams {
+                pool,
+                client: http_client(&config),
+                metrics,
+                config,
+            }),
+        })
+    }
+}
+
+/// The gateway's routes.
+pub fn app(state: AppState) -> Router {
+    Router::new()
+        .route("/v1/completions", post(routes::completions))
+        .route("/v1/chat/completions", post(routes::chat_completions))
+        .route("/v1/models", get(routes::models))
+        .route("/v1/{*rest}", any(routes::passthrough))
+        .route("/health", get(routes::health))
+        .route("/ready", get(routes::ready))
+        .route("/metrics", get(routes::metrics))
+        .fallback(routes::not_found)
+        .method_not_allowed_fallback(routes::method_not_allowed)
+        .layer(TraceLayer::new_for_http())
+        .with_state(state)
+}
+
+/// Serves `listener` until `shutdown` is cancelled, then stops accepting and lets in-flight
+/// requests finish for at most the config's drain deadline.
+pub async fn serve(listener: TcpListener, config: Config, shutdown: CancellationToken) -> std::io::Result<()> {
+    let drain = Duration::from_secs_f64(config.drain_seconds);
+    let state = AppState::new(config).map_err(std::io::Error::other)?;
+    serve_state(listener, state, drain, shutdown).await
+}
+
+pub async fn serve_state(
+    listener: TcpListener,
+    state: AppState,
+    drain: Duration,
+    shutdown: CancellationToken,
+) -> std::io::Result<()> {
+    tracing::info!(
+        addr = %listener.local_addr()?,
+        policy = state.policy.name(),
+        workers = state.upstreams.pool.snapshot().len(),
+        "kvroute gateway listening"
+    );
+    let server = axum::serve(listener, app(state)).with_graceful_shutdown(shutdown.clone().cancelled_owned());
+    let deadline = async {
+        shutdown.cancelled().await;
+        tokio::time::sleep(drain).await;
+    };
+    tokio::select! {
+        r = std::future::IntoFuture::into_future(server) => r,
+        () = deadline => {
+            tracing::warn!(?drain, "drain deadline passed with requests still in flight; exiting");
+            Ok(())
+        }
+    }
+}
+
+/// Resolves when the process receives SIGINT or SIGTERM.
+pub async fn shutdown_signal() {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::error!(error = %e, "cannot listen for SIGTERM");
+                let _ = ctrl_c.await;
+                return;
+            }
+        };
+        tokio::select! {
+            _ = ctrl_c => {},
+            _ = term.recv() => {},
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = ctrl_c.await;
+    }
+    tracing::info!("shutdown signal received; draining");
+}

@@ -1,0 +1,217 @@
+//! Workers: one upstream vLLM server (name, URL, in-flight count, passive ejection) and the pool
+//! of them, swapped atomically as a whole so a request always sees one consistent set.
+
+use std::{
+    borrow::Cow,
+    sync::{
+        atomic::{AtomicU64, AtomicUsize, Ordering},
+        Arc,
+    },
+    time::Duration,
+};
+
+use arc_swap::ArcSwap;
+use http::uri::{Authority, Scheme};
+use tokio::time::Instant;
+use xxhash_rust::xxh3::xxh3_64;
+
+use crate::{
+    config::{worker_name, WorkerConfig},
+    error::ApiError,
+    metrics::Metrics,
+};
+
+#[derive(Debug)]
+pub struct Worker {
+    pub name: String,
+    pub scheme: Scheme,
+    pub authority: Authority,
+    /// Models served; empty means any.
+    pub models: Vec<String>,
+    /// Hash of the name: the worker's identity in rendezvous hashing, equal on every replica.
+    pub id_hash: u64,
+    inflight: AtomicUsize,
+    inflight_gauge: prometheus::IntGauge,
+    /// Milliseconds after `born` until which the worker is left out of routing.
+    ejected_until_ms: AtomicU64,
+    born: Instant,
+}
+
+impl Worker {
+    pub fn new(cfg: &WorkerConfig, metrics: &Metrics) -> Result<Self, String> {
+        let uri: http::Uri = cfg.url.parse().map_err(|e| format!("{}: {e}", cfg.url))?;
+        let name = worker_name(cfg);
+        Ok(Self {
+            scheme: uri.scheme().cloned().unwrap_or(Scheme::HTTP),
+            authority: uri
+                .authority()
+                .cloned()
+                .ok_or_else(|| format!("{}: no host", cfg.url))?,
+            models: cfg.models.clone(),
+            id_hash: xxh3_64(name.as_bytes()),
+            inflight_gauge: metrics.worker_inflight.with_label_values(&[&name]),
+            name,
+            inflight: AtomicUsize::new(0),
+            ejected_until_ms: AtomicU64::new(0),
+            born: Instant::now(),
+        })
+    }
+
+    pub fn inflight(&self) -> usize {
+        self.inflight.load(Ordering::Relaxed)
+    }
+
+    /// Usable unless a recent connection failure ejected it.
+    pub fn is_usable(&self) -> bool {
+        self.now_ms() >= self.ejected_until_ms.load(Ordering::Relaxed)
+    }
+
+    /// Leaves the worker out of routing for `d` (passive ejection after a refused connection).
+    pub fn eject_for(&self, d: Duration) {
+        let until = self.now_ms() + d.as_millis() as u64;
+        self.ejected_until_ms.fetch_max(until, Ordering::Relaxed);
+    }
+
+    pub fn serves(&self, model: Option<&str>) -> bool {
+        match model {
+            Some(m) if !self.models.is_empty() => self.models.iter().any(|x| x == m),
+            _ => true,
+        }
+    }
+
+    fn now_ms(&self) -> u64 {
+        self.born.elapsed().as_millis() as u64
+    }
+
+    /// Counts one request in flight on `self` until the guard drops.
+    pub fn acquire(self: &Arc<Self>) -> InflightGuard {
+        self.inflight.fetch_add(1, Ordering::Relaxed);
+        self.inflight_gauge.inc();
+        InflightGuard {
+            worker: Arc::clone(self),
+        }
+    }
+}
+
+/// Holds one in-flight slot on a worker; releasing happens exactly once, on drop.
+#[derive(Debug)]
+pub struct InflightGuard {
+    worker: Arc<Worker>,
+}
+
+impl InflightGuard {
+    pub fn worker(&self) -> &Arc<Worker> {
+        &self.worker
+    }
+}
+
+impl Drop for InflightGuard {
+    fn drop(&mut self) {
+        self.worker.inflight.fetch_sub(1, Ordering::Relaxed);
+        self.worker.inflight_gauge.dec();
+    }
+}
+
+/// The current worker set, replaced as a whole.
+pub struct Pool {
+    set: ArcSwap<Vec<Arc<Worker>>>,
+}
+
+impl Pool {
+    pub fn new(workers: Vec<Arc<Worker>>) -> Self {
+        Self {
+            set: ArcSwap::from_pointee(workers),
+        }
+    }
+
+    pub fn from_config(cfgs: &[WorkerConfig], metrics: &Metrics) -> Result<Self, String> {
+        let workers = cfgs
+            .iter()
+            .map(|c| Worker::new(c, metrics).map(Arc::new))
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(Self::new(workers))
+    }
+
+    pub fn snapshot(&self) -> Arc<Vec<Arc<Worker>>> {
+        self.set.load_full()
+    }
+
+    pub fn replace(&self, workers: Vec<Arc<Worker>>) {
+        self.set.store(Arc::new(workers));
+    }
+
+    pub fn any_usable(&self) -> bool {
+        self.set.load().iter().any(|w| w.is_usable())
+    }
+}
+
+/// The workers of `all` that serve `model`; 404 when a model is named and none of them serves it.
+pub fn eligible<'a>(all: &'a [Arc<Worker>], model: Option<&str>) -> Result<Cow<'a, [Arc<Worker>]>, ApiError> {
+    if all.iter().all(|w| w.serves(model)) {
+        return Ok(Cow::Borrowed(all));
+    }
+    let some: Vec<_> = all.iter().filter(|w| w.serves(model)).cloned().collect();
+    if some.is_empty() {
+        return Err(ApiError::ModelNotFound(model.unwrap_or_default().to_owned()));
+    }
+    Ok(Cow::Owned(some))
+}
+
+#[cfg(test)]
+pub(crate) fn test_workers(n: usize) -> Vec<Arc<Worker>> {
+    let metrics = Metrics::new();
+    (0..n)
+        .map(|i| Arc::new(Worker::new(&WorkerConfig::from_url(format!("http://127.0.0.1:{}", 10000 + i)), &metrics).unwrap()))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn guard_releases_exactly_once() {
+        let w = test_workers(1).remove(0);
+        let g1 = w.acquire();
+        let g2 = w.acquire();
+        assert_eq!(w.inflight(), 2);
+        drop(g1);
+        assert_eq!(w.inflight(), 1);
+        drop(g2);
+        assert_eq!(w.inflight(), 0);
+        assert_eq!(w.inflight_gauge.get(), 0);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn ejection_expires() {
+        let w = test_workers(1).remove(0);
+        w.eject_for(Duration::from_secs(5));
+        assert!(!w.is_usable());
+        tokio::time::advance(Duration::from_secs(6)).await;
+        assert!(w.is_usable());
+    }
+
+    #[test]
+    fn model_filter() {
+        let metrics = Metrics::new();
+        let mk = |url: &str, models: &[&str]| {
+            Arc::new(
+                Worker::new(
+                    &WorkerConfig {
+                        url: url.into(),
+                        name: None,
+                        models: models.iter().map(|s| s.to_string()).collect(),
+                    },
+                    &metrics,
+                )
+                .unwrap(),
+            )
+        };
+        let all = vec![mk("http://a:1", &["llama"]), mk("http://b:1", &["qwen"]), mk("http://c:1", &[])];
+        let names = |m| eligible(&all, m).unwrap().iter().map(|w| w.name.clone()).collect::<Vec<_>>();
+        assert_eq!(names(Some("qwen")), ["b:1", "c:1"]);
+        assert_eq!(names(None).len(), 3);
+        let only_named = vec![mk("http://a:1", &["llama"])];
+        assert!(matches!(eligible(&only_named, Some("qwen")), Err(ApiError::ModelNotFound(_))));
+    }
+}
