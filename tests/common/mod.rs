@@ -1,0 +1,313 @@
+//! Test helpers: a scripted upstream on 127.0.0.1:0 that streams SSE slowly and reports when its
+//! client goes away, the gateway on 127.0.0.1:0, and a raw HTTP/1.1 client over a socket.
+#![allow(dead_code)]
+
+use std::{
+    net::SocketAddr,
+    sync::{
+        atomic::{AtomicUsize, Ordering},
+        Arc,
+    },
+    time::Duration,
+};
+
+use axum::{
+    body::{Body, Bytes},
+    extract::{Request, State},
+    response::{IntoResponse, Response},
+    routing::{any, get},
+    Json, Router,
+};
+use kvroute::config::{Config, WorkerConfig};
+use tokio::{
+    io::{AsyncReadExt, AsyncWriteExt},
+    net::{TcpListener, TcpStream},
+    sync::{mpsc, Notify},
+};
+use tokio_util::sync::CancellationToken;
+
+/// How the scripted upstream behaves; set per request by fields in the JSON body:
+/// `max_tokens` = events, `delay_ms` between events (or before a non-streaming answer), `gate`
+/// = wait after the first event until the test opens the gate.
+pub struct Upstream {
+    pub addr: SocketAddr,
+    pub name: String,
+    pub requests: Arc<AtomicUsize>,
+    /// One message per request whose client went away before the response ended.
+    pub disconnects: mpsc::UnboundedReceiver<()>,
+    pub gate: Arc<Notify>,
+    _stop: tokio_util::sync::DropGuard,
+}
+
+#[derive(Clone)]
+struct UpState {
+    name: String,
+    requests: Arc<AtomicUsize>,
+    disconnects: mpsc::UnboundedSender<()>,
+    gate: Arc<Notify>,
+    models: Vec<String>,
+}
+
+/// Sends on drop unless disarmed: how the upstream notices its request was abandoned.
+struct AbandonAlarm(Option<mpsc::UnboundedSender<()>>);
+impl Drop for AbandonAlarm {
+    fn drop(&mut self) {
+        if let Some(tx) = self.0.take() {
+            let _ = tx.send(());
+        }
+    }
+}
+
+/// The deterministic text of event `i` of a request for `prompt`.
+pub fn event_text(prompt: &str, i: usize) -> String {
+    format!("tok{i}-{}", prompt.len() % 97)
+}
+
+pub async fn upstream(name: &str, models: &[&str]) -> Upstream {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (tx, rx) = mpsc::unbounded_channel();
+    let state = UpState {
+        name: name.to_owned(),
+        requests: Arc::new(AtomicUsize::new(0)),
+        disconnects: tx,
+        gate: Arc::new(Notify::new()),
+        models: models.iter().map(|s| s.to_string()).collect(),
+    };
+    let app = Router::new()
+        .route("/v1/models", get(models_handler))
+        .route("/v1/{*rest}", any(generate))
+        .with_state(state.clone());
+    let stop = CancellationToken::new();
+    let token = stop.clone();
+    tokio::spawn(async move {
+        axum::serve(listener, app).with_graceful_shutdown(token.cancelled_owned()).await.unwrap();
+    });
+    Upstream {
+        addr,
+        name: name.to_owned(),
+        requests: state.requests,
+        disconnects: rx,
+        gate: state.gate,
+        _stop: stop.drop_guard(),
+    }
+}
+
+async fn models_handler(State(s): State<UpState>) -> Json<serde_json::Value> {
+    let data: Vec<_> = s.models.iter().map(|m| serde_json::json!({"id": m, "object": "model"})).collect();
+    Json(serde_json::json!({"object": "list", "data": data}))
+}
+
+async fn generate(State(s): State<UpState>, req: Request) -> Response {
+    s.requests.fetch_add(1, Ordering::SeqCst);
+    let path = req.uri().path().to_owned();
+    let bytes = axum::body::to_bytes(req.into_body(), 1 << 24).await.unwrap();
+    let v: serde_json::Value = serde_json::from_slice(&bytes).unwrap_or_default();
+    let n = v["max_tokens"].as_u64().unwrap_or(3) as usize;
+    let delay = Duration::from_millis(v["delay_ms"].as_u64().unwrap_or(0));
+    let prompt = v["prompt"].as_str().unwrap_or("").to_owned();
+    let gated = v["gate"].as_bool().unwrap_or(false);
+    let mut alarm = AbandonAlarm(Some(s.disconnects.clone()));
+    if !v["stream"].as_bool().unwrap_or(false) {
+        tokio::time::sleep(delay).await;
+        alarm.0 = None;
+        let text: String = (0..n).map(|i| event_text(&prompt, i)).collect();
+        return ([("x-upstream", s.name.clone())], Json(serde_json::json!({"text": text, "path": path, "worker": s.name})))
+            .into_response();
+    }
+    let gate = s.gate.clone();
+    let stream = async_stream(n, delay, prompt, gated, gate, alarm);
+    ([("content-type", "text/event-stream"), ("x-upstream", s.name.as_str())], Body::from_stream(stream)).into_response()
+}
+
+fn async_stream(
+    n: usize,
+    delay: Duration,
+    prompt: String,
+    gated: bool,
+    gate: Arc<Notify>,
+    alarm: AbandonAlarm,
+) -> impl futures_util::Stream<Item = Result<Bytes, std::io::Error>> {
+    futures_util::stream::unfold((0usize, alarm), move |(i, mut alarm)| {
+        let gate = gate.clone();
+        let prompt = prompt.clone();
+        async move {
+            if i > n {
+                return None;
+            }
+            if i > 0 {
+                if gated && i == 1 {
+                    gate.notified().await;
+                }
+                tokio::time::sleep(delay).await;
+            }
+            let chunk = if i == n {
+                alarm.0 = None;
+                "data: [DONE]\n\n".to_string()
+            } else {
+                format!("data: {{\"choices\":[{{\"index\":0,\"text\":\"{}\"}}]}}\n\n", event_text(&prompt, i))
+            };
+            Some((Ok(Bytes::from(chunk)), (i + 1, alarm)))
+        }
+    })
+}
+
+impl Upstream {
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    pub fn worker_config(&self) -> WorkerConfig {
+        WorkerConfig {
+            url: self.url(),
+            name: Some(self.name.clone()),
+            models: Vec::new(),
+        }
+    }
+
+    /// Waits (bounded) for the upstream to see one abandoned request.
+    pub async fn saw_disconnect_within(&mut self, limit: Duration) -> bool {
+        matches!(tokio::time::timeout(limit, self.disconnects.recv()).await, Ok(Some(())))
+    }
+}
+
+pub struct Gateway {
+    pub addr: SocketAddr,
+    pub shutdown: CancellationToken,
+    pub task: tokio::task::JoinHandle<std::io::Result<()>>,
+}
+
+pub async fn gateway(config: Config) -> Gateway {
+    config.validate().unwrap();
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let shutdown = CancellationToken::new();
+    let task = tokio::spawn(kvroute::server::serve(listener, config, shutdown.clone()));
+    Gateway { addr, shutdown, task }
+}
+
+pub fn config_for(workers: &[&Upstream], policy: &str) -> Config {
+    Config {
+        workers: workers.iter().map(|u| u.worker_config()).collect(),
+        ..Config::default()
+    }
+    .with_overrides(kvroute::config::Overrides {
+        policy: Some(policy.into()),
+        ..Default::default()
+    })
+    .unwrap()
+}
+
+/// A response read whole over a raw HTTP/1.1 connection.
+pub struct RawResponse {
+    pub status: u16,
+    pub headers: Vec<(String, String)>,
+    pub body: Vec<u8>,
+}
+
+impl RawResponse {
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers.iter().find(|(k, _)| k.eq_ignore_ascii_case(name)).map(|(_, v)| v.as_str())
+    }
+    pub fn json(&self) -> serde_json::Value {
+        serde_json::from_slice(&self.body).unwrap_or_else(|e| panic!("not JSON ({e}): {}", String::from_utf8_lossy(&self.body)))
+    }
+}
+
+/// Opens a connection and sends one request; the caller reads from the stream.
+pub async fn send(addr: SocketAddr, method: &str, path: &str, body: &[u8]) -> TcpStream {
+    let mut s = TcpStream::connect(addr).await.unwrap();
+    let head = format!(
+        "{method} {path} HTTP/1.1\r\nhost: {addr}\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
+        body.len()
+    );
+    s.write_all(head.as_bytes()).await.unwrap();
+    s.write_all(body).await.unwrap();
+    s
+}
+
+/// Reads from `s` until `needle` has been seen in what was read, or EOF; returns everything read.
+pub async fn read_until(s: &mut TcpStream, needle: &[u8], limit: Duration) -> Vec<u8> {
+    let mut got = Vec::new();
+    let mut buf = [0u8; 8192];
+    let _ = tokio::time::timeout(limit, async {
+        loop {
+            let n = s.read(&mut buf).await.unwrap_or(0);
+            if n == 0 {
+                break;
+            }
+            got.extend_from_slice(&buf[..n]);
+            if got.windows(needle.len().max(1)).any(|w| w == needle) {
+                break;
+            }
+        }
+    })
+    .await;
+    got
+}
+
+/// One whole request and response (with `connection: close`, so EOF ends the body).
+pub async fn request(addr: SocketAddr, method: &str, path: &str, body: &[u8]) -> RawResponse {
+    let mut s = send(addr, method, path, body).await;
+    let mut raw = Vec::new();
+    tokio::time::timeout(Duration::from_secs(20), s.read_to_end(&mut raw))
+        .await
+        .expect("response within 20 s")
+        .unwrap();
+    parse_response(&raw)
+}
+
+pub fn parse_response(raw: &[u8]) -> RawResponse {
+    let split = raw.windows(4).position(|w| w == b"\r\n\r\n").expect("a response head");
+    let head = String::from_utf8_lossy(&raw[..split]).to_string();
+    let mut lines = head.split("\r\n");
+    let status = lines.next().unwrap().split(' ').nth(1).unwrap().parse().unwrap();
+    let headers: Vec<(String, String)> = lines
+        .filter_map(|l| l.split_once(':'))
+        .map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_owned()))
+        .collect();
+    let mut body = raw[split + 4..].to_vec();
+    if headers.iter().any(|(k, v)| k == "transfer-encoding" && v.contains("chunked")) {
+        body = dechunk(&body);
+    }
+    RawResponse { status, headers, body }
+}
+
+fn dechunk(mut data: &[u8]) -> Vec<u8> {
+    let mut out = Vec::new();
+    loop {
+        let Some(eol) = data.windows(2).position(|w| w == b"\r\n") else { break };
+        let size = usize::from_str_radix(std::str::from_utf8(&data[..eol]).unwrap().trim(), 16).unwrap();
+        if size == 0 {
+            break;
+        }
+        out.extend_from_slice(&data[eol + 2..eol + 2 + size]);
+        data = &data[eol + 2 + size + 2..];
+    }
+    out
+}
+
+/// The value of a metric line (exact name with labels) in a Prometheus text exposition.
+pub fn metric(text: &str, series: &str) -> Option<f64> {
+    text.lines()
+        .find(|l| l.starts_with(series) && l[series.len()..].starts_with(' '))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+}
+
+pub async fn metrics_text(addr: SocketAddr) -> String {
+    String::from_utf8(request(addr, "GET", "/metrics", b"").await.body).unwrap()
+}
+
+/// Polls `/metrics` until `series` equals `want` (bounded); returns the last value seen.
+pub async fn wait_metric(addr: SocketAddr, series: &str, want: f64, limit: Duration) -> Option<f64> {
+    let deadline = tokio::time::Instant::now() + limit;
+    loop {
+        let v = metric(&metrics_text(addr).await, series);
+        if v == Some(want) || tokio::time::Instant::now() > deadline {
+            return v;
+        }
+        tokio::task::yield_now().await;
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
