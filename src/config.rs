@@ -263,7 +263,9 @@ impl Config {
     pub fn validate(&self) -> Result<(), ConfigError> {
         let bad = |m: String| Err(ConfigError::Invalid(m));
         if self.workers.is_empty() {
-            return bad("at least one worker is required (workers: [{url: ...}] or --worker URL)".into());
+            return bad(
+                "at least one worker is required (workers: [{url: ...}] or --worker URL)".into(),
+            );
         }
         let mut names = std::collections::HashSet::new();
         for w in &self.workers {
@@ -279,11 +281,15 @@ impl Config {
             }
             let name = worker_name(w);
             if !names.insert(name.clone()) {
-                return bad(format!("two workers are named {name:?}; names must be unique"));
+                return bad(format!(
+                    "two workers are named {name:?}; names must be unique"
+                ));
             }
         }
         if self.routing_key.block_bytes == 0 || self.routing_key.max_blocks == 0 {
-            return bad("routing_key.block_bytes and routing_key.max_blocks must be at least 1".into());
+            return bad(
+                "routing_key.block_bytes and routing_key.max_blocks must be at least 1".into(),
+            );
         }
         if let PolicyConfig::Prefix(p) = &self.policy {
             if p.key_blocks == 0 || p.key_blocks > self.routing_key.max_blocks {
@@ -343,8 +349,9 @@ mod tests {
     fn unknown_keys_are_rejected() {
         let e = Config::from_yaml("workers: [{url: 'http://a:1'}]\nlisten_port: 3").unwrap_err();
         assert!(e.to_string().contains("listen_port"), "{e}");
-        let e = Config::from_yaml("workers: [{url: 'http://a:1'}]\npolicy: {kind: prefix, blocks: 3}")
-            .unwrap_err();
+        let e =
+            Config::from_yaml("workers: [{url: 'http://a:1'}]\npolicy: {kind: prefix, blocks: 3}")
+                .unwrap_err();
         assert!(e.to_string().contains("blocks"), "{e}");
     }
 
@@ -357,9 +364,17 @@ mod tests {
         let PolicyConfig::Prefix(p) = c.policy else {
             panic!("not prefix")
         };
-        assert_eq!((p.load_factor, p.key_blocks, p.spill_candidates), (2.0, 2, 1));
-        assert!(Config::from_yaml("workers: [{url: 'http://a:1'}]\npolicy: {kind: prefix, load_factor: 0.5}").is_err());
-        assert!(Config::from_yaml("workers: [{url: 'http://a:1'}]\npolicy: {kind: fastest}").is_err());
+        assert_eq!(
+            (p.load_factor, p.key_blocks, p.spill_candidates),
+            (2.0, 2, 1)
+        );
+        assert!(Config::from_yaml(
+            "workers: [{url: 'http://a:1'}]\npolicy: {kind: prefix, load_factor: 0.5}"
+        )
+        .is_err());
+        assert!(
+            Config::from_yaml("workers: [{url: 'http://a:1'}]\npolicy: {kind: fastest}").is_err()
+        );
     }
 
     #[test]
@@ -371,7 +386,10 @@ mod tests {
 
     #[test]
     fn overrides_beat_the_file_and_are_validated() {
-        let file = Config::from_yaml("workers: [{url: 'http://a:1'}]\npolicy: {kind: prefix, key_blocks: 2}").unwrap();
+        let file = Config::from_yaml(
+            "workers: [{url: 'http://a:1'}]\npolicy: {kind: prefix, key_blocks: 2}",
+        )
+        .unwrap();
         let c = file
             .clone()
             .with_overrides(Overrides {
@@ -385,7 +403,10 @@ mod tests {
         assert_eq!(c.policy, PolicyConfig::RoundRobin);
         let same = file.clone().with_overrides(Overrides::default()).unwrap();
         assert_eq!(same, file);
-        assert!(Config::load(None, Overrides::default()).is_err(), "no workers");
+        assert!(
+            Config::load(None, Overrides::default()).is_err(),
+            "no workers"
+        );
     }
 
     #[test]
@@ -395,7 +416,10 @@ mod tests {
             ..Default::default()
         });
         assert_eq!(p.clone().with_name("prefix").unwrap(), p);
-        assert_eq!(p.clone().with_name("least_conn").unwrap(), PolicyConfig::LeastConn);
+        assert_eq!(
+            p.clone().with_name("least_conn").unwrap(),
+            PolicyConfig::LeastConn
+        );
         assert!(p.with_name("random").is_err());
     }
 }

@@ -42,7 +42,9 @@ impl ApiError {
             ModelNotFound(_) | RouteNotFound(_) => (StatusCode::NOT_FOUND, "NotFoundError"),
             Saturated => (StatusCode::TOO_MANY_REQUESTS, "RateLimitError"),
             NoWorker => (StatusCode::SERVICE_UNAVAILABLE, "ServiceUnavailableError"),
-            UpstreamConnect { .. } | UpstreamFailed { .. } => (StatusCode::BAD_GATEWAY, "BadGatewayError"),
+            UpstreamConnect { .. } | UpstreamFailed { .. } => {
+                (StatusCode::BAD_GATEWAY, "BadGatewayError")
+            }
             UpstreamTimeout { .. } => (StatusCode::GATEWAY_TIMEOUT, "GatewayTimeoutError"),
         }
     }
@@ -56,7 +58,12 @@ impl ApiError {
 }
 
 /// An OpenAI-style JSON error response (the one writer of error bodies in the gateway).
-pub fn error_response(status: StatusCode, kind: &str, message: &str, param: Option<&str>) -> Response {
+pub fn error_response(
+    status: StatusCode,
+    kind: &str,
+    message: &str,
+    param: Option<&str>,
+) -> Response {
     let body = serde_json::json!({
         "error": {"message": message, "type": kind, "param": param, "code": status.as_u16()}
     });
@@ -83,7 +90,9 @@ mod tests {
     async fn error_body_has_openai_shape() {
         let resp = ApiError::ModelNotFound("m".into()).into_response();
         assert_eq!(resp.status(), StatusCode::NOT_FOUND);
-        let bytes = axum::body::to_bytes(resp.into_body(), 1 << 16).await.unwrap();
+        let bytes = axum::body::to_bytes(resp.into_body(), 1 << 16)
+            .await
+            .unwrap();
         let v: serde_json::Value = serde_json::from_slice(&bytes).unwrap();
         assert_eq!(v["error"]["type"], "NotFoundError");
         assert_eq!(v["error"]["code"], 404);

@@ -7,7 +7,11 @@ use kvroute::config::{Config, Overrides, POLICY_ENV};
 use tokio_util::sync::CancellationToken;
 
 #[derive(Parser)]
-#[command(name = "kvroute", version, about = "Prefix-aware routing gateway for vLLM pools")]
+#[command(
+    name = "kvroute",
+    version,
+    about = "Prefix-aware routing gateway for vLLM pools"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -38,14 +42,25 @@ enum Command {
 fn main() -> ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info,tower_http=warn".into()),
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| "info,tower_http=warn".into()),
         )
         .with_writer(std::io::stderr)
         .init();
     let cli = Cli::parse();
     match cli.command {
-        Command::Serve { config, check, listen, workers, policy } => {
-            let overrides = Overrides { listen, workers, policy };
+        Command::Serve {
+            config,
+            check,
+            listen,
+            workers,
+            policy,
+        } => {
+            let overrides = Overrides {
+                listen,
+                workers,
+                policy,
+            };
             let config = match Config::load(config.as_deref(), overrides) {
                 Ok(c) => c,
                 Err(e) => {
@@ -54,7 +69,11 @@ fn main() -> ExitCode {
                 }
             };
             if check {
-                println!("config ok: policy {}, {} worker(s)", config.policy.name(), config.workers.len());
+                println!(
+                    "config ok: policy {}, {} worker(s)",
+                    config.policy.name(),
+                    config.workers.len()
+                );
                 return ExitCode::SUCCESS;
             }
             run(async move {

@@ -9,7 +9,8 @@ use prometheus::{
 
 /// Latency buckets from 1 ms to 5 min: TTFT of a warm prefix is milliseconds, a cold long prompt seconds.
 const LATENCY_BUCKETS: &[f64] = &[
-    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+    120.0, 300.0,
 ];
 
 #[derive(Clone)]
@@ -37,8 +38,11 @@ impl Metrics {
     pub fn new() -> Self {
         let registry = Registry::new();
         let counter = |name: &str, help: &str, labels: &[&str]| {
-            let c = IntCounterVec::new(Opts::new(name, help), labels).expect("static metric definition");
-            registry.register(Box::new(c.clone())).expect("metric registered once");
+            let c = IntCounterVec::new(Opts::new(name, help), labels)
+                .expect("static metric definition");
+            registry
+                .register(Box::new(c.clone()))
+                .expect("metric registered once");
             c
         };
         let histogram = |name: &str, help: &str| {
@@ -47,11 +51,16 @@ impl Metrics {
                 &["policy", "worker"],
             )
             .expect("static metric definition");
-            registry.register(Box::new(h.clone())).expect("metric registered once");
+            registry
+                .register(Box::new(h.clone()))
+                .expect("metric registered once");
             h
         };
         let worker_inflight = IntGaugeVec::new(
-            Opts::new("kvroute_worker_inflight", "Requests in flight to a worker through this gateway."),
+            Opts::new(
+                "kvroute_worker_inflight",
+                "Requests in flight to a worker through this gateway.",
+            ),
             &["worker"],
         )
         .expect("static metric definition");

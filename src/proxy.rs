@@ -92,7 +92,12 @@ pub async fn forward(
     let cap = up.config.max_inflight_per_worker;
     let mut last_error = ApiError::NoWorker;
     for _attempt in 0..=up.config.connect_retries {
-        if cap > 0 && workers.iter().all(|w| !w.is_usable() || w.inflight() >= cap) && workers.iter().any(|w| w.is_usable()) {
+        if cap > 0
+            && workers
+                .iter()
+                .all(|w| !w.is_usable() || w.inflight() >= cap)
+            && workers.iter().any(|w| w.is_usable())
+        {
             return Err(ApiError::Saturated);
         }
         let Some(selection) = policy.select(&workers, info) else {
@@ -112,10 +117,17 @@ pub async fn forward(
             started,
             phase: Phase::Waiting,
         };
-        let request = upstream_request(parts, worker.scheme.clone(), worker.authority.clone(), body.clone())?;
+        let request = upstream_request(
+            parts,
+            worker.scheme.clone(),
+            worker.authority.clone(),
+            body.clone(),
+        )?;
         let timeout = up.config.timeouts.first_byte();
         match tokio::time::timeout(timeout, up.client.request(request)).await {
-            Ok(Ok(resp)) => return Ok(tracker.into_response(resp, route, up.config.timeouts.idle_stream())),
+            Ok(Ok(resp)) => {
+                return Ok(tracker.into_response(resp, route, up.config.timeouts.idle_stream()))
+            }
             Ok(Err(e)) if e.is_connect() => {
                 tracker.failed("connect");
                 worker.eject_for(Duration::from_secs_f64(up.config.eject_seconds));
@@ -180,7 +192,10 @@ fn copy_headers(from: &HeaderMap, to: &mut HeaderMap, also_skip: &[HeaderName]) 
         .flat_map(|v| v.split(',').map(|s| s.trim().to_ascii_lowercase()))
         .collect();
     for (name, value) in from {
-        if is_hop_by_hop(name) || also_skip.contains(name) || named.iter().any(|n| n == name.as_str()) {
+        if is_hop_by_hop(name)
+            || also_skip.contains(name)
+            || named.iter().any(|n| n == name.as_str())
+        {
             continue;
         }
         to.append(name.clone(), value.clone());
@@ -193,7 +208,11 @@ fn upstream_request(
     authority: http::uri::Authority,
     body: Bytes,
 ) -> Result<Request<Full<Bytes>>, ApiError> {
-    let path = parts.uri.path_and_query().map(|p| p.as_str()).unwrap_or("/");
+    let path = parts
+        .uri
+        .path_and_query()
+        .map(|p| p.as_str())
+        .unwrap_or("/");
     let uri = Uri::builder()
         .scheme(scheme)
         .authority(authority)
@@ -203,7 +222,11 @@ fn upstream_request(
     let mut req = Request::new(Full::new(body));
     *req.method_mut() = parts.method.clone();
     *req.uri_mut() = uri;
-    copy_headers(&parts.headers, req.headers_mut(), &[header::HOST, header::CONTENT_LENGTH]);
+    copy_headers(
+        &parts.headers,
+        req.headers_mut(),
+        &[header::HOST, header::CONTENT_LENGTH],
+    );
     Ok(req)
 }
 
@@ -241,7 +264,12 @@ impl Tracker {
             .inc();
     }
 
-    fn into_response(mut self, resp: http::Response<Incoming>, route: Route, idle: Duration) -> Response {
+    fn into_response(
+        mut self,
+        resp: http::Response<Incoming>,
+        route: Route,
+        idle: Duration,
+    ) -> Response {
         let (parts, incoming) = resp.into_parts();
         let worker = self.worker().to_owned();
         self.metrics
@@ -252,7 +280,11 @@ impl Tracker {
             .requests
             .with_label_values(&[route.as_str(), self.policy, &worker, parts.status.as_str()])
             .inc();
-        self.phase = if incoming.is_end_stream() { Phase::Finished } else { Phase::Streaming };
+        self.phase = if incoming.is_end_stream() {
+            Phase::Finished
+        } else {
+            Phase::Streaming
+        };
         let mut out = Response::new(Body::new(RelayBody {
             inner: incoming,
             idle_timer: Box::pin(tokio::time::sleep(idle)),
@@ -276,8 +308,14 @@ impl Drop for Tracker {
             Phase::Streaming => Some("streaming"),
         };
         if let Some(phase) = phase {
-            self.metrics.client_disconnects.with_label_values(&[phase]).inc();
-            self.metrics.upstream_aborts.with_label_values(&[self.worker()]).inc();
+            self.metrics
+                .client_disconnects
+                .with_label_values(&[phase])
+                .inc();
+            self.metrics
+                .upstream_aborts
+                .with_label_values(&[self.worker()])
+                .inc();
             tracing::debug!(worker = %self.worker(), phase, "client went away; upstream request dropped");
         }
         self.metrics
@@ -315,7 +353,10 @@ impl HttpBody for RelayBody {
     type Data = Bytes;
     type Error = axum::BoxError;
 
-    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
         let this = &mut *self;
         match Pin::new(&mut this.inner).poll_frame(cx) {
             Poll::Ready(Some(Ok(frame))) => {

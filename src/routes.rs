@@ -54,14 +54,27 @@ pub async fn passthrough(State(s): State<AppState>, req: Request) -> Response {
     let (parts, body) = req.into_parts();
     let result = async {
         let body = read_body(&parts.headers, body, up.config.body_limit_bytes).await?;
-        forward(up, s.passthrough.as_ref(), Route::Passthrough, &parts, body, &RequestInfo::unkeyed()).await
+        forward(
+            up,
+            s.passthrough.as_ref(),
+            Route::Passthrough,
+            &parts,
+            body,
+            &RequestInfo::unkeyed(),
+        )
+        .await
     }
     .await;
     respond(&s, Route::Passthrough, s.passthrough.name(), result)
 }
 
 /// Counts gateway-made errors (proxied responses are counted by the proxy) and renders them.
-fn respond(s: &AppState, route: Route, policy: &str, result: Result<Response, ApiError>) -> Response {
+fn respond(
+    s: &AppState,
+    route: Route,
+    policy: &str,
+    result: Result<Response, ApiError>,
+) -> Response {
     match result {
         Ok(resp) => resp,
         Err(e) => {
@@ -89,8 +102,12 @@ async fn read_body(headers: &http::HeaderMap, body: Body, limit: usize) -> Resul
     }
     match Limited::new(body, limit).collect().await {
         Ok(collected) => Ok(collected.to_bytes()),
-        Err(e) if e.downcast_ref::<LengthLimitError>().is_some() => Err(ApiError::BodyTooLarge { limit }),
-        Err(e) => Err(ApiError::InvalidRequest(format!("could not read the request body: {e}"))),
+        Err(e) if e.downcast_ref::<LengthLimitError>().is_some() => {
+            Err(ApiError::BodyTooLarge { limit })
+        }
+        Err(e) => Err(ApiError::InvalidRequest(format!(
+            "could not read the request body: {e}"
+        ))),
     }
 }
 
@@ -98,21 +115,33 @@ async fn read_body(headers: &http::HeaderMap, body: Body, limit: usize) -> Resul
 pub async fn models(State(s): State<AppState>) -> Response {
     let up = &s.upstreams;
     let snapshot = up.pool.snapshot();
-    let asks = snapshot.iter().filter(|w| w.is_usable()).map(|w| async move {
-        let uri = format!("{}://{}/v1/models", w.scheme, w.authority);
-        let req = http::Request::get(uri).body(http_body_util::Full::new(Bytes::new())).ok()?;
-        let resp = tokio::time::timeout(Duration::from_secs(10), up.client.request(req)).await.ok()?.ok()?;
-        if !resp.status().is_success() {
-            return None;
-        }
-        let bytes = tokio::time::timeout(Duration::from_secs(10), resp.into_body().collect())
-            .await
-            .ok()?
-            .ok()?
-            .to_bytes();
-        serde_json::from_slice::<serde_json::Value>(&bytes).ok()
-    });
-    let answers: Vec<_> = futures_util::future::join_all(asks).await.into_iter().flatten().collect();
+    let asks = snapshot
+        .iter()
+        .filter(|w| w.is_usable())
+        .map(|w| async move {
+            let uri = format!("{}://{}/v1/models", w.scheme, w.authority);
+            let req = http::Request::get(uri)
+                .body(http_body_util::Full::new(Bytes::new()))
+                .ok()?;
+            let resp = tokio::time::timeout(Duration::from_secs(10), up.client.request(req))
+                .await
+                .ok()?
+                .ok()?;
+            if !resp.status().is_success() {
+                return None;
+            }
+            let bytes = tokio::time::timeout(Duration::from_secs(10), resp.into_body().collect())
+                .await
+                .ok()?
+                .ok()?
+                .to_bytes();
+            serde_json::from_slice::<serde_json::Value>(&bytes).ok()
+        });
+    let answers: Vec<_> = futures_util::future::join_all(asks)
+        .await
+        .into_iter()
+        .flatten()
+        .collect();
     if answers.is_empty() {
         return ApiError::NoWorker.into_response();
     }
@@ -121,7 +150,11 @@ pub async fn models(State(s): State<AppState>) -> Response {
         .iter()
         .filter_map(|a| a.get("data").and_then(|d| d.as_array()))
         .flatten()
-        .filter(|m| m.get("id").and_then(|id| id.as_str()).is_some_and(|id| seen.insert(id.to_owned())))
+        .filter(|m| {
+            m.get("id")
+                .and_then(|id| id.as_str())
+                .is_some_and(|id| seen.insert(id.to_owned()))
+        })
         .cloned()
         .collect();
     Json(serde_json::json!({"object": "list", "data": data})).into_response()
@@ -144,7 +177,10 @@ pub async fn ready(State(s): State<AppState>) -> Response {
 /// `GET /metrics`: the Prometheus text exposition.
 pub async fn metrics(State(s): State<AppState>) -> Response {
     (
-        [(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")],
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
         s.upstreams.metrics.render(),
     )
         .into_response()
@@ -155,6 +191,15 @@ pub async fn not_found(req: Request) -> Response {
 }
 
 pub async fn method_not_allowed(req: Request) -> Response {
-    let msg = format!("method {} is not allowed on {}", req.method(), req.uri().path());
-    error_response(StatusCode::METHOD_NOT_ALLOWED, "MethodNotAllowedError", &msg, None)
+    let msg = format!(
+        "method {} is not allowed on {}",
+        req.method(),
+        req.uri().path()
+    );
+    error_response(
+        StatusCode::METHOD_NOT_ALLOWED,
+        "MethodNotAllowedError",
+        &msg,
+        None,
+    )
 }

@@ -98,7 +98,11 @@ impl Capped {
 }
 
 /// Parses a completions or chat body and computes its routing key.
-pub fn extract(body: &[u8], field: PromptField, cfg: &RoutingKeyConfig) -> Result<RequestInfo, ApiError> {
+pub fn extract(
+    body: &[u8],
+    field: PromptField,
+    cfg: &RoutingKeyConfig,
+) -> Result<RequestInfo, ApiError> {
     let view: RequestView = serde_json::from_slice(body).map_err(|e| {
         if e.is_data() {
             ApiError::InvalidRequest(format!("invalid request: {e}"))
@@ -123,7 +127,9 @@ pub fn extract(body: &[u8], field: PromptField, cfg: &RoutingKeyConfig) -> Resul
                 .messages
                 .ok_or_else(|| ApiError::InvalidRequest("`messages` is required".into()))?;
             if messages.is_empty() {
-                return Err(ApiError::InvalidRequest("`messages` must not be empty".into()));
+                return Err(ApiError::InvalidRequest(
+                    "`messages` must not be empty".into(),
+                ));
             }
             write_messages(&messages, &mut out);
         }
@@ -220,13 +226,19 @@ mod tests {
     }
 
     fn chat_key(body: serde_json::Value) -> RequestInfo {
-        extract(body.to_string().as_bytes(), PromptField::Messages, &cfg(8, 64)).unwrap()
+        extract(
+            body.to_string().as_bytes(),
+            PromptField::Messages,
+            &cfg(8, 64),
+        )
+        .unwrap()
     }
 
     #[test]
     fn field_order_and_whitespace_do_not_change_the_key() {
         let a = br#"{"model":"m","prompt":"hello world, this is long"}"#;
-        let b = b"{ \"prompt\" : \"hello world, this is long\",\n \"model\": \"m\", \"max_tokens\": 5}";
+        let b =
+            b"{ \"prompt\" : \"hello world, this is long\",\n \"model\": \"m\", \"max_tokens\": 5}";
         let c = cfg(8, 64);
         assert_eq!(
             extract(a, PromptField::Prompt, &c).unwrap(),
@@ -236,8 +248,11 @@ mod tests {
 
     #[test]
     fn string_content_equals_single_text_part() {
-        let a = chat_key(serde_json::json!({"messages":[{"role":"user","content":"same words here"}]}));
-        let b = chat_key(serde_json::json!({"messages":[{"role":"user","content":[{"type":"text","text":"same words here"}]}]}));
+        let a =
+            chat_key(serde_json::json!({"messages":[{"role":"user","content":"same words here"}]}));
+        let b = chat_key(
+            serde_json::json!({"messages":[{"role":"user","content":[{"type":"text","text":"same words here"}]}]}),
+        );
         assert_eq!(a, b);
     }
 
@@ -247,11 +262,10 @@ mod tests {
             {"role":"system","content":"You are a careful assistant."},
             {"role":"user","content":"What is a KV cache?"}]});
         let mut turn2 = turn1.clone();
-        turn2["messages"]
-            .as_array_mut()
-            .unwrap()
-            .extend([serde_json::json!({"role":"assistant","content":"It stores keys."}),
-                     serde_json::json!({"role":"user","content":"And values?"})]);
+        turn2["messages"].as_array_mut().unwrap().extend([
+            serde_json::json!({"role":"assistant","content":"It stores keys."}),
+            serde_json::json!({"role":"user","content":"And values?"}),
+        ]);
         let (a, b) = (chat_key(turn1), chat_key(turn2));
         let full_blocks = a.block_hashes.len() - 1; // the last block of turn 1 is partial
         assert!(full_blocks >= 4);
@@ -271,8 +285,18 @@ mod tests {
     #[test]
     fn token_prompts_are_keyed() {
         let c = cfg(16, 4);
-        let a = extract(br#"{"prompt":[1,2,3,4,5,6,7,8,9]}"#, PromptField::Prompt, &c).unwrap();
-        let b = extract(br#"{"prompt":[[1,2,3,4,5,6,7,8,9]]}"#, PromptField::Prompt, &c).unwrap();
+        let a = extract(
+            br#"{"prompt":[1,2,3,4,5,6,7,8,9]}"#,
+            PromptField::Prompt,
+            &c,
+        )
+        .unwrap();
+        let b = extract(
+            br#"{"prompt":[[1,2,3,4,5,6,7,8,9]]}"#,
+            PromptField::Prompt,
+            &c,
+        )
+        .unwrap();
         assert_eq!(a.block_hashes.len(), 3); // 36 bytes in 16-byte blocks
         assert_eq!(a.block_hashes, b.block_hashes);
     }

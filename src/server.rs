@@ -54,7 +54,11 @@ pub fn app(state: AppState) -> Router {
 
 /// Serves `listener` until `shutdown` is cancelled, then stops accepting and lets in-flight
 /// requests finish for at most the config's drain deadline.
-pub async fn serve(listener: TcpListener, config: Config, shutdown: CancellationToken) -> std::io::Result<()> {
+pub async fn serve(
+    listener: TcpListener,
+    config: Config,
+    shutdown: CancellationToken,
+) -> std::io::Result<()> {
     let drain = Duration::from_secs_f64(config.drain_seconds);
     let state = AppState::new(config).map_err(std::io::Error::other)?;
     serve_state(listener, state, drain, shutdown).await
@@ -72,7 +76,8 @@ pub async fn serve_state(
         workers = state.upstreams.pool.snapshot().len(),
         "kvroute gateway listening"
     );
-    let server = axum::serve(listener, app(state)).with_graceful_shutdown(shutdown.clone().cancelled_owned());
+    let server = axum::serve(listener, app(state))
+        .with_graceful_shutdown(shutdown.clone().cancelled_owned());
     let deadline = async {
         shutdown.cancelled().await;
         tokio::time::sleep(drain).await;
@@ -91,14 +96,15 @@ pub async fn shutdown_signal() {
     let ctrl_c = tokio::signal::ctrl_c();
     #[cfg(unix)]
     {
-        let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(s) => s,
-            Err(e) => {
-                tracing::error!(error = %e, "cannot listen for SIGTERM");
-                let _ = ctrl_c.await;
-                return;
-            }
-        };
+        let mut term =
+            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(s) => s,
+                Err(e) => {
+                    tracing::error!(error = %e, "cannot listen for SIGTERM");
+                    let _ = ctrl_c.await;
+                    return;
+                }
+            };
         tokio::select! {
             _ = ctrl_c => {},
             _ = term.recv() => {},

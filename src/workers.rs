@@ -146,13 +146,18 @@ impl Pool {
 }
 
 /// The workers of `all` that serve `model`; 404 when a model is named and none of them serves it.
-pub fn eligible<'a>(all: &'a [Arc<Worker>], model: Option<&str>) -> Result<Cow<'a, [Arc<Worker>]>, ApiError> {
+pub fn eligible<'a>(
+    all: &'a [Arc<Worker>],
+    model: Option<&str>,
+) -> Result<Cow<'a, [Arc<Worker>]>, ApiError> {
     if all.iter().all(|w| w.serves(model)) {
         return Ok(Cow::Borrowed(all));
     }
     let some: Vec<_> = all.iter().filter(|w| w.serves(model)).cloned().collect();
     if some.is_empty() {
-        return Err(ApiError::ModelNotFound(model.unwrap_or_default().to_owned()));
+        return Err(ApiError::ModelNotFound(
+            model.unwrap_or_default().to_owned(),
+        ));
     }
     Ok(Cow::Owned(some))
 }
@@ -161,7 +166,15 @@ pub fn eligible<'a>(all: &'a [Arc<Worker>], model: Option<&str>) -> Result<Cow<'
 pub(crate) fn test_workers(n: usize) -> Vec<Arc<Worker>> {
     let metrics = Metrics::new();
     (0..n)
-        .map(|i| Arc::new(Worker::new(&WorkerConfig::from_url(format!("http://127.0.0.1:{}", 10000 + i)), &metrics).unwrap()))
+        .map(|i| {
+            Arc::new(
+                Worker::new(
+                    &WorkerConfig::from_url(format!("http://127.0.0.1:{}", 10000 + i)),
+                    &metrics,
+                )
+                .unwrap(),
+            )
+        })
         .collect()
 }
 
@@ -207,11 +220,24 @@ mod tests {
                 .unwrap(),
             )
         };
-        let all = vec![mk("http://a:1", &["llama"]), mk("http://b:1", &["qwen"]), mk("http://c:1", &[])];
-        let names = |m| eligible(&all, m).unwrap().iter().map(|w| w.name.clone()).collect::<Vec<_>>();
+        let all = vec![
+            mk("http://a:1", &["llama"]),
+            mk("http://b:1", &["qwen"]),
+            mk("http://c:1", &[]),
+        ];
+        let names = |m| {
+            eligible(&all, m)
+                .unwrap()
+                .iter()
+                .map(|w| w.name.clone())
+                .collect::<Vec<_>>()
+        };
         assert_eq!(names(Some("qwen")), ["b:1", "c:1"]);
         assert_eq!(names(None).len(), 3);
         let only_named = vec![mk("http://a:1", &["llama"])];
-        assert!(matches!(eligible(&only_named, Some("qwen")), Err(ApiError::ModelNotFound(_))));
+        assert!(matches!(
+            eligible(&only_named, Some("qwen")),
+            Err(ApiError::ModelNotFound(_))
+        ));
     }
 }

@@ -18,14 +18,18 @@ fn body(v: serde_json::Value) -> Vec<u8> {
 async fn streamed_completion_is_relayed_byte_for_byte() {
     let up = upstream("w0", &[]).await;
     let gw = gateway(config_for(&[&up], "round_robin")).await;
-    let req = body(json!({"prompt": "hello there", "stream": true, "max_tokens": 5, "delay_ms": 5}));
+    let req =
+        body(json!({"prompt": "hello there", "stream": true, "max_tokens": 5, "delay_ms": 5}));
     let direct = request(up.addr, "POST", "/v1/completions", &req).await;
     let through = request(gw.addr, "POST", "/v1/completions", &req).await;
     assert_eq!(through.status, 200);
     assert_eq!(through.header("x-kvroute-worker"), Some("w0"));
     assert_eq!(through.header("content-type"), Some("text/event-stream"));
     assert!(direct.body.ends_with(b"data: [DONE]\n\n"));
-    assert_eq!(String::from_utf8(through.body).unwrap(), String::from_utf8(direct.body).unwrap());
+    assert_eq!(
+        String::from_utf8(through.body).unwrap(),
+        String::from_utf8(direct.body).unwrap()
+    );
 }
 
 #[tokio::test]
@@ -36,7 +40,10 @@ async fn stream_events_reach_the_client_before_the_stream_ends() {
     let req = body(json!({"prompt": "p", "stream": true, "max_tokens": 3, "gate": true}));
     let mut s = send(gw.addr, "POST", "/v1/completions", &req).await;
     let first = read_until(&mut s, b"tok0", 5 * SECOND).await;
-    assert!(String::from_utf8_lossy(&first).contains("tok0"), "first event not relayed before the stream ended");
+    assert!(
+        String::from_utf8_lossy(&first).contains("tok0"),
+        "first event not relayed before the stream ended"
+    );
     assert!(!String::from_utf8_lossy(&first).contains("tok1"));
     up.gate.notify_one();
     let rest = read_until(&mut s, b"[DONE]", 5 * SECOND).await;
@@ -65,24 +72,55 @@ async fn time_to_first_byte_through_the_gateway_is_close_to_direct() {
     direct.sort();
     through.sort();
     let (d, t) = (direct[12], through[12]);
-    assert!(t < d + Duration::from_millis(25), "median TTFB direct {d:?}, through the gateway {t:?}");
+    assert!(
+        t < d + Duration::from_millis(25),
+        "median TTFB direct {d:?}, through the gateway {t:?}"
+    );
 }
 
 #[tokio::test]
 async fn client_disconnect_mid_stream_aborts_upstream_and_releases_the_worker() {
     let mut up = upstream("w0", &[]).await;
     let gw = gateway(config_for(&[&up], "prefix")).await;
-    let req = body(json!({"prompt": "long answer", "stream": true, "max_tokens": 1000, "delay_ms": 20}));
+    let req =
+        body(json!({"prompt": "long answer", "stream": true, "max_tokens": 1000, "delay_ms": 20}));
     let mut s = send(gw.addr, "POST", "/v1/completions", &req).await;
     let got = read_until(&mut s, b"tok2", 5 * SECOND).await;
     assert!(String::from_utf8_lossy(&got).contains("tok2"));
-    assert_eq!(wait_metric(gw.addr, "kvroute_worker_inflight{worker=\"w0\"}", 1.0, SECOND).await, Some(1.0));
+    assert_eq!(
+        wait_metric(
+            gw.addr,
+            "kvroute_worker_inflight{worker=\"w0\"}",
+            1.0,
+            SECOND
+        )
+        .await,
+        Some(1.0)
+    );
     drop(s);
-    assert!(up.saw_disconnect_within(2 * SECOND).await, "upstream kept streaming after the client left");
-    assert_eq!(wait_metric(gw.addr, "kvroute_worker_inflight{worker=\"w0\"}", 0.0, 2 * SECOND).await, Some(0.0));
+    assert!(
+        up.saw_disconnect_within(2 * SECOND).await,
+        "upstream kept streaming after the client left"
+    );
+    assert_eq!(
+        wait_metric(
+            gw.addr,
+            "kvroute_worker_inflight{worker=\"w0\"}",
+            0.0,
+            2 * SECOND
+        )
+        .await,
+        Some(0.0)
+    );
     let m = metrics_text(gw.addr).await;
-    assert_eq!(metric(&m, "kvroute_client_disconnects_total{phase=\"streaming\"}"), Some(1.0));
-    assert_eq!(metric(&m, "kvroute_upstream_aborts_total{worker=\"w0\"}"), Some(1.0));
+    assert_eq!(
+        metric(&m, "kvroute_client_disconnects_total{phase=\"streaming\"}"),
+        Some(1.0)
+    );
+    assert_eq!(
+        metric(&m, "kvroute_upstream_aborts_total{worker=\"w0\"}"),
+        Some(1.0)
+    );
 }
 
 #[tokio::test]
@@ -91,12 +129,36 @@ async fn client_disconnect_while_waiting_aborts_upstream_and_releases_the_worker
     let gw = gateway(config_for(&[&up], "least_conn")).await;
     let req = body(json!({"prompt": "slow", "max_tokens": 3, "delay_ms": 30_000}));
     let s = send(gw.addr, "POST", "/v1/completions", &req).await;
-    assert_eq!(wait_metric(gw.addr, "kvroute_worker_inflight{worker=\"w0\"}", 1.0, 2 * SECOND).await, Some(1.0));
+    assert_eq!(
+        wait_metric(
+            gw.addr,
+            "kvroute_worker_inflight{worker=\"w0\"}",
+            1.0,
+            2 * SECOND
+        )
+        .await,
+        Some(1.0)
+    );
     drop(s);
-    assert!(up.saw_disconnect_within(2 * SECOND).await, "upstream kept working after the client left");
-    assert_eq!(wait_metric(gw.addr, "kvroute_worker_inflight{worker=\"w0\"}", 0.0, 2 * SECOND).await, Some(0.0));
+    assert!(
+        up.saw_disconnect_within(2 * SECOND).await,
+        "upstream kept working after the client left"
+    );
+    assert_eq!(
+        wait_metric(
+            gw.addr,
+            "kvroute_worker_inflight{worker=\"w0\"}",
+            0.0,
+            2 * SECOND
+        )
+        .await,
+        Some(0.0)
+    );
     let m = metrics_text(gw.addr).await;
-    assert_eq!(metric(&m, "kvroute_client_disconnects_total{phase=\"waiting\"}"), Some(1.0));
+    assert_eq!(
+        metric(&m, "kvroute_client_disconnects_total{phase=\"waiting\"}"),
+        Some(1.0)
+    );
 }
 
 #[tokio::test]
@@ -104,11 +166,20 @@ async fn finished_requests_are_not_counted_as_disconnects() {
     let up = upstream("w0", &[]).await;
     let gw = gateway(config_for(&[&up], "prefix")).await;
     for stream in [true, false] {
-        let r = request(gw.addr, "POST", "/v1/completions", &body(json!({"prompt": "x", "stream": stream}))).await;
+        let r = request(
+            gw.addr,
+            "POST",
+            "/v1/completions",
+            &body(json!({"prompt": "x", "stream": stream})),
+        )
+        .await;
         assert_eq!(r.status, 200);
     }
     let m = metrics_text(gw.addr).await;
-    assert_eq!(metric(&m, "kvroute_worker_inflight{worker=\"w0\"}"), Some(0.0));
+    assert_eq!(
+        metric(&m, "kvroute_worker_inflight{worker=\"w0\"}"),
+        Some(0.0)
+    );
     assert!(!m.contains("kvroute_client_disconnects_total{"), "{m}");
     assert_eq!(metric(&m, "kvroute_requests_total{policy=\"prefix\",route=\"completions\",status=\"200\",worker=\"w0\"}"), Some(2.0));
 }
@@ -121,39 +192,69 @@ async fn served_by(addr: std::net::SocketAddr, path: &str, v: serde_json::Value)
 
 #[tokio::test]
 async fn round_robin_spreads_evenly() {
-    let ups = [upstream("a", &[]).await, upstream("b", &[]).await, upstream("c", &[]).await];
+    let ups = [
+        upstream("a", &[]).await,
+        upstream("b", &[]).await,
+        upstream("c", &[]).await,
+    ];
     let gw = gateway(config_for(&[&ups[0], &ups[1], &ups[2]], "round_robin")).await;
     let mut counts: HashMap<String, usize> = HashMap::new();
     for _ in 0..30 {
-        *counts.entry(served_by(gw.addr, "/v1/completions", json!({"prompt": "same prompt"})).await).or_default() += 1;
+        *counts
+            .entry(served_by(gw.addr, "/v1/completions", json!({"prompt": "same prompt"})).await)
+            .or_default() += 1;
     }
-    assert_eq!(counts, HashMap::from([("a".into(), 10), ("b".into(), 10), ("c".into(), 10)]));
+    assert_eq!(
+        counts,
+        HashMap::from([("a".into(), 10), ("b".into(), 10), ("c".into(), 10)])
+    );
 }
 
 #[tokio::test]
 async fn prefix_is_sticky_per_key_and_spreads_across_keys() {
-    let ups = [upstream("a", &[]).await, upstream("b", &[]).await, upstream("c", &[]).await];
+    let ups = [
+        upstream("a", &[]).await,
+        upstream("b", &[]).await,
+        upstream("c", &[]).await,
+    ];
     let gw = gateway(config_for(&[&ups[0], &ups[1], &ups[2]], "prefix")).await;
     let mut placement: HashMap<usize, String> = HashMap::new();
     for round in 0..3 {
         for conv in 0..30 {
-            let system = format!("You are assistant number {conv}. {}", "Follow the house style. ".repeat(60));
+            let system = format!(
+                "You are assistant number {conv}. {}",
+                "Follow the house style. ".repeat(60)
+            );
             let chat = json!({"model": "m", "messages": [
                 {"role": "system", "content": system},
                 {"role": "user", "content": format!("question {round}")}]});
             let w = served_by(gw.addr, "/v1/chat/completions", chat).await;
-            assert_eq!(placement.entry(conv).or_insert_with(|| w.clone()), &w, "conversation {conv} moved");
+            assert_eq!(
+                placement.entry(conv).or_insert_with(|| w.clone()),
+                &w,
+                "conversation {conv} moved"
+            );
         }
     }
     let used: std::collections::HashSet<_> = placement.values().collect();
     assert_eq!(used.len(), 3, "30 prefixes all landed on {used:?}");
     let m = metrics_text(gw.addr).await;
-    assert_eq!(metric(&m, "kvroute_routing_decisions_total{outcome=\"preferred\",policy=\"prefix\"}"), Some(90.0));
+    assert_eq!(
+        metric(
+            &m,
+            "kvroute_routing_decisions_total{outcome=\"preferred\",policy=\"prefix\"}"
+        ),
+        Some(90.0)
+    );
 }
 
 #[tokio::test]
 async fn least_conn_follows_load() {
-    let ups = [upstream("a", &[]).await, upstream("b", &[]).await, upstream("c", &[]).await];
+    let ups = [
+        upstream("a", &[]).await,
+        upstream("b", &[]).await,
+        upstream("c", &[]).await,
+    ];
     let gw = gateway(config_for(&[&ups[0], &ups[1], &ups[2]], "least_conn")).await;
     // Three long streams held open: each must land on a different, idle worker.
     let long = body(json!({"prompt": "p", "stream": true, "max_tokens": 1000, "delay_ms": 50}));
@@ -162,7 +263,10 @@ async fn least_conn_follows_load() {
     for _ in 0..3 {
         let mut s = send(gw.addr, "POST", "/v1/completions", &long).await;
         let head = read_until(&mut s, b"tok0", 5 * SECOND).await;
-        let w = parse_response(&head).header("x-kvroute-worker").unwrap().to_owned();
+        let w = parse_response(&head)
+            .header("x-kvroute-worker")
+            .unwrap()
+            .to_owned();
         workers.insert(w);
         held.push(s);
     }
@@ -170,7 +274,12 @@ async fn least_conn_follows_load() {
     // Release the stream on one worker: the next request goes there.
     let freed = held.remove(1);
     drop(freed);
-    let loads_zero = |m: &str| ["a", "b", "c"].iter().find(|w| metric(m, &format!("kvroute_worker_inflight{{worker=\"{w}\"}}")) == Some(0.0)).map(|w| w.to_string());
+    let loads_zero = |m: &str| {
+        ["a", "b", "c"]
+            .iter()
+            .find(|w| metric(m, &format!("kvroute_worker_inflight{{worker=\"{w}\"}}")) == Some(0.0))
+            .map(|w| w.to_string())
+    };
     let mut idle = None;
     for _ in 0..200 {
         idle = loads_zero(&metrics_text(gw.addr).await);
@@ -180,7 +289,10 @@ async fn least_conn_follows_load() {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     let idle = idle.expect("a worker became idle");
-    assert_eq!(served_by(gw.addr, "/v1/completions", json!({"prompt": "q"})).await, idle);
+    assert_eq!(
+        served_by(gw.addr, "/v1/completions", json!({"prompt": "q"})).await,
+        idle
+    );
 }
 
 #[tokio::test]
@@ -192,19 +304,40 @@ async fn bad_requests_get_openai_style_errors() {
     let cases: [(&str, &str, Vec<u8>, u16); 6] = [
         ("POST", "/v1/completions", b"{not json".to_vec(), 400),
         ("POST", "/v1/completions", body(json!({"model": "m"})), 400),
-        ("POST", "/v1/chat/completions", body(json!({"messages": "hi"})), 400),
-        ("POST", "/v1/completions", body(json!({"prompt": "x".repeat(2000)})), 413),
+        (
+            "POST",
+            "/v1/chat/completions",
+            body(json!({"messages": "hi"})),
+            400,
+        ),
+        (
+            "POST",
+            "/v1/completions",
+            body(json!({"prompt": "x".repeat(2000)})),
+            413,
+        ),
         ("GET", "/nope", Vec::new(), 404),
         ("GET", "/v1/completions", Vec::new(), 405),
     ];
     for (method, path, b, status) in cases {
         let r = request(gw.addr, method, path, &b).await;
-        assert_eq!(r.status, status, "{method} {path}: {}", String::from_utf8_lossy(&r.body));
+        assert_eq!(
+            r.status,
+            status,
+            "{method} {path}: {}",
+            String::from_utf8_lossy(&r.body)
+        );
         let v = r.json();
         assert_eq!(v["error"]["code"], status, "{v}");
-        assert!(v["error"]["message"].as_str().is_some_and(|m| !m.is_empty()));
+        assert!(v["error"]["message"]
+            .as_str()
+            .is_some_and(|m| !m.is_empty()));
     }
-    assert_eq!(up.requests.load(std::sync::atomic::Ordering::SeqCst), 0, "bad requests reached the worker");
+    assert_eq!(
+        up.requests.load(std::sync::atomic::Ordering::SeqCst),
+        0,
+        "bad requests reached the worker"
+    );
 }
 
 #[tokio::test]
@@ -213,10 +346,22 @@ async fn unknown_model_is_404_when_workers_list_their_models() {
     let mut cfg = config_for(&[&up], "prefix");
     cfg.workers[0].models = vec!["llama".into()];
     let gw = gateway(cfg).await;
-    let r = request(gw.addr, "POST", "/v1/completions", &body(json!({"model": "qwen", "prompt": "x"}))).await;
+    let r = request(
+        gw.addr,
+        "POST",
+        "/v1/completions",
+        &body(json!({"model": "qwen", "prompt": "x"})),
+    )
+    .await;
     assert_eq!(r.status, 404);
     assert_eq!(r.json()["error"]["param"], "model");
-    let ok = request(gw.addr, "POST", "/v1/completions", &body(json!({"model": "llama", "prompt": "x"}))).await;
+    let ok = request(
+        gw.addr,
+        "POST",
+        "/v1/completions",
+        &body(json!({"model": "llama", "prompt": "x"})),
+    )
+    .await;
     assert_eq!(ok.status, 200);
 }
 
@@ -231,7 +376,10 @@ async fn refused_connections_retry_on_another_worker() {
     let up = upstream("live", &[]).await;
     let cfg = Config {
         workers: vec![
-            WorkerConfig { name: Some("dead".into()), ..WorkerConfig::from_url(dead_url().await) },
+            WorkerConfig {
+                name: Some("dead".into()),
+                ..WorkerConfig::from_url(dead_url().await)
+            },
             up.worker_config(),
         ],
         policy: PolicyConfig::RoundRobin,
@@ -239,23 +387,48 @@ async fn refused_connections_retry_on_another_worker() {
     };
     let gw = gateway(cfg).await;
     for _ in 0..4 {
-        assert_eq!(served_by(gw.addr, "/v1/completions", json!({"prompt": "x"})).await, "live");
+        assert_eq!(
+            served_by(gw.addr, "/v1/completions", json!({"prompt": "x"})).await,
+            "live"
+        );
     }
     let m = metrics_text(gw.addr).await;
-    assert_eq!(metric(&m, "kvroute_upstream_errors_total{kind=\"connect\",worker=\"dead\"}"), Some(1.0), "ejected after one refusal");
+    assert_eq!(
+        metric(
+            &m,
+            "kvroute_upstream_errors_total{kind=\"connect\",worker=\"dead\"}"
+        ),
+        Some(1.0),
+        "ejected after one refusal"
+    );
 }
 
 #[tokio::test]
 async fn all_workers_refusing_gives_502_then_503() {
     let cfg = Config {
-        workers: vec![WorkerConfig::from_url(dead_url().await), WorkerConfig::from_url(dead_url().await)],
+        workers: vec![
+            WorkerConfig::from_url(dead_url().await),
+            WorkerConfig::from_url(dead_url().await),
+        ],
         ..Config::default()
     };
     let gw = gateway(cfg).await;
-    let first = request(gw.addr, "POST", "/v1/completions", &body(json!({"prompt": "x"}))).await;
+    let first = request(
+        gw.addr,
+        "POST",
+        "/v1/completions",
+        &body(json!({"prompt": "x"})),
+    )
+    .await;
     assert_eq!(first.status, 502);
     assert_eq!(first.json()["error"]["code"], 502);
-    let then = request(gw.addr, "POST", "/v1/completions", &body(json!({"prompt": "x"}))).await;
+    let then = request(
+        gw.addr,
+        "POST",
+        "/v1/completions",
+        &body(json!({"prompt": "x"})),
+    )
+    .await;
     assert_eq!(then.status, 503);
     assert_eq!(request(gw.addr, "GET", "/ready", b"").await.status, 503);
     assert_eq!(request(gw.addr, "GET", "/health", b"").await.status, 200);
@@ -267,11 +440,23 @@ async fn slow_worker_gives_504() {
     let mut cfg = config_for(&[&up], "prefix");
     cfg.timeouts.first_byte_seconds = 0.2;
     let gw = gateway(cfg).await;
-    let r = request(gw.addr, "POST", "/v1/completions", &body(json!({"prompt": "x", "delay_ms": 5000}))).await;
+    let r = request(
+        gw.addr,
+        "POST",
+        "/v1/completions",
+        &body(json!({"prompt": "x", "delay_ms": 5000})),
+    )
+    .await;
     assert_eq!(r.status, 504);
     assert_eq!(r.json()["error"]["code"], 504);
     let m = metrics_text(gw.addr).await;
-    assert_eq!(metric(&m, "kvroute_upstream_errors_total{kind=\"timeout\",worker=\"w0\"}"), Some(1.0));
+    assert_eq!(
+        metric(
+            &m,
+            "kvroute_upstream_errors_total{kind=\"timeout\",worker=\"w0\"}"
+        ),
+        Some(1.0)
+    );
 }
 
 #[tokio::test]
@@ -280,9 +465,21 @@ async fn saturated_pool_gives_429() {
     let mut cfg = config_for(&[&up], "prefix");
     cfg.max_inflight_per_worker = 1;
     let gw = gateway(cfg).await;
-    let mut held = send(gw.addr, "POST", "/v1/completions", &body(json!({"prompt": "a", "stream": true, "max_tokens": 1000, "delay_ms": 50}))).await;
+    let mut held = send(
+        gw.addr,
+        "POST",
+        "/v1/completions",
+        &body(json!({"prompt": "a", "stream": true, "max_tokens": 1000, "delay_ms": 50})),
+    )
+    .await;
     read_until(&mut held, b"tok0", 5 * SECOND).await;
-    let r = request(gw.addr, "POST", "/v1/completions", &body(json!({"prompt": "b"}))).await;
+    let r = request(
+        gw.addr,
+        "POST",
+        "/v1/completions",
+        &body(json!({"prompt": "b"})),
+    )
+    .await;
     assert_eq!(r.status, 429);
     assert_eq!(r.header("retry-after"), Some("1"));
 }
@@ -294,7 +491,12 @@ async fn models_are_merged_without_duplicates() {
     let gw = gateway(config_for(&[&a, &b], "prefix")).await;
     let r = request(gw.addr, "GET", "/v1/models", b"").await;
     assert_eq!(r.status, 200);
-    let mut ids: Vec<String> = r.json()["data"].as_array().unwrap().iter().map(|m| m["id"].as_str().unwrap().to_owned()).collect();
+    let mut ids: Vec<String> = r.json()["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["id"].as_str().unwrap().to_owned())
+        .collect();
     ids.sort();
     assert_eq!(ids, ["m1", "m2", "m3"]);
 }
@@ -303,7 +505,13 @@ async fn models_are_merged_without_duplicates() {
 async fn other_v1_paths_pass_through() {
     let up = upstream("w0", &[]).await;
     let gw = gateway(config_for(&[&up], "prefix")).await;
-    let r = request(gw.addr, "POST", "/v1/embeddings?x=1", &body(json!({"input": "hi"}))).await;
+    let r = request(
+        gw.addr,
+        "POST",
+        "/v1/embeddings?x=1",
+        &body(json!({"input": "hi"})),
+    )
+    .await;
     assert_eq!(r.status, 200);
     assert_eq!(r.json()["path"], "/v1/embeddings");
     assert_eq!(r.header("x-kvroute-worker"), Some("w0"));
@@ -313,9 +521,18 @@ async fn other_v1_paths_pass_through() {
 async fn metrics_exposition_lists_every_metric() {
     let up = upstream("w0", &[]).await;
     let gw = gateway(config_for(&[&up], "prefix")).await;
-    request(gw.addr, "POST", "/v1/completions", &body(json!({"prompt": "x", "stream": true}))).await;
+    request(
+        gw.addr,
+        "POST",
+        "/v1/completions",
+        &body(json!({"prompt": "x", "stream": true})),
+    )
+    .await;
     let r = request(gw.addr, "GET", "/metrics", b"").await;
-    assert!(r.header("content-type").unwrap().starts_with("text/plain; version=0.0.4"));
+    assert!(r
+        .header("content-type")
+        .unwrap()
+        .starts_with("text/plain; version=0.0.4"));
     let text = String::from_utf8(r.body).unwrap();
     for name in [
         "kvroute_requests_total",
@@ -324,16 +541,31 @@ async fn metrics_exposition_lists_every_metric() {
         "kvroute_time_to_first_byte_seconds_bucket",
         "kvroute_request_duration_seconds_count",
     ] {
-        assert!(text.contains(&format!("{name}{{")), "{name} missing from:\n{text}");
+        assert!(
+            text.contains(&format!("{name}{{")),
+            "{name} missing from:\n{text}"
+        );
     }
-    assert_eq!(metric(&text, "kvroute_time_to_first_byte_seconds_count{policy=\"prefix\",worker=\"w0\"}"), Some(1.0));
+    assert_eq!(
+        metric(
+            &text,
+            "kvroute_time_to_first_byte_seconds_count{policy=\"prefix\",worker=\"w0\"}"
+        ),
+        Some(1.0)
+    );
 }
 
 #[tokio::test]
 async fn shutdown_lets_an_in_flight_stream_finish() {
     let up = upstream("w0", &[]).await;
     let gw = gateway(config_for(&[&up], "prefix")).await;
-    let mut s = send(gw.addr, "POST", "/v1/completions", &body(json!({"prompt": "p", "stream": true, "max_tokens": 5, "gate": true}))).await;
+    let mut s = send(
+        gw.addr,
+        "POST",
+        "/v1/completions",
+        &body(json!({"prompt": "p", "stream": true, "max_tokens": 5, "gate": true})),
+    )
+    .await;
     read_until(&mut s, b"tok0", 5 * SECOND).await;
     gw.shutdown.cancel();
     // New connections are refused once the listener is closed.
@@ -348,6 +580,13 @@ async fn shutdown_lets_an_in_flight_stream_finish() {
     assert!(refused, "still accepting after shutdown");
     up.gate.notify_one();
     let rest = read_until(&mut s, b"[DONE]", 5 * SECOND).await;
-    assert!(String::from_utf8_lossy(&rest).contains("tok4"), "stream cut at shutdown");
-    tokio::time::timeout(5 * SECOND, gw.task).await.unwrap().unwrap().unwrap();
+    assert!(
+        String::from_utf8_lossy(&rest).contains("tok4"),
+        "stream cut at shutdown"
+    );
+    tokio::time::timeout(5 * SECOND, gw.task)
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
 }

@@ -41,7 +41,10 @@ mod tests {
     fn follows_load() {
         let ws = test_workers(3);
         let lc = LeastConn::default();
-        let _busy: Vec<_> = (0..3).map(|_| ws[0].acquire()).chain((0..1).map(|_| ws[2].acquire())).collect();
+        let _busy: Vec<_> = (0..3)
+            .map(|_| ws[0].acquire())
+            .chain((0..1).map(|_| ws[2].acquire()))
+            .collect();
         assert_eq!(lc.select(&ws, &RequestInfo::unkeyed()).unwrap().index, 1);
         // Holding each pick levels the loads: from 3,0,1 five more picks make 3,3,3.
         let mut held = Vec::new();
@@ -57,8 +60,9 @@ mod tests {
     fn ties_rotate() {
         let ws = test_workers(4);
         let lc = LeastConn::default();
-        let picks: std::collections::HashSet<_> =
-            (0..4).map(|_| lc.select(&ws, &RequestInfo::unkeyed()).unwrap().index).collect();
+        let picks: std::collections::HashSet<_> = (0..4)
+            .map(|_| lc.select(&ws, &RequestInfo::unkeyed()).unwrap().index)
+            .collect();
         assert_eq!(picks.len(), 4);
     }
 }

@@ -139,7 +139,10 @@ mod tests {
             *per_worker.entry(first).or_default() += 1;
         }
         assert_eq!(per_worker.len(), 4);
-        assert!(per_worker.values().all(|&c| (800..1200).contains(&c)), "{per_worker:?}");
+        assert!(
+            per_worker.values().all(|&c| (800..1200).contains(&c)),
+            "{per_worker:?}"
+        );
     }
 
     #[tokio::test(start_paused = true)]
@@ -152,7 +155,12 @@ mod tests {
         let second = p.select(&ws, &key(k)).unwrap();
         assert_eq!(second.outcome, Outcome::Spilled);
         // The next in hash order is what the pool without the ejected worker would prefer.
-        let without: Vec<_> = ws.iter().enumerate().filter(|&(i, _)| i != first).map(|(_, w)| w.clone()).collect();
+        let without: Vec<_> = ws
+            .iter()
+            .enumerate()
+            .filter(|&(i, _)| i != first)
+            .map(|(_, w)| w.clone())
+            .collect();
         assert_eq!(ws[second.index].name, pick(&p, &without, k));
     }
 

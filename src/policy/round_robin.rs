@@ -28,10 +28,17 @@ impl Policy for RoundRobin {
             return None;
         }
         let start = self.next.fetch_add(1, Ordering::Relaxed) % n;
-        (0..n).map(|k| (start + k) % n).find(|&i| workers[i].is_usable()).map(|index| Selection {
-            index,
-            outcome: if index == start { Outcome::Preferred } else { Outcome::Spilled },
-        })
+        (0..n)
+            .map(|k| (start + k) % n)
+            .find(|&i| workers[i].is_usable())
+            .map(|index| Selection {
+                index,
+                outcome: if index == start {
+                    Outcome::Preferred
+                } else {
+                    Outcome::Spilled
+                },
+            })
     }
 }
 
@@ -57,7 +64,9 @@ mod tests {
         let ws = test_workers(3);
         ws[1].eject_for(Duration::from_secs(10));
         let rr = RoundRobin::default();
-        let picks: Vec<_> = (0..6).map(|_| rr.select(&ws, &RequestInfo::unkeyed()).unwrap()).collect();
+        let picks: Vec<_> = (0..6)
+            .map(|_| rr.select(&ws, &RequestInfo::unkeyed()).unwrap())
+            .collect();
         assert!(picks.iter().all(|s| s.index != 1));
         assert_eq!(picks[1].outcome, Outcome::Spilled);
         for w in &ws {

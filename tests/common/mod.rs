@@ -81,7 +81,10 @@ pub async fn upstream(name: &str, models: &[&str]) -> Upstream {
     let stop = CancellationToken::new();
     let token = stop.clone();
     tokio::spawn(async move {
-        axum::serve(listener, app).with_graceful_shutdown(token.cancelled_owned()).await.unwrap();
+        axum::serve(listener, app)
+            .with_graceful_shutdown(token.cancelled_owned())
+            .await
+            .unwrap();
     });
     Upstream {
         addr,
@@ -94,14 +97,20 @@ pub async fn upstream(name: &str, models: &[&str]) -> Upstream {
 }
 
 async fn models_handler(State(s): State<UpState>) -> Json<serde_json::Value> {
-    let data: Vec<_> = s.models.iter().map(|m| serde_json::json!({"id": m, "object": "model"})).collect();
+    let data: Vec<_> = s
+        .models
+        .iter()
+        .map(|m| serde_json::json!({"id": m, "object": "model"}))
+        .collect();
     Json(serde_json::json!({"object": "list", "data": data}))
 }
 
 async fn generate(State(s): State<UpState>, req: Request) -> Response {
     s.requests.fetch_add(1, Ordering::SeqCst);
     let path = req.uri().path().to_owned();
-    let bytes = axum::body::to_bytes(req.into_body(), 1 << 24).await.unwrap();
+    let bytes = axum::body::to_bytes(req.into_body(), 1 << 24)
+        .await
+        .unwrap();
     let v: serde_json::Value = serde_json::from_slice(&bytes).unwrap_or_default();
     let n = v["max_tokens"].as_u64().unwrap_or(3) as usize;
     let delay = Duration::from_millis(v["delay_ms"].as_u64().unwrap_or(0));
@@ -112,12 +121,22 @@ async fn generate(State(s): State<UpState>, req: Request) -> Response {
         tokio::time::sleep(delay).await;
         alarm.0 = None;
         let text: String = (0..n).map(|i| event_text(&prompt, i)).collect();
-        return ([("x-upstream", s.name.clone())], Json(serde_json::json!({"text": text, "path": path, "worker": s.name})))
+        return (
+            [("x-upstream", s.name.clone())],
+            Json(serde_json::json!({"text": text, "path": path, "worker": s.name})),
+        )
             .into_response();
     }
     let gate = s.gate.clone();
     let stream = async_stream(n, delay, prompt, gated, gate, alarm);
-    ([("content-type", "text/event-stream"), ("x-upstream", s.name.as_str())], Body::from_stream(stream)).into_response()
+    (
+        [
+            ("content-type", "text/event-stream"),
+            ("x-upstream", s.name.as_str()),
+        ],
+        Body::from_stream(stream),
+    )
+        .into_response()
 }
 
 fn async_stream(
@@ -145,7 +164,10 @@ fn async_stream(
                 alarm.0 = None;
                 "data: [DONE]\n\n".to_string()
             } else {
-                format!("data: {{\"choices\":[{{\"index\":0,\"text\":\"{}\"}}]}}\n\n", event_text(&prompt, i))
+                format!(
+                    "data: {{\"choices\":[{{\"index\":0,\"text\":\"{}\"}}]}}\n\n",
+                    event_text(&prompt, i)
+                )
             };
             Some((Ok(Bytes::from(chunk)), (i + 1, alarm)))
         }
@@ -167,7 +189,10 @@ impl Upstream {
 
     /// Waits (bounded) for the upstream to see one abandoned request.
     pub async fn saw_disconnect_within(&mut self, limit: Duration) -> bool {
-        matches!(tokio::time::timeout(limit, self.disconnects.recv()).await, Ok(Some(())))
+        matches!(
+            tokio::time::timeout(limit, self.disconnects.recv()).await,
+            Ok(Some(()))
+        )
     }
 }
 
@@ -183,7 +208,11 @@ pub async fn gateway(config: Config) -> Gateway {
     let addr = listener.local_addr().unwrap();
     let shutdown = CancellationToken::new();
     let task = tokio::spawn(kvroute::server::serve(listener, config, shutdown.clone()));
-    Gateway { addr, shutdown, task }
+    Gateway {
+        addr,
+        shutdown,
+        task,
+    }
 }
 
 pub fn config_for(workers: &[&Upstream], policy: &str) -> Config {
@@ -207,10 +236,14 @@ pub struct RawResponse {
 
 impl RawResponse {
     pub fn header(&self, name: &str) -> Option<&str> {
-        self.headers.iter().find(|(k, _)| k.eq_ignore_ascii_case(name)).map(|(_, v)| v.as_str())
+        self.headers
+            .iter()
+            .find(|(k, _)| k.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.as_str())
     }
     pub fn json(&self) -> serde_json::Value {
-        serde_json::from_slice(&self.body).unwrap_or_else(|e| panic!("not JSON ({e}): {}", String::from_utf8_lossy(&self.body)))
+        serde_json::from_slice(&self.body)
+            .unwrap_or_else(|e| panic!("not JSON ({e}): {}", String::from_utf8_lossy(&self.body)))
     }
 }
 
@@ -258,26 +291,43 @@ pub async fn request(addr: SocketAddr, method: &str, path: &str, body: &[u8]) ->
 }
 
 pub fn parse_response(raw: &[u8]) -> RawResponse {
-    let split = raw.windows(4).position(|w| w == b"\r\n\r\n").expect("a response head");
+    let split = raw
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .expect("a response head");
     let head = String::from_utf8_lossy(&raw[..split]).to_string();
     let mut lines = head.split("\r\n");
-    let status = lines.next().unwrap().split(' ').nth(1).unwrap().parse().unwrap();
+    let status = lines
+        .next()
+        .unwrap()
+        .split(' ')
+        .nth(1)
+        .unwrap()
+        .parse()
+        .unwrap();
     let headers: Vec<(String, String)> = lines
         .filter_map(|l| l.split_once(':'))
         .map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_owned()))
         .collect();
     let mut body = raw[split + 4..].to_vec();
-    if headers.iter().any(|(k, v)| k == "transfer-encoding" && v.contains("chunked")) {
+    if headers
+        .iter()
+        .any(|(k, v)| k == "transfer-encoding" && v.contains("chunked"))
+    {
         body = dechunk(&body);
     }
-    RawResponse { status, headers, body }
+    RawResponse {
+        status,
+        headers,
+        body,
+    }
 }
 
 fn dechunk(mut data: &[u8]) -> Vec<u8> {
     let mut out = Vec::new();
-    loop {
-        let Some(eol) = data.windows(2).position(|w| w == b"\r\n") else { break };
-        let size = usize::from_str_radix(std::str::from_utf8(&data[..eol]).unwrap().trim(), 16).unwrap();
+    while let Some(eol) = data.windows(2).position(|w| w == b"\r\n") {
+        let size =
+            usize::from_str_radix(std::str::from_utf8(&data[..eol]).unwrap().trim(), 16).unwrap();
         if size == 0 {
             break;
         }
@@ -300,7 +350,12 @@ pub async fn metrics_text(addr: SocketAddr) -> String {
 }
 
 /// Polls `/metrics` until `series` equals `want` (bounded); returns the last value seen.
-pub async fn wait_metric(addr: SocketAddr, series: &str, want: f64, limit: Duration) -> Option<f64> {
+pub async fn wait_metric(
+    addr: SocketAddr,
+    series: &str,
+    want: f64,
+    limit: Duration,
+) -> Option<f64> {
     let deadline = tokio::time::Instant::now() + limit;
     loop {
         let v = metric(&metrics_text(addr).await, series);
