@@ -7,6 +7,7 @@
 //! in [`metrics`]; every default in [`config`].
 #![forbid(unsafe_code)]
 
+pub mod cli;
 pub mod config;
 pub mod error;
 pub mod metrics;
@@ -15,4 +16,5 @@ pub mod proxy;
 pub mod routes;
 pub mod routing_key;
 pub mod server;
+pub mod sim;
 pub mod workers;

@@ -1,0 +1,282 @@
+//! The `kvroute` command line: `serve`, `sim` and `demo`, each a thin call into the library.
+
+use std::{net::SocketAddr, path::PathBuf, process::ExitCode};
+
+use clap::{Args, Parser, Subcommand};
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+
+use crate::config::{Config, Overrides, POLICY_ENV};
+use crate::sim::{self, presets, SimConfig};
+
+#[derive(Parser)]
+#[command(
+    name = "kvroute",
+    version,
+    about = "Prefix-aware routing gateway for vLLM pools"
+)]
+pub struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run the gateway.
+    Serve {
+        /// YAML config file.
+        #[arg(long)]
+        config: Option<PathBuf>,
+        /// Validate the config and exit.
+        #[arg(long)]
+        check: bool,
+        /// Listen address (overrides the file).
+        #[arg(long)]
+        listen: Option<SocketAddr>,
+        /// Worker base URL, repeatable (replaces the file's list).
+        #[arg(long = "worker")]
+        workers: Vec<String>,
+        /// Routing policy: round_robin, least_conn or prefix (overrides the file).
+        #[arg(long, env = POLICY_ENV)]
+        policy: Option<String>,
+    },
+    /// Run simulated vLLM workers; prints one URL a line once they accept connections.
+    Sim(SimArgs),
+    /// Run simulated workers and the gateway in front of them, in one process.
+    Demo {
+        #[command(flatten)]
+        sim: SimArgs,
+        /// Gateway listen address.
+        #[arg(long, default_value = "127.0.0.1:8080")]
+        listen: SocketAddr,
+        /// Routing policy for the gateway.
+        #[arg(long, env = POLICY_ENV, default_value = "prefix")]
+        policy: String,
+    },
+}
+
+#[derive(Args)]
+struct SimArgs {
+    /// YAML file with any of the simulator settings; flags override it.
+    #[arg(long = "sim-config")]
+    config: Option<PathBuf>,
+    /// Number of workers.
+    #[arg(long)]
+    workers: Option<usize>,
+    /// First port (worker i gets port + i); 0 picks free ports.
+    #[arg(long)]
+    port: Option<u16>,
+    /// Engine preset (see --list-presets).
+    #[arg(long)]
+    preset: Option<String>,
+    /// Run modelled time this many times faster than the wall clock.
+    #[arg(long)]
+    time_scale: Option<f64>,
+    /// Keep generating after a client disconnects (models a server that does not abort).
+    #[arg(long)]
+    no_abort_on_disconnect: bool,
+    /// Fault: share of requests answered 500.
+    #[arg(long)]
+    error_rate: Option<f64>,
+    /// Fault: delay before a request is looked at.
+    #[arg(long)]
+    added_latency_ms: Option<u64>,
+    /// Fault: never answer.
+    #[arg(long)]
+    hang: bool,
+    /// Fault: drop the connection after this many streamed tokens.
+    #[arg(long)]
+    drop_after_tokens: Option<usize>,
+    /// Apply the faults to this worker only.
+    #[arg(long)]
+    fault_worker: Option<usize>,
+    /// List the presets and exit.
+    #[arg(long)]
+    list_presets: bool,
+}
+
+impl SimArgs {
+    fn resolve(self, demo: bool) -> Result<SimConfig, sim::SimError> {
+        let mut c = match &self.config {
+            Some(p) => SimConfig::from_file(p)?,
+            None if demo => SimConfig {
+                port: 0,
+                ..SimConfig::default()
+            },
+            None => SimConfig::default(),
+        };
+        c.workers = self.workers.unwrap_or(c.workers);
+        c.port = self.port.unwrap_or(c.port);
+        c.preset = self.preset.unwrap_or(c.preset);
+        c.time_scale = self.time_scale.unwrap_or(c.time_scale);
+        c.abort_on_disconnect &= !self.no_abort_on_disconnect;
+        c.faults.error_rate = self.error_rate.unwrap_or(c.faults.error_rate);
+        c.faults.added_latency_ms = self.added_latency_ms.unwrap_or(c.faults.added_latency_ms);
+        c.faults.hang |= self.hang;
+        c.faults.drop_after_tokens = self.drop_after_tokens.or(c.faults.drop_after_tokens);
+        c.fault_worker = self.fault_worker.or(c.fault_worker);
+        c.validate()?;
+        Ok(c)
+    }
+}
+
+pub fn main() -> ExitCode {
+    match Cli::parse().command {
+        Command::Serve {
+            config,
+            check,
+            listen,
+            workers,
+            policy,
+        } => {
+            let overrides = Overrides {
+                listen,
+                workers,
+                policy,
+            };
+            let config = match Config::load(config.as_deref(), overrides) {
+                Ok(c) => c,
+                Err(e) => return usage_error(e),
+            };
+            if check {
+                println!(
+                    "config ok: policy {}, {} worker(s)",
+                    config.policy.name(),
+                    config.workers.len()
+                );
+                return ExitCode::SUCCESS;
+            }
+            run(async move {
+                let listener = tokio::net::TcpListener::bind(config.listen).await?;
+                let shutdown = shutdown_token();
+                crate::server::serve(listener, config, shutdown).await
+            })
+        }
+        Command::Sim(args) => {
+            if args.list_presets {
+                list_presets();
+                return ExitCode::SUCCESS;
+            }
+            let cfg = match args.resolve(false) {
+                Ok(c) => c,
+                Err(e) => return usage_error(e),
+            };
+            run(async move {
+                let shutdown = shutdown_token();
+                let mut tasks = JoinSet::new();
+                let addrs = sim::spawn(&cfg, cfg.bind().await.map_err(io)?, &shutdown, &mut tasks)
+                    .map_err(io)?;
+                for a in &addrs {
+                    println!("http://{a}");
+                }
+                tasks.join_all().await;
+                Ok(())
+            })
+        }
+        Command::Demo {
+            sim: args,
+            listen,
+            policy,
+        } => {
+            let cfg = match args.resolve(true) {
+                Ok(c) => c,
+                Err(e) => return usage_error(e),
+            };
+            run(demo(cfg, listen, policy))
+        }
+    }
+}
+
+/// N simulated workers and the gateway in front of them.
+async fn demo(cfg: SimConfig, listen: SocketAddr, policy: String) -> std::io::Result<()> {
+    let shutdown = shutdown_token();
+    let mut tasks = JoinSet::new();
+    let addrs =
+        sim::spawn(&cfg, cfg.bind().await.map_err(io)?, &shutdown, &mut tasks).map_err(io)?;
+    let overrides = Overrides {
+        listen: Some(listen),
+        workers: addrs.iter().map(|a| format!("http://{a}")).collect(),
+        policy: Some(policy),
+    };
+    let config = Config::default().with_overrides(overrides).map_err(io)?;
+    let listener = tokio::net::TcpListener::bind(config.listen).await?;
+    let url = format!("http://{}", listener.local_addr()?);
+    let model = cfg.engine_params().map_err(io)?.model;
+    println!(
+        "kvroute {url} (policy {}) in front of {} simulated worker(s), preset {}:",
+        config.policy.name(),
+        addrs.len(),
+        cfg.preset
+    );
+    for a in &addrs {
+        println!("  worker http://{a}");
+    }
+    println!("\nTry a streaming chat request:\n");
+    println!(
+        "curl -N {url}/v1/chat/completions -H 'Content-Type: application/json' -d \
+         '{{\"model\": \"{model}\", \"stream\": true, \"max_tokens\": 32, \"messages\": \
+         [{{\"role\": \"system\", \"content\": \"You are a helpful assistant.\"}}, \
+         {{\"role\": \"user\", \"content\": \"Say hello.\"}}]}}'\n"
+    );
+    println!(
+        "Metrics: curl {url}/metrics   (workers: curl http://{}/metrics)",
+        addrs[0]
+    );
+    let served = crate::server::serve(listener, config, shutdown.clone()).await;
+    shutdown.cancel();
+    tasks.join_all().await;
+    served
+}
+
+fn list_presets() {
+    for p in presets::PRESETS {
+        let e = (p.params)();
+        println!(
+            "{}\n  {}\n  model {}, {} KV blocks x 16 tokens, max_num_seqs {}, step {} ms + {} ms/prompt token\n  source: {}\n",
+            p.name,
+            p.describes,
+            e.model,
+            e.num_gpu_blocks,
+            e.max_num_seqs,
+            e.cost.step_base_ms,
+            e.cost.prefill_ms_per_token,
+            p.source
+        );
+    }
+}
+
+fn io(e: impl std::fmt::Display) -> std::io::Error {
+    std::io::Error::other(e.to_string())
+}
+
+fn usage_error(e: impl std::fmt::Display) -> ExitCode {
+    eprintln!("kvroute: {e}");
+    ExitCode::from(2)
+}
+
+fn shutdown_token() -> CancellationToken {
+    let token = CancellationToken::new();
+    let t = token.clone();
+    tokio::spawn(async move {
+        crate::server::shutdown_signal().await;
+        t.cancel();
+    });
+    token
+}
+
+fn run(fut: impl std::future::Future<Output = std::io::Result<()>>) -> ExitCode {
+    let rt = match tokio::runtime::Runtime::new() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("kvroute: cannot start the runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match rt.block_on(fut) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("kvroute: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}

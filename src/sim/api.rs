@@ -1,0 +1,475 @@
+//! vLLM's HTTP API on top of one engine: completions and chat (streaming and not), models,
+//! tokenize/detokenize, health, load and metrics, plus the configured faults.
+//!
+//! Response shapes follow vLLM's OpenAI server: SSE events `data: {json}\n\n` ending with
+//! `data: [DONE]\n\n`; chat streams open with a `role` delta; the last content chunk carries
+//! `finish_reason`; `stream_options.include_usage` adds a final chunk with empty `choices` and the
+//! usage, `continuous_usage_stats` puts usage on every chunk. Usage always carries
+//! `prompt_tokens_details.cached_tokens`, as vLLM does with `--enable-prompt-tokens-details`.
+
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use axum::body::{Body, Bytes};
+use axum::extract::State;
+use axum::http::{header, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use futures_util::stream;
+use serde_json::{json, Value};
+use tokio::sync::mpsc;
+
+use super::engine::{splitmix, Event};
+use super::metrics::SimMetrics;
+use super::request::{self, Reject};
+use super::worker::EngineHandle;
+use super::{tokenizer, Faults};
+use crate::error::error_response;
+
+pub struct WorkerState {
+    pub engine: EngineHandle,
+    pub metrics: Arc<SimMetrics>,
+    pub model: String,
+    pub max_model_len: usize,
+    pub faults: Faults,
+    /// Seeds response ids and the fault dice; differs per worker.
+    pub seed: u64,
+    requests: AtomicU64,
+    in_flight: Arc<AtomicUsize>,
+}
+
+impl WorkerState {
+    pub fn new(
+        engine: EngineHandle,
+        metrics: Arc<SimMetrics>,
+        model: String,
+        max_model_len: usize,
+        faults: Faults,
+        seed: u64,
+    ) -> Self {
+        Self {
+            engine,
+            metrics,
+            model,
+            max_model_len,
+            faults,
+            seed,
+            requests: AtomicU64::new(0),
+            in_flight: Arc::new(AtomicUsize::new(0)),
+        }
+    }
+}
+
+pub fn router(state: Arc<WorkerState>) -> Router {
+    Router::new()
+        .route("/v1/completions", post(completions))
+        .route("/v1/chat/completions", post(chat))
+        .route("/v1/models", get(models))
+        .route("/tokenize", post(tokenize))
+        .route("/detokenize", post(detokenize))
+        .route("/health", get(health))
+        .route("/load", get(load))
+        .route("/metrics", get(metrics))
+        .fallback(not_found)
+        .with_state(state)
+}
+
+fn bad_request(msg: &str) -> Response {
+    error_response(StatusCode::BAD_REQUEST, "BadRequestError", msg, None)
+}
+
+fn reject(r: Reject) -> Response {
+    match r {
+        Reject::BadRequest(m) => bad_request(&m),
+        Reject::ModelNotFound(m) => {
+            error_response(StatusCode::NOT_FOUND, "NotFoundError", &m, Some("model"))
+        }
+    }
+}
+
+async fn not_found() -> Response {
+    error_response(StatusCode::NOT_FOUND, "NotFoundError", "Not Found", None)
+}
+
+async fn health(State(s): State<Arc<WorkerState>>) -> Response {
+    if s.faults.hang {
+        std::future::pending::<()>().await;
+    }
+    StatusCode::OK.into_response()
+}
+
+async fn load(State(s): State<Arc<WorkerState>>) -> Json<Value> {
+    Json(json!({"server_load": s.in_flight.load(Ordering::Relaxed)}))
+}
+
+async fn metrics(State(s): State<Arc<WorkerState>>) -> Response {
+    (
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        s.metrics.render(),
+    )
+        .into_response()
+}
+
+fn unix_now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+async fn models(State(s): State<Arc<WorkerState>>) -> Json<Value> {
+    Json(json!({
+        "object": "list",
+        "data": [{
+            "id": s.model, "object": "model", "created": unix_now(), "owned_by": "vllm",
+            "root": s.model, "parent": null, "max_model_len": s.max_model_len,
+            "permission": [{
+                "id": format!("modelperm-{:032x}", splitmix(s.seed)), "object": "model_permission",
+                "created": unix_now(), "allow_create_engine": false, "allow_sampling": true,
+                "allow_logprobs": true, "allow_search_indices": false, "allow_view": true,
+                "allow_fine_tuning": false, "organization": "*", "group": null, "is_blocking": false
+            }]
+        }]
+    }))
+}
+
+async fn tokenize(State(s): State<Arc<WorkerState>>, body: Bytes) -> Response {
+    let v: Value = match serde_json::from_slice(&body) {
+        Ok(v) => v,
+        Err(e) => return bad_request(&e.to_string()),
+    };
+    let special = v
+        .get("add_special_tokens")
+        .and_then(Value::as_bool)
+        .unwrap_or(true);
+    let text = if let Some(p) = v.get("prompt").and_then(Value::as_str) {
+        p.to_string()
+    } else if let Some(m) = v.get("messages") {
+        let messages: Vec<request::Message> = match serde_json::from_value(m.clone()) {
+            Ok(m) => m,
+            Err(e) => return bad_request(&e.to_string()),
+        };
+        match request::chat_template(&messages) {
+            Ok(t) => t,
+            Err(r) => return reject(r),
+        }
+    } else {
+        return bad_request("Field required: prompt or messages");
+    };
+    let mut tokens = if special { vec![request::BOS] } else { vec![] };
+    tokens.extend(tokenizer::tokenize(&text));
+    Json(json!({
+        "count": tokens.len(), "max_model_len": s.max_model_len, "tokens": tokens, "token_strs": null
+    }))
+    .into_response()
+}
+
+async fn detokenize(body: Bytes) -> Response {
+    let v: Value = match serde_json::from_slice(&body) {
+        Ok(v) => v,
+        Err(e) => return bad_request(&e.to_string()),
+    };
+    let Some(ids) = v.get("tokens").and_then(Value::as_array) else {
+        return bad_request("Field required: tokens");
+    };
+    let ids: Vec<u32> = ids
+        .iter()
+        .filter_map(Value::as_u64)
+        .filter(|i| *i != u64::from(request::BOS))
+        .map(|i| i as u32)
+        .collect();
+    Json(json!({"prompt": tokenizer::detokenize(&ids)})).into_response()
+}
+
+async fn completions(state: State<Arc<WorkerState>>, body: Bytes) -> Response {
+    generate(state, body, false).await
+}
+
+async fn chat(state: State<Arc<WorkerState>>, body: Bytes) -> Response {
+    generate(state, body, true).await
+}
+
+/// Counts a request in `/load` for as long as its response lives.
+struct LoadGuard(Arc<AtomicUsize>);
+
+impl Drop for LoadGuard {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+async fn generate(State(s): State<Arc<WorkerState>>, body: Bytes, chat: bool) -> Response {
+    s.in_flight.fetch_add(1, Ordering::Relaxed);
+    let load = LoadGuard(s.in_flight.clone());
+    let n = s.requests.fetch_add(1, Ordering::Relaxed);
+    let f = &s.faults;
+    if f.hang {
+        std::future::pending::<()>().await;
+    }
+    if f.added_latency_ms > 0 {
+        tokio::time::sleep(Duration::from_millis(f.added_latency_ms)).await;
+    }
+    if f.error_rate > 0.0 {
+        let roll = (splitmix(s.seed ^ n) >> 11) as f64 / (1u64 << 53) as f64;
+        if roll < f.error_rate {
+            return error_response(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "InternalServerError",
+                "injected fault: simulated engine error",
+                None,
+            );
+        }
+    }
+    let parsed = match request::parse(&body)
+        .and_then(|b| request::validate(b, chat, &s.model, s.max_model_len))
+    {
+        Ok(p) => p,
+        Err(r) => return reject(r),
+    };
+    let Some(events) = s.engine.submit(parsed.engine.clone()) else {
+        return error_response(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "ServiceUnavailableError",
+            "engine is shutting down",
+            None,
+        );
+    };
+    let reply = Reply {
+        id: format!(
+            "{}-{:032x}",
+            if chat { "chatcmpl" } else { "cmpl" },
+            u128::from(splitmix(s.seed ^ n)) << 64 | u128::from(splitmix(n))
+        ),
+        created: unix_now(),
+        model: s.model.clone(),
+        chat,
+        include_usage: parsed.include_usage,
+        continuous_usage: parsed.continuous_usage,
+        prompt_tokens: parsed.engine.prompt.len(),
+    };
+    if parsed.stream {
+        stream_response(reply, events, f.drop_after_tokens, load)
+    } else {
+        complete_response(reply, events).await
+    }
+}
+
+struct Reply {
+    id: String,
+    created: u64,
+    model: String,
+    chat: bool,
+    include_usage: bool,
+    continuous_usage: bool,
+    prompt_tokens: usize,
+}
+
+impl Reply {
+    fn usage(&self, completion: usize, cached: usize) -> Value {
+        json!({
+            "prompt_tokens": self.prompt_tokens,
+            "total_tokens": self.prompt_tokens + completion,
+            "completion_tokens": completion,
+            "prompt_tokens_details": {"cached_tokens": cached}
+        })
+    }
+
+    fn chunk(
+        &self,
+        text: Option<&str>,
+        role: bool,
+        finish: Option<(&str, Value)>,
+        usage: Option<Value>,
+    ) -> Bytes {
+        let (reason, stop) = finish.map_or((Value::Null, Value::Null), |(r, s)| (json!(r), s));
+        let choice = if self.chat {
+            let mut delta = serde_json::Map::new();
+            if role {
+                delta.insert("role".into(), json!("assistant"));
+            }
+            if let Some(t) = text {
+                delta.insert("content".into(), json!(t));
+            }
+            json!({"index": 0, "delta": delta, "logprobs": null, "finish_reason": reason, "stop_reason": stop})
+        } else {
+            json!({"index": 0, "text": text.unwrap_or(""), "logprobs": null, "finish_reason": reason, "stop_reason": stop})
+        };
+        let mut obj = json!({
+            "id": self.id,
+            "object": if self.chat { "chat.completion.chunk" } else { "text_completion" },
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+        });
+        if let Some(u) = usage {
+            obj["usage"] = u;
+        }
+        sse(&obj)
+    }
+
+    fn usage_chunk(&self, usage: Value) -> Bytes {
+        sse(&json!({
+            "id": self.id,
+            "object": if self.chat { "chat.completion.chunk" } else { "text_completion" },
+            "created": self.created,
+            "model": self.model,
+            "choices": [],
+            "usage": usage,
+        }))
+    }
+}
+
+fn sse(v: &Value) -> Bytes {
+    Bytes::from(format!("data: {v}\n\n"))
+}
+
+struct StreamState {
+    reply: Reply,
+    events: mpsc::UnboundedReceiver<Event>,
+    sent_tokens: usize,
+    role_sent: bool,
+    drop_after: Option<usize>,
+    done: bool,
+    _load: LoadGuard,
+}
+
+impl StreamState {
+    /// The SSE bytes for one token (and the finish, when it came in the same engine step).
+    fn render(&mut self, text: Option<String>, finish: Option<Event>) -> Bytes {
+        let mut out = Vec::new();
+        if self.reply.chat && !self.role_sent {
+            self.role_sent = true;
+            out.push(self.reply.chunk(Some(""), true, None, None));
+        }
+        if text.is_some() {
+            self.sent_tokens += 1;
+        }
+        match finish {
+            Some(Event::Finished {
+                reason,
+                stop,
+                completion_tokens,
+                cached_tokens,
+                ..
+            }) => {
+                let usage = self.reply.usage(completion_tokens, cached_tokens);
+                let every = self.reply.continuous_usage.then(|| usage.clone());
+                let stop = stop.map_or(Value::Null, Value::from);
+                out.push(self.reply.chunk(
+                    Some(text.as_deref().unwrap_or("")),
+                    false,
+                    Some((reason.as_str(), stop)),
+                    every,
+                ));
+                if self.reply.include_usage {
+                    out.push(self.reply.usage_chunk(usage));
+                }
+                out.push(Bytes::from_static(b"data: [DONE]\n\n"));
+                self.done = true;
+            }
+            _ => {
+                let every = self
+                    .reply
+                    .continuous_usage
+                    .then(|| self.reply.usage(self.sent_tokens, 0));
+                out.push(self.reply.chunk(text.as_deref(), false, None, every));
+            }
+        }
+        Bytes::from(out.concat())
+    }
+}
+
+fn stream_response(
+    reply: Reply,
+    events: mpsc::UnboundedReceiver<Event>,
+    drop_after: Option<usize>,
+    load: LoadGuard,
+) -> Response {
+    let state = StreamState {
+        reply,
+        events,
+        sent_tokens: 0,
+        role_sent: false,
+        drop_after,
+        done: false,
+        _load: load,
+    };
+    let body = stream::unfold(state, |mut st| async move {
+        if st.done {
+            return None;
+        }
+        if st.drop_after.is_some_and(|k| st.sent_tokens >= k) {
+            st.done = true;
+            let err = std::io::Error::other("injected fault: connection dropped mid-stream");
+            return Some((Err(err), st));
+        }
+        let bytes = match st.events.recv().await {
+            None => return None,
+            Some(Event::Token { text }) => {
+                // The engine sends a request's last token and its finish in the same step.
+                let finish = st.events.try_recv().ok();
+                st.render(Some(text), finish)
+            }
+            Some(finish) => st.render(None, Some(finish)),
+        };
+        Some((Ok::<_, std::io::Error>(bytes), st))
+    });
+    Response::builder()
+        .status(StatusCode::OK)
+        .header(header::CONTENT_TYPE, "text/event-stream; charset=utf-8")
+        .header(header::CACHE_CONTROL, "no-cache")
+        .body(Body::from_stream(body))
+        .unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response())
+}
+
+async fn complete_response(reply: Reply, mut events: mpsc::UnboundedReceiver<Event>) -> Response {
+    let mut text = String::new();
+    while let Some(e) = events.recv().await {
+        match e {
+            Event::Token { text: t } => text.push_str(&t),
+            Event::Finished {
+                reason,
+                stop,
+                completion_tokens,
+                cached_tokens,
+                ..
+            } => {
+                let stop = stop.map_or(Value::Null, Value::from);
+                let choice = if reply.chat {
+                    json!({"index": 0, "message": {"role": "assistant", "content": text,
+                        "refusal": null, "annotations": null, "audio": null, "function_call": null,
+                        "tool_calls": [], "reasoning_content": null},
+                        "logprobs": null, "finish_reason": reason.as_str(), "stop_reason": stop})
+                } else {
+                    json!({"index": 0, "text": text, "logprobs": null,
+                        "finish_reason": reason.as_str(), "stop_reason": stop, "prompt_logprobs": null})
+                };
+                let mut obj = json!({
+                    "id": reply.id,
+                    "object": if reply.chat { "chat.completion" } else { "text_completion" },
+                    "created": reply.created,
+                    "model": reply.model,
+                    "choices": [choice],
+                    "usage": reply.usage(completion_tokens, cached_tokens),
+                    "kv_transfer_params": null,
+                });
+                if reply.chat {
+                    obj["prompt_logprobs"] = Value::Null;
+                    obj["service_tier"] = Value::Null;
+                    obj["system_fingerprint"] = Value::Null;
+                }
+                return Json(obj).into_response();
+            }
+        }
+    }
+    error_response(
+        StatusCode::INTERNAL_SERVER_ERROR,
+        "InternalServerError",
+        "engine stopped before the request finished",
+        None,
+    )
+}

@@ -1,0 +1,209 @@
+//! The paged KV cache: fixed blocks of 16 tokens, prefix reuse by chained block hash, LRU eviction.
+//!
+//! Modelled on vLLM's block pool with automatic prefix caching: a full block is registered under
+//! the hash of its tokens chained with the previous block's hash, so equal hashes mean equal
+//! prefixes. A block no running request references stays cached (and reusable) until a new
+//! allocation evicts it, least recently freed first; a request's blocks are freed tail first so a
+//! shared head outlives the private tails that hang off it.
+//!
+//! Complexity: allocation and free are O(log B) per block (B = blocks in the pool); a prefix
+//! lookup is O(k) hash-map probes for k matched blocks.
+
+use std::collections::{BTreeMap, HashMap};
+
+/// Tokens per KV block, vLLM's default `--block-size` on CUDA.
+pub const BLOCK_TOKENS: usize = 16;
+
+#[derive(Clone, Copy, Debug, Default)]
+struct Block {
+    refs: u32,
+    hash: Option<u64>,
+    /// Position in `evictable` while `refs == 0`.
+    stamp: u64,
+}
+
+#[derive(Debug)]
+pub struct KvCache {
+    blocks: Vec<Block>,
+    /// Blocks no request holds, oldest first: allocation takes from the front.
+    evictable: BTreeMap<u64, u32>,
+    cached: HashMap<u64, u32>,
+    clock: u64,
+}
+
+impl KvCache {
+    pub fn new(num_blocks: usize) -> Self {
+        let mut blocks = vec![Block::default(); num_blocks];
+        let mut evictable = BTreeMap::new();
+        for (i, b) in blocks.iter_mut().enumerate() {
+            b.stamp = i as u64;
+            evictable.insert(i as u64, i as u32);
+        }
+        Self {
+            blocks,
+            evictable,
+            cached: HashMap::new(),
+            clock: num_blocks as u64,
+        }
+    }
+
+    pub fn num_blocks(&self) -> usize {
+        self.blocks.len()
+    }
+
+    /// Blocks that an allocation may take (free or cached but unreferenced).
+    pub fn num_available(&self) -> usize {
+        self.evictable.len()
+    }
+
+    /// Share of blocks referenced by requests, as vLLM's `kv_cache_usage_perc` (0..1).
+    pub fn usage(&self) -> f64 {
+        if self.blocks.is_empty() {
+            return 0.0;
+        }
+        1.0 - self.evictable.len() as f64 / self.blocks.len() as f64
+    }
+
+    /// The cached blocks holding the longest prefix of `hashes`.
+    pub fn match_prefix(&self, hashes: &[u64]) -> Vec<u32> {
+        hashes
+            .iter()
+            .map_while(|h| self.cached.get(h).copied())
+            .collect()
+    }
+
+    /// Takes a reference on already-cached blocks (a prefix hit).
+    pub fn touch(&mut self, ids: &[u32]) {
+        for &id in ids {
+            let b = &mut self.blocks[id as usize];
+            if b.refs == 0 {
+                self.evictable.remove(&b.stamp);
+            }
+            b.refs += 1;
+        }
+    }
+
+    /// Allocates `n` blocks, evicting the least recently freed cached blocks; `None` if fewer
+    /// than `n` are available (nothing is taken then).
+    pub fn allocate(&mut self, n: usize) -> Option<Vec<u32>> {
+        if n > self.evictable.len() {
+            return None;
+        }
+        let mut out = Vec::with_capacity(n);
+        for _ in 0..n {
+            let (_, id) = self.evictable.pop_first()?;
+            let b = &mut self.blocks[id as usize];
+            if let Some(h) = b.hash.take() {
+                if self.cached.get(&h) == Some(&id) {
+                    self.cached.remove(&h);
+                }
+            }
+            b.refs = 1;
+            out.push(id);
+        }
+        Some(out)
+    }
+
+    /// Records that a held block is now full with the content `hash` stands for.
+    pub fn register(&mut self, id: u32, hash: u64) {
+        let b = &mut self.blocks[id as usize];
+        if b.hash.is_none() {
+            b.hash = Some(hash);
+            self.cached.entry(hash).or_insert(id);
+        }
+    }
+
+    /// Drops a request's references, tail first, so its private tail is evicted before its head.
+    pub fn free(&mut self, ids: &[u32]) {
+        for &id in ids.iter().rev() {
+            let b = &mut self.blocks[id as usize];
+            debug_assert!(b.refs > 0, "double free of block {id}");
+            b.refs = b.refs.saturating_sub(1);
+            if b.refs == 0 {
+                self.clock += 1;
+                b.stamp = self.clock;
+                self.evictable.insert(b.stamp, id);
+            }
+        }
+    }
+}
+
+/// Hash of one full block chained onto its parent's; FNV-1a over the token ids.
+pub fn block_hash(parent: u64, tokens: &[u32]) -> u64 {
+    const PRIME: u64 = 0x0000_0100_0000_01b3;
+    let mut h = parent ^ 0xcbf2_9ce4_8422_2325;
+    for t in tokens {
+        for byte in t.to_le_bytes() {
+            h ^= u64::from(byte);
+            h = h.wrapping_mul(PRIME);
+        }
+    }
+    h
+}
+
+/// Chained hashes of every full block of `tokens`, continuing from `done` hashes already known.
+pub fn extend_hashes(hashes: &mut Vec<u64>, tokens: &[u32]) {
+    let full = tokens.len() / BLOCK_TOKENS;
+    for j in hashes.len()..full {
+        let parent = j.checked_sub(1).map_or(0, |p| hashes[p]);
+        hashes.push(block_hash(
+            parent,
+            &tokens[j * BLOCK_TOKENS..(j + 1) * BLOCK_TOKENS],
+        ));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn hashes(tokens: &[u32]) -> Vec<u64> {
+        let mut h = Vec::new();
+        extend_hashes(&mut h, tokens);
+        h
+    }
+
+    #[test]
+    fn a_freed_prefix_is_found_again_until_evicted() {
+        let mut kv = KvCache::new(4);
+        let prompt: Vec<u32> = (0..40).collect();
+        let h = hashes(&prompt);
+        assert_eq!(h.len(), 2);
+        let ids = kv.allocate(3).unwrap();
+        kv.register(ids[0], h[0]);
+        kv.register(ids[1], h[1]);
+        kv.free(&ids);
+        assert_eq!(kv.usage(), 0.0);
+        assert_eq!(kv.match_prefix(&h), ids[..2]);
+        // Taking the one never-used block keeps the prefix; the next allocation evicts the
+        // private tail first, then the head's second block, and the chain breaks there.
+        let a = kv.allocate(1).unwrap();
+        assert_eq!(kv.match_prefix(&h).len(), 2);
+        let b = kv.allocate(1).unwrap();
+        assert_eq!(b, [ids[2]], "tail evicted first");
+        let _c = kv.allocate(1).unwrap();
+        assert_eq!(kv.match_prefix(&h).len(), 1);
+        assert!(kv.allocate(2).is_none());
+        assert_eq!(a.len(), 1);
+    }
+
+    #[test]
+    fn chained_hashes_differ_when_an_earlier_block_differs() {
+        let a: Vec<u32> = (0..32).collect();
+        let mut b = a.clone();
+        b[0] = 999;
+        assert_ne!(hashes(&a)[1], hashes(&b)[1]);
+        assert_eq!(hashes(&a), hashes(&a));
+    }
+
+    #[test]
+    fn touched_blocks_are_not_evictable() {
+        let mut kv = KvCache::new(2);
+        let ids = kv.allocate(2).unwrap();
+        kv.register(ids[0], 7);
+        kv.free(&ids);
+        kv.touch(&kv.match_prefix(&[7]));
+        assert_eq!(kv.num_available(), 1);
+        assert!((kv.usage() - 0.5).abs() < 1e-9);
+    }
+}

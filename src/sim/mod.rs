@@ -1,0 +1,231 @@
+//! A simulated vLLM worker: vLLM's HTTP API over a modelled engine, for tests, demos and benchmarks
+//! without a GPU.
+//!
+//! One worker is: [`api`] (HTTP shapes, faults) → [`request`] (vLLM's fields and validation) →
+//! [`worker`] (the engine loop in scaled time) → [`engine`] (scheduler and cost model) → [`kv`]
+//! (paged prefix cache), with its own [`tokenizer`] and [`metrics`]. Parameters come from a named
+//! preset in [`presets`].
+
+pub mod api;
+pub mod engine;
+pub mod kv;
+pub mod metrics;
+pub mod presets;
+pub mod request;
+pub mod tokenizer;
+pub mod worker;
+
+use std::net::SocketAddr;
+use std::path::Path;
+use std::sync::Arc;
+
+use serde::{Deserialize, Serialize};
+use tokio::net::TcpListener;
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+
+use engine::Engine;
+use presets::EngineParams;
+
+/// Faults to inject, for reliability tests.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Faults {
+    /// Share of generation requests answered with a 500 (0..1), decided per request by a seeded roll.
+    pub error_rate: f64,
+    /// Delay before a generation request is looked at.
+    pub added_latency_ms: u64,
+    /// Accept connections but never answer (generation and `/health`).
+    pub hang: bool,
+    /// Close the connection mid-stream after this many tokens, without `[DONE]`.
+    pub drop_after_tokens: Option<usize>,
+}
+
+/// `kvroute sim` settings: a file may set all of them, flags override.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct SimConfig {
+    pub workers: usize,
+    pub host: std::net::IpAddr,
+    /// First port; worker i listens on port + i. 0 picks free ports.
+    pub port: u16,
+    pub preset: String,
+    /// Overrides the preset's engine wholesale when set.
+    pub engine: Option<EngineParams>,
+    /// Modelled time runs this many times faster than the wall clock.
+    pub time_scale: f64,
+    /// As vLLM: drop a request from the batch when its connection closes.
+    pub abort_on_disconnect: bool,
+    pub faults: Faults,
+    /// Which worker the faults apply to; all of them when unset.
+    pub fault_worker: Option<usize>,
+    /// Seeds response ids and fault rolls.
+    pub seed: u64,
+}
+
+impl Default for SimConfig {
+    fn default() -> Self {
+        Self {
+            workers: 2,
+            host: std::net::Ipv4Addr::LOCALHOST.into(),
+            port: 8001,
+            preset: presets::DEFAULT_PRESET.into(),
+            engine: None,
+            time_scale: 1.0,
+            abort_on_disconnect: true,
+            faults: Faults::default(),
+            fault_worker: None,
+            seed: 0,
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum SimError {
+    #[error("cannot read {path}: {source}")]
+    Read {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("{path}: {message}")]
+    Parse { path: String, message: String },
+    #[error("invalid simulator config: {0}")]
+    Invalid(String),
+    #[error("cannot listen on {addr}: {source}")]
+    Bind {
+        addr: SocketAddr,
+        source: std::io::Error,
+    },
+}
+
+impl SimConfig {
+    pub fn from_file(path: &Path) -> Result<Self, SimError> {
+        let text = std::fs::read_to_string(path).map_err(|source| SimError::Read {
+            path: path.display().to_string(),
+            source,
+        })?;
+        serde_saphyr::from_str(&text).map_err(|e| SimError::Parse {
+            path: path.display().to_string(),
+            message: e.to_string(),
+        })
+    }
+
+    pub fn engine_params(&self) -> Result<EngineParams, SimError> {
+        let p = match &self.engine {
+            Some(p) => p.clone(),
+            None => (presets::find(&self.preset)
+                .ok_or_else(|| {
+                    SimError::Invalid(format!(
+                        "unknown preset `{}` (known: {})",
+                        self.preset,
+                        presets::names()
+                    ))
+                })?
+                .params)(),
+        };
+        if p.num_gpu_blocks * kv::BLOCK_TOKENS < p.max_model_len {
+            return Err(SimError::Invalid(format!(
+                "{} KV blocks of {} tokens cannot hold one max_model_len={} sequence",
+                p.num_gpu_blocks,
+                kv::BLOCK_TOKENS,
+                p.max_model_len
+            )));
+        }
+        if p.max_num_seqs == 0 || p.max_num_batched_tokens == 0 {
+            return Err(SimError::Invalid(
+                "max_num_seqs and max_num_batched_tokens must be positive".into(),
+            ));
+        }
+        Ok(p)
+    }
+
+    pub fn validate(&self) -> Result<EngineParams, SimError> {
+        if self.workers == 0 {
+            return Err(SimError::Invalid("workers must be at least 1".into()));
+        }
+        if !(self.time_scale.is_finite() && self.time_scale > 0.0) {
+            return Err(SimError::Invalid("time_scale must be positive".into()));
+        }
+        if !(0.0..=1.0).contains(&self.faults.error_rate) {
+            return Err(SimError::Invalid(
+                "faults.error_rate must be in 0..1".into(),
+            ));
+        }
+        self.engine_params()
+    }
+
+    /// Binds every worker's listener (port + i, or free ports when port is 0).
+    pub async fn bind(&self) -> Result<Vec<TcpListener>, SimError> {
+        let mut out = Vec::with_capacity(self.workers);
+        for i in 0..self.workers {
+            let port = if self.port == 0 {
+                0
+            } else {
+                self.port.saturating_add(i as u16)
+            };
+            let addr = SocketAddr::new(self.host, port);
+            out.push(
+                TcpListener::bind(addr)
+                    .await
+                    .map_err(|source| SimError::Bind { addr, source })?,
+            );
+        }
+        Ok(out)
+    }
+}
+
+/// Serves one simulated worker per listener until `cancel` fires. Every task is owned by `tasks`.
+pub fn spawn(
+    cfg: &SimConfig,
+    listeners: Vec<TcpListener>,
+    cancel: &CancellationToken,
+    tasks: &mut JoinSet<()>,
+) -> Result<Vec<SocketAddr>, SimError> {
+    let params = cfg.validate()?;
+    let mut addrs = Vec::with_capacity(listeners.len());
+    for (i, listener) in listeners.into_iter().enumerate() {
+        let addr = listener.local_addr().map_err(|source| SimError::Bind {
+            addr: SocketAddr::new(cfg.host, 0),
+            source,
+        })?;
+        addrs.push(addr);
+        let metrics = Arc::new(metrics::SimMetrics::new(&params));
+        let (handle, engine_task) = worker::spawn(
+            Engine::new(params.clone()),
+            metrics.clone(),
+            worker::LoopOptions {
+                time_scale: cfg.time_scale,
+                abort_on_disconnect: cfg.abort_on_disconnect,
+            },
+            cancel.clone(),
+        );
+        let faults = match cfg.fault_worker {
+            Some(w) if w != i => Faults::default(),
+            _ => cfg.faults.clone(),
+        };
+        let state = Arc::new(api::WorkerState::new(
+            handle,
+            metrics,
+            params.model.clone(),
+            params.max_model_len,
+            faults,
+            engine::splitmix(cfg.seed ^ i as u64),
+        ));
+        let app = api::router(state);
+        let stop = cancel.clone();
+        // No drain on shutdown: a worker told to hang would hold it forever, and a simulated
+        // worker has nothing to save.
+        tasks.spawn(async move {
+            tokio::select! {
+                served = axum::serve(listener, app) => {
+                    if let Err(e) = served {
+                        tracing::warn!(%addr, "simulated worker stopped: {e}");
+                    }
+                }
+                _ = stop.cancelled() => {}
+            }
+            engine_task.abort();
+        });
+    }
+    Ok(addrs)
+}

@@ -1,0 +1,262 @@
+//! vLLM's request fields and validation, turned into an engine request.
+//!
+//! Accepts what vLLM's OpenAI server accepts for completions and chat (unknown fields are ignored,
+//! as vLLM ignores them with a warning) and refuses what it refuses, with its 400/404 messages.
+//! Deviations, stated: one choice per request (`n` must be 1, and a batch of prompts is refused),
+//! and sampling fields other than the length controls and `seed` are accepted but do not change the
+//! simulated text.
+
+use serde::Deserialize;
+use serde_json::Value;
+
+use super::engine::{splitmix, EngineRequest};
+use super::tokenizer;
+
+/// Token id the simulated tokenizer puts before every prompt (Llama-style BOS).
+pub const BOS: u32 = 1;
+
+#[derive(Debug)]
+pub enum Reject {
+    BadRequest(String),
+    ModelNotFound(String),
+}
+
+#[derive(Debug, Default, Deserialize)]
+pub struct StreamOptions {
+    #[serde(default)]
+    pub include_usage: bool,
+    #[serde(default)]
+    pub continuous_usage_stats: bool,
+}
+
+/// The fields of `/v1/completions` and `/v1/chat/completions` that shape the simulation.
+#[derive(Debug, Default, Deserialize)]
+pub struct RequestBody {
+    pub model: Option<String>,
+    pub prompt: Option<Value>,
+    pub messages: Option<Vec<Message>>,
+    pub max_tokens: Option<i64>,
+    pub max_completion_tokens: Option<i64>,
+    pub min_tokens: Option<i64>,
+    #[serde(default)]
+    pub ignore_eos: bool,
+    #[serde(default)]
+    pub stream: bool,
+    pub stream_options: Option<StreamOptions>,
+    pub temperature: Option<f64>,
+    pub top_p: Option<f64>,
+    pub seed: Option<i64>,
+    pub stop: Option<Value>,
+    pub n: Option<i64>,
+}
+
+#[derive(Debug, Deserialize)]
+pub struct Message {
+    pub role: String,
+    #[serde(default)]
+    pub content: Option<Value>,
+}
+
+/// A validated request: what to run and how to answer.
+pub struct Parsed {
+    pub engine: EngineRequest,
+    pub stream: bool,
+    pub include_usage: bool,
+    pub continuous_usage: bool,
+}
+
+pub fn parse(body: &[u8]) -> Result<RequestBody, Reject> {
+    serde_json::from_slice(body).map_err(|e| Reject::BadRequest(e.to_string()))
+}
+
+/// Renders chat messages with a ChatML template and the assistant generation prompt.
+pub fn chat_template(messages: &[Message]) -> Result<String, Reject> {
+    let mut text = String::new();
+    for m in messages {
+        let content = match &m.content {
+            None | Some(Value::Null) => String::new(),
+            Some(Value::String(s)) => s.clone(),
+            Some(Value::Array(parts)) => {
+                let mut s = String::new();
+                for p in parts {
+                    match p.get("text").and_then(Value::as_str) {
+                        Some(t) => s.push_str(t),
+                        None => {
+                            return Err(Reject::BadRequest(
+                                "only text content parts are supported".into(),
+                            ))
+                        }
+                    }
+                }
+                s
+            }
+            Some(_) => {
+                return Err(Reject::BadRequest(
+                    "message content must be a string or a list of parts".into(),
+                ))
+            }
+        };
+        text.push_str(&format!("<|im_start|>{}\n{content}<|im_end|>\n", m.role));
+    }
+    text.push_str("<|im_start|>assistant\n");
+    Ok(text)
+}
+
+/// Prompt tokens of a completions `prompt`: text or token ids, one prompt.
+fn prompt_tokens(prompt: &Value) -> Result<Vec<u32>, Reject> {
+    let one = |v: &Value| -> Result<Vec<u32>, Reject> {
+        match v {
+            Value::String(s) => {
+                let mut t = vec![BOS];
+                t.extend(tokenizer::tokenize(s));
+                Ok(t)
+            }
+            Value::Array(ids) if ids.iter().all(Value::is_u64) => Ok(ids
+                .iter()
+                .filter_map(Value::as_u64)
+                .map(|i| i as u32)
+                .collect()),
+            _ => Err(Reject::BadRequest(
+                "prompt must be a string, a list of token ids, or a list of one of them".into(),
+            )),
+        }
+    };
+    match prompt {
+        Value::Array(items) if !items.is_empty() && !items[0].is_u64() => {
+            if items.len() != 1 {
+                return Err(Reject::BadRequest(
+                    "the simulator serves one prompt per request; send a batch as separate requests"
+                        .into(),
+                ));
+            }
+            one(&items[0])
+        }
+        other => one(other),
+    }
+}
+
+pub fn validate(
+    body: RequestBody,
+    chat: bool,
+    served_model: &str,
+    max_model_len: usize,
+) -> Result<Parsed, Reject> {
+    if let Some(m) = &body.model {
+        if m != served_model {
+            return Err(Reject::ModelNotFound(format!(
+                "The model `{m}` does not exist."
+            )));
+        }
+    }
+    let prompt = if chat {
+        let messages = body
+            .messages
+            .as_deref()
+            .ok_or_else(|| Reject::BadRequest("Field required: messages".into()))?;
+        let mut t = vec![BOS];
+        t.extend(tokenizer::tokenize(&chat_template(messages)?));
+        t
+    } else {
+        let p = body
+            .prompt
+            .as_ref()
+            .ok_or_else(|| Reject::BadRequest("Field required: prompt".into()))?;
+        prompt_tokens(p)?
+    };
+    if prompt.is_empty() {
+        return Err(Reject::BadRequest("Prompt cannot be empty".into()));
+    }
+    if body.n.unwrap_or(1) != 1 {
+        return Err(Reject::BadRequest(
+            "n must be 1: the simulator generates one choice per request".into(),
+        ));
+    }
+    if let Some(t) = body.temperature {
+        if t < 0.0 {
+            return Err(Reject::BadRequest(format!(
+                "temperature must be non-negative, got {t}."
+            )));
+        }
+    }
+    if let Some(p) = body.top_p {
+        if !(p > 0.0 && p <= 1.0) {
+            return Err(Reject::BadRequest(format!(
+                "top_p must be in (0, 1], got {p}."
+            )));
+        }
+    }
+    if body.stream_options.is_some() && !body.stream {
+        return Err(Reject::BadRequest(
+            "Stream options can only be defined when `stream=True`.".into(),
+        ));
+    }
+    let requested = if chat {
+        body.max_completion_tokens.or(body.max_tokens)
+    } else {
+        body.max_tokens
+    };
+    let room = max_model_len.saturating_sub(prompt.len());
+    let max_tokens = match requested {
+        Some(n) if n < 1 => {
+            return Err(Reject::BadRequest(format!(
+                "max_tokens must be at least 1, got {n}."
+            )))
+        }
+        Some(n) => n as usize,
+        None => room,
+    };
+    if prompt.len() + max_tokens > max_model_len || room == 0 {
+        let what = if chat { "messages" } else { "prompt" };
+        return Err(Reject::BadRequest(format!(
+            "This model's maximum context length is {max_model_len} tokens. However, you requested \
+             {} tokens ({} in the {what}, {max_tokens} in the completion). Please reduce the length \
+             of the {what} or completion.",
+            prompt.len() + max_tokens,
+            prompt.len()
+        )));
+    }
+    let min_tokens = body.min_tokens.unwrap_or(0);
+    if min_tokens < 0 || min_tokens as usize > max_tokens {
+        return Err(Reject::BadRequest(format!(
+            "min_tokens must be between 0 and max_tokens={max_tokens}, got {min_tokens}."
+        )));
+    }
+    let stop = match body.stop {
+        None | Some(Value::Null) => Vec::new(),
+        Some(Value::String(s)) => vec![s],
+        Some(Value::Array(items)) => items
+            .into_iter()
+            .map(|v| match v {
+                Value::String(s) => Ok(s),
+                _ => Err(Reject::BadRequest(
+                    "stop must be a string or a list of strings".into(),
+                )),
+            })
+            .collect::<Result<_, _>>()?,
+        Some(_) => {
+            return Err(Reject::BadRequest(
+                "stop must be a string or a list of strings".into(),
+            ))
+        }
+    };
+    let seed = match body.seed {
+        Some(s) => s as u64,
+        None => prompt
+            .iter()
+            .fold(0x243f_6a88_85a3_08d3, |h, t| splitmix(h ^ u64::from(*t))),
+    };
+    let opts = body.stream_options.unwrap_or_default();
+    Ok(Parsed {
+        engine: EngineRequest {
+            prompt,
+            max_tokens,
+            min_tokens: min_tokens as usize,
+            ignore_eos: body.ignore_eos,
+            stop,
+            seed,
+        },
+        stream: body.stream,
+        include_usage: opts.include_usage,
+        continuous_usage: opts.continuous_usage_stats,
+    })
+}

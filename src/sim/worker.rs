@@ -1,0 +1,134 @@
+//! The engine loop of one simulated worker: takes requests from the HTTP side, steps the engine in
+//! scaled real time, delivers tokens, and aborts requests whose client went away.
+//!
+//! Model time runs `time_scale` times faster than the wall clock: a step the preset says costs
+//! 20 ms sleeps 2 ms at `--time-scale 10`. Tokio's clock is used throughout, so tests may pause it.
+//! Before every step the loop looks for requests whose event receiver is gone (the HTTP response
+//! was dropped because the connection closed) and aborts them, so an abandoned request leaves the
+//! batch within one step and its blocks are freed.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::mpsc;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+use super::engine::{Counters, Engine, EngineRequest, Event, SeqId};
+use super::metrics::SimMetrics;
+
+struct Submission {
+    req: EngineRequest,
+    events: mpsc::UnboundedSender<Event>,
+}
+
+/// The HTTP side's handle on a running engine loop.
+#[derive(Clone)]
+pub struct EngineHandle {
+    tx: mpsc::UnboundedSender<Submission>,
+}
+
+impl EngineHandle {
+    /// Queues a request; its events arrive on the returned receiver. Dropping the receiver aborts it.
+    pub fn submit(&self, req: EngineRequest) -> Option<mpsc::UnboundedReceiver<Event>> {
+        let (events, rx) = mpsc::unbounded_channel();
+        self.tx.send(Submission { req, events }).ok()?;
+        Some(rx)
+    }
+}
+
+pub struct LoopOptions {
+    pub time_scale: f64,
+    /// vLLM aborts a request when its connection closes; `false` models a server that does not.
+    pub abort_on_disconnect: bool,
+}
+
+/// Spawns the engine loop; it stops when `cancel` fires.
+pub fn spawn(
+    engine: Engine,
+    metrics: Arc<SimMetrics>,
+    opts: LoopOptions,
+    cancel: CancellationToken,
+) -> (EngineHandle, tokio::task::JoinHandle<()>) {
+    let (tx, rx) = mpsc::unbounded_channel();
+    let task = tokio::spawn(run(engine, rx, metrics, opts, cancel));
+    (EngineHandle { tx }, task)
+}
+
+async fn run(
+    mut engine: Engine,
+    mut rx: mpsc::UnboundedReceiver<Submission>,
+    metrics: Arc<SimMetrics>,
+    opts: LoopOptions,
+    cancel: CancellationToken,
+) {
+    let start = Instant::now();
+    let scale = opts.time_scale;
+    let model_now = || start.elapsed().as_secs_f64() * scale;
+    let mut sinks: HashMap<SeqId, mpsc::UnboundedSender<Event>> = HashMap::new();
+    let mut gone: Vec<SeqId> = Vec::new();
+    let mut seen = Counters::default();
+    loop {
+        if engine.is_idle() {
+            tokio::select! {
+                _ = cancel.cancelled() => return,
+                sub = rx.recv() => match sub {
+                    Some(s) => {
+                        let id = engine.add(s.req, model_now());
+                        sinks.insert(id, s.events);
+                    }
+                    None => return,
+                },
+            }
+        }
+        while let Ok(s) = rx.try_recv() {
+            let id = engine.add(s.req, model_now());
+            sinks.insert(id, s.events);
+        }
+        gone.clear();
+        gone.extend(
+            sinks
+                .iter()
+                .filter(|(_, tx)| tx.is_closed())
+                .map(|(id, _)| *id),
+        );
+        for id in &gone {
+            if opts.abort_on_disconnect {
+                engine.abort(*id);
+                sinks.remove(id);
+            } else {
+                engine.client_gone(*id);
+            }
+        }
+
+        let out = engine.step(model_now());
+        if out.duration > 0.0 {
+            tokio::select! {
+                _ = cancel.cancelled() => return,
+                _ = tokio::time::sleep(Duration::from_secs_f64(out.duration / scale)) => {}
+            }
+        } else if !engine.is_idle() {
+            // Nothing fit this step (every runner was just preempted): back off instead of spinning.
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        metrics.observe_inter_token(&out.inter_token);
+        for (id, event) in out.events {
+            if let Event::Finished { timings, .. } = &event {
+                metrics.observe_finished(timings);
+                if let Some(tx) = sinks.remove(&id) {
+                    let _ = tx.send(event);
+                }
+            } else if let Some(tx) = sinks.get(&id) {
+                let _ = tx.send(event);
+            }
+        }
+        metrics.update(
+            &engine.counters,
+            &mut seen,
+            engine.num_running(),
+            engine.num_waiting(),
+            engine.kv_usage(),
+        );
+    }
+}
