@@ -159,7 +159,7 @@ impl Engine {
     pub fn add(&mut self, req: EngineRequest, now: f64) -> SeqId {
         let id = self.next_id;
         self.next_id += 1;
-        let natural_len = 16 + (splitmix(req.seed ^ 0x5eed) % 497) as usize;
+        let natural_len = 16 + (splitmix(req.seed ^ 0x5eed) % 241) as usize;
         self.waiting.push_back(Seq {
             id,
             tokens: req.prompt.clone(),

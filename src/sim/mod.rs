@@ -11,6 +11,7 @@ pub mod engine;
 pub mod kv;
 pub mod metrics;
 pub mod presets;
+pub mod replay;
 pub mod request;
 pub mod tokenizer;
 pub mod worker;

@@ -56,9 +56,10 @@ pub const PRESETS: &[Preset] = &[
     Preset {
         name: "l4-qwen2.5-7b",
         describes: "Qwen2.5-7B-Instruct BF16 on one NVIDIA L4 (24 GB, 300 GB/s)",
-        source: "two-L4 prefix-routing study (512 in/128 out): cold sweep p95 TPOT 59 ms at C=4, \
-                 61 at C=16; 13.0 vs 6.7 req/s shared vs random at C=128; KV 57 KB/token (28 layers, \
-                 4 KV heads), ~5 GB left after 15.2 GB of weights",
+        source: "two-L4 prefix-routing study (512 in/128 out): cold sweep 0.74/2.55/7.66/11.06 \
+                 req/s at C=4/16/64/128, 13.0 vs 6.7 req/s shared vs random at C=128 (replayed in \
+                 tests/sim_fidelity.rs); KV 57 KB/token (28 layers, 4 KV heads), ~5 GB left after \
+                 15.2 GB of weights",
         params: || EngineParams {
             model: "Qwen/Qwen2.5-7B-Instruct".into(),
             max_model_len: 32768,
@@ -67,9 +68,9 @@ pub const PRESETS: &[Preset] = &[
             max_num_seqs: 256,
             max_num_batched_tokens: 2048,
             cost: CostModel {
-                step_base_ms: 55.0,
+                step_base_ms: 40.0,
                 prefill_ms_per_token: 0.38,
-                decode_ms_per_seq: 0.05,
+                decode_ms_per_seq: 0.12,
                 kv_read_ms_per_1k_tokens: 0.25,
             },
         },
@@ -78,8 +79,8 @@ pub const PRESETS: &[Preset] = &[
         name: "rtx4090-mistral-7b",
         describes: "Mistral-7B-Instruct FP16 on one RTX 4090 (24 GB, 1 TB/s)",
         source: "vLLM benchmark_serving, random 256 in/128 out, 300 prompts, by max concurrency: \
-                 C=4 2.09 req/s, TTFT mean 63 ms … C=48 11.87 req/s, 667 ms; per-token cycle time \
-                 fits 13.4 ms + 0.38 ms per concurrent request; KV 128 KB/token, ~5.6 GB left",
+                 C=4 2.09 req/s, TTFT mean 63 ms … C=48 11.87 req/s, 667 ms; replayed within 11% on \
+                 req/s at every C (tests/sim_fidelity.rs); KV 128 KB/token, ~5.6 GB left",
         params: || EngineParams {
             model: "mistralai/Mistral-7B-Instruct-v0.3".into(),
             max_model_len: 32768,
@@ -88,9 +89,9 @@ pub const PRESETS: &[Preset] = &[
             max_num_seqs: 256,
             max_num_batched_tokens: 2048,
             cost: CostModel {
-                step_base_ms: 13.0,
-                prefill_ms_per_token: 0.15,
-                decode_ms_per_seq: 0.04,
+                step_base_ms: 15.0,
+                prefill_ms_per_token: 0.17,
+                decode_ms_per_seq: 0.08,
                 kv_read_ms_per_1k_tokens: 0.10,
             },
         },
