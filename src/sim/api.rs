@@ -402,12 +402,14 @@ fn stream_response(
         if st.done {
             return None;
         }
+        let event = st.events.recv().await;
+        // Fail on the event after the k-th token, so the k tokens before it have been flushed.
         if st.drop_after.is_some_and(|k| st.sent_tokens >= k) {
             st.done = true;
             let err = std::io::Error::other("injected fault: connection dropped mid-stream");
             return Some((Err(err), st));
         }
-        let bytes = match st.events.recv().await {
+        let bytes = match event {
             None => return None,
             Some(Event::Token { text }) => {
                 // The engine sends a request's last token and its finish in the same step.

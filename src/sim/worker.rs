@@ -102,11 +102,14 @@ async fn run(
             }
         }
 
-        let out = engine.step(model_now());
+        let t = model_now();
+        let out = engine.step(t);
         if out.duration > 0.0 {
+            // An absolute deadline, so timer rounding does not add up over many short steps.
+            let end = start + Duration::from_secs_f64((t + out.duration) / scale);
             tokio::select! {
                 _ = cancel.cancelled() => return,
-                _ = tokio::time::sleep(Duration::from_secs_f64(out.duration / scale)) => {}
+                _ = tokio::time::sleep_until(end) => {}
             }
         } else if !engine.is_idle() {
             // Nothing fit this step (every runner was just preempted): back off instead of spinning.

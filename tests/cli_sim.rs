@@ -1,0 +1,91 @@
+//! `kvroute sim` and `kvroute demo` as a newcomer runs them: real processes, free ports, a real
+//! streaming request through what they print.
+
+mod common;
+
+use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
+use std::process::{Child, Command, Stdio};
+
+/// Kills the child when the test ends, pass or fail.
+struct Running(Child);
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn spawn(args: &[&str]) -> (Running, impl Iterator<Item = String>) {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kvroute"))
+        .args(args)
+        .env_remove("KVROUTE_POLICY")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let lines = BufReader::new(child.stdout.take().unwrap())
+        .lines()
+        .map_while(Result::ok);
+    (Running(child), lines)
+}
+
+fn addr_of(url: &str) -> SocketAddr {
+    url.trim_start_matches("http://").parse().unwrap()
+}
+
+#[tokio::test]
+async fn sim_with_port_zero_prints_one_url_a_line_and_each_answers() {
+    let (_child, mut lines) =
+        spawn(&["sim", "--workers", "3", "--port", "0", "--time-scale", "50"]);
+    let urls: Vec<String> = lines.by_ref().take(3).collect();
+    assert_eq!(urls.len(), 3);
+    let mut ports = std::collections::HashSet::new();
+    for url in &urls {
+        let addr = addr_of(url);
+        assert!(addr.ip().is_loopback());
+        ports.insert(addr.port());
+        let r = common::request(addr, "GET", "/v1/models", b"").await;
+        assert_eq!(r.status, 200);
+    }
+    assert_eq!(ports.len(), 3, "independent workers on distinct ports");
+}
+
+#[test]
+fn sim_rejects_an_unknown_preset_naming_the_known_ones() {
+    let out = Command::new(env!("CARGO_BIN_EXE_kvroute"))
+        .args(["sim", "--preset", "h100-dreams"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("h100-dreams") && err.contains("l4-qwen2.5-7b"),
+        "{err}"
+    );
+}
+
+#[tokio::test]
+async fn demo_prints_a_curl_that_streams_through_the_gateway() {
+    let (_child, mut lines) = spawn(&["demo", "--listen", "127.0.0.1:0", "--time-scale", "20"]);
+    let first = lines.next().unwrap();
+    let url = first.split_whitespace().nth(1).unwrap().to_string();
+    let curl = lines
+        .find(|l| l.starts_with("curl -N"))
+        .expect("a curl line");
+    // Run the printed request body as curl would send it.
+    let body = curl.split(" -d '").nth(1).unwrap().trim_end_matches('\'');
+    let r = common::request(
+        addr_of(&url),
+        "POST",
+        "/v1/chat/completions",
+        body.as_bytes(),
+    )
+    .await;
+    assert_eq!(r.status, 200);
+    assert!(r.header("x-kvroute-worker").is_some());
+    let text = String::from_utf8_lossy(&r.body);
+    assert!(text.contains("chat.completion.chunk"), "{text}");
+    assert!(text.trim_end().ends_with("data: [DONE]"), "{text}");
+}

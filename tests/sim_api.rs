@@ -1,0 +1,496 @@
+//! The simulated worker over real loopback HTTP: vLLM's shapes, errors, cache reporting, abort on
+//! disconnect, faults, and a stream relayed through the gateway.
+
+mod common;
+
+use std::time::Duration;
+
+use common::{metric, metrics_text, read_until, request, send, wait_metric};
+use kvroute::sim::{self, Faults, SimConfig};
+use serde_json::{json, Value};
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+
+const MODEL: &str = "mistralai/Mistral-7B-Instruct-v0.3";
+
+struct Sim {
+    addrs: Vec<std::net::SocketAddr>,
+    cancel: CancellationToken,
+    _tasks: JoinSet<()>,
+}
+
+impl Drop for Sim {
+    fn drop(&mut self) {
+        self.cancel.cancel();
+    }
+}
+
+/// `workers` simulated workers on free ports, modelled time 20x faster than the wall clock.
+fn cfg(workers: usize) -> SimConfig {
+    SimConfig {
+        workers,
+        port: 0,
+        time_scale: 20.0,
+        ..SimConfig::default()
+    }
+}
+
+async fn start(cfg: SimConfig) -> Sim {
+    let cancel = CancellationToken::new();
+    let mut tasks = JoinSet::new();
+    let addrs = sim::spawn(&cfg, cfg.bind().await.unwrap(), &cancel, &mut tasks).unwrap();
+    Sim {
+        addrs,
+        cancel,
+        _tasks: tasks,
+    }
+}
+
+async fn one() -> Sim {
+    start(cfg(1)).await
+}
+
+/// The `data:` payloads of an SSE body, checking the framing of every event.
+fn sse_events(body: &[u8]) -> Vec<String> {
+    let text = String::from_utf8(body.to_vec()).unwrap();
+    assert!(text.ends_with("\n\n"), "events end with a blank line");
+    text.trim_end()
+        .split("\n\n")
+        .map(|e| {
+            e.strip_prefix("data: ")
+                .unwrap_or_else(|| panic!("not an SSE data event: {e:?}"))
+                .to_string()
+        })
+        .collect()
+}
+
+fn keys(v: &Value) -> Vec<&str> {
+    v.as_object().unwrap().keys().map(String::as_str).collect()
+}
+
+#[tokio::test]
+async fn completion_has_vllm_shape_and_fixed_length_with_ignore_eos() {
+    let s = one().await;
+    let body =
+        json!({"model": MODEL, "prompt": "Once upon a time", "max_tokens": 7, "ignore_eos": true});
+    let r = request(
+        s.addrs[0],
+        "POST",
+        "/v1/completions",
+        body.to_string().as_bytes(),
+    )
+    .await;
+    assert_eq!(r.status, 200);
+    let v = r.json();
+    assert_eq!(
+        keys(&v),
+        [
+            "id",
+            "object",
+            "created",
+            "model",
+            "choices",
+            "usage",
+            "kv_transfer_params"
+        ]
+    );
+    assert!(v["id"].as_str().unwrap().starts_with("cmpl-"));
+    assert_eq!(v["object"], "text_completion");
+    assert_eq!(v["model"], MODEL);
+    let c = &v["choices"][0];
+    assert_eq!(
+        keys(c),
+        [
+            "index",
+            "text",
+            "logprobs",
+            "finish_reason",
+            "stop_reason",
+            "prompt_logprobs"
+        ]
+    );
+    assert_eq!(c["finish_reason"], "length");
+    assert_eq!(v["usage"]["completion_tokens"], 7);
+    assert_eq!(
+        v["usage"]["total_tokens"],
+        v["usage"]["prompt_tokens"].as_u64().unwrap() + 7
+    );
+    assert_eq!(v["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+    assert_eq!(
+        c["text"].as_str().unwrap().split(' ').count(),
+        8,
+        "7 one-word tokens"
+    );
+}
+
+#[tokio::test]
+async fn chat_stream_has_role_chunk_finish_on_last_token_usage_chunk_and_done() {
+    let s = one().await;
+    let body = json!({"model": MODEL, "stream": true, "max_completion_tokens": 4,
+        "stream_options": {"include_usage": true},
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]});
+    let r = request(
+        s.addrs[0],
+        "POST",
+        "/v1/chat/completions",
+        body.to_string().as_bytes(),
+    )
+    .await;
+    assert_eq!(r.status, 200);
+    assert!(r
+        .header("content-type")
+        .unwrap()
+        .starts_with("text/event-stream"));
+    let events = sse_events(&r.body);
+    assert_eq!(events.last().unwrap(), "[DONE]");
+    let chunks: Vec<Value> = events[..events.len() - 1]
+        .iter()
+        .map(|e| serde_json::from_str(e).unwrap())
+        .collect();
+    // role chunk, 4 tokens (the last with finish_reason), usage chunk
+    assert_eq!(chunks.len(), 6, "{events:?}");
+    let id = &chunks[0]["id"];
+    assert!(id.as_str().unwrap().starts_with("chatcmpl-"));
+    assert!(chunks
+        .iter()
+        .all(|c| &c["id"] == id && c["object"] == "chat.completion.chunk"));
+    assert_eq!(
+        chunks[0]["choices"][0]["delta"],
+        json!({"role": "assistant", "content": ""})
+    );
+    for c in &chunks[1..4] {
+        assert_eq!(c["choices"][0]["finish_reason"], Value::Null);
+        assert!(c["choices"][0]["delta"]["content"].is_string());
+        assert!(c.get("usage").is_none());
+    }
+    assert_eq!(chunks[4]["choices"][0]["finish_reason"], "length");
+    assert_eq!(chunks[5]["choices"], json!([]));
+    assert_eq!(chunks[5]["usage"]["completion_tokens"], 4);
+}
+
+#[tokio::test]
+async fn continuous_usage_stats_puts_usage_on_every_chunk() {
+    let s = one().await;
+    let body = json!({"prompt": "x", "stream": true, "max_tokens": 3,
+        "stream_options": {"include_usage": true, "continuous_usage_stats": true}});
+    let r = request(
+        s.addrs[0],
+        "POST",
+        "/v1/completions",
+        body.to_string().as_bytes(),
+    )
+    .await;
+    let events = sse_events(&r.body);
+    let chunks: Vec<Value> = events[..events.len() - 1]
+        .iter()
+        .map(|e| serde_json::from_str(e).unwrap())
+        .collect();
+    assert_eq!(chunks.len(), 4);
+    for (i, c) in chunks[..3].iter().enumerate() {
+        assert_eq!(c["usage"]["completion_tokens"], i + 1);
+    }
+}
+
+#[tokio::test]
+async fn bad_requests_get_vllm_statuses_and_error_bodies() {
+    let s = one().await;
+    let cases: &[(&str, Value, u16, &str)] = &[
+        (
+            "/v1/completions",
+            json!({"prompt": "x", "max_tokens": 40000}),
+            400,
+            "maximum context length is 32768",
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "x", "max_tokens": 0}),
+            400,
+            "at least 1",
+        ),
+        ("/v1/completions", json!({"max_tokens": 3}), 400, "prompt"),
+        (
+            "/v1/completions",
+            json!({"prompt": "x", "n": 2}),
+            400,
+            "n must be 1",
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "x", "stream_options": {"include_usage": true}}),
+            400,
+            "stream=True",
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "x", "temperature": -1}),
+            400,
+            "temperature",
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"model": MODEL}),
+            400,
+            "messages",
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"model": "gpt-9", "messages": []}),
+            404,
+            "The model `gpt-9` does not exist.",
+        ),
+    ];
+    for (path, body, status, needle) in cases {
+        let r = request(s.addrs[0], "POST", path, body.to_string().as_bytes()).await;
+        assert_eq!(r.status, *status, "{body}");
+        let e = &r.json()["error"];
+        assert_eq!(e["code"], *status);
+        assert_eq!(
+            e["type"],
+            if *status == 404 {
+                "NotFoundError"
+            } else {
+                "BadRequestError"
+            }
+        );
+        assert!(e["message"].as_str().unwrap().contains(needle), "{e}");
+    }
+    let r = request(s.addrs[0], "POST", "/v1/completions", b"{not json").await;
+    assert_eq!(r.status, 400);
+}
+
+#[tokio::test]
+async fn a_repeated_prompt_reports_cached_tokens_in_usage_and_metrics() {
+    let s = one().await;
+    let prompt = "The history of the Roman Empire spans many centuries and continents. ".repeat(8);
+    let body = json!({"prompt": prompt, "max_tokens": 2}).to_string();
+    let first = request(s.addrs[0], "POST", "/v1/completions", body.as_bytes())
+        .await
+        .json();
+    let second = request(s.addrs[0], "POST", "/v1/completions", body.as_bytes())
+        .await
+        .json();
+    let prompt_tokens = first["usage"]["prompt_tokens"].as_u64().unwrap();
+    let cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
+    assert_eq!(first["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+    assert_eq!(cached, (prompt_tokens - 1) / 16 * 16);
+    let m = metrics_text(s.addrs[0]).await;
+    let label = format!("{{model_name=\"{MODEL}\"}}");
+    assert_eq!(
+        metric(&m, &format!("vllm:prefix_cache_hits_total{label}")),
+        Some(cached as f64)
+    );
+    assert_eq!(
+        metric(&m, &format!("vllm:prefix_cache_queries_total{label}")),
+        Some(2.0 * prompt_tokens as f64)
+    );
+    assert!(m.contains("vllm:cache_config_info{block_size=\"16\""));
+    for name in [
+        "vllm:time_to_first_token_seconds_count",
+        "vllm:e2e_request_latency_seconds_count",
+        "vllm:request_queue_time_seconds_count",
+    ] {
+        assert_eq!(metric(&m, &format!("{name}{label}")), Some(2.0), "{name}");
+    }
+}
+
+#[tokio::test]
+async fn tokenize_detokenize_models_health_and_load() {
+    let s = one().await;
+    let a = s.addrs[0];
+    let t = request(
+        a,
+        "POST",
+        "/tokenize",
+        br#"{"prompt": "hello there world"}"#,
+    )
+    .await
+    .json();
+    assert_eq!(t["count"], t["tokens"].as_array().unwrap().len());
+    assert_eq!(t["max_model_len"], 32768);
+    let d = request(
+        a,
+        "POST",
+        "/detokenize",
+        json!({"tokens": t["tokens"]}).to_string().as_bytes(),
+    )
+    .await
+    .json();
+    assert_eq!(d["prompt"], "hello there world");
+    let m = request(a, "GET", "/v1/models", b"").await.json();
+    assert_eq!(m["data"][0]["id"], MODEL);
+    assert_eq!(m["data"][0]["owned_by"], "vllm");
+    assert_eq!(request(a, "GET", "/health", b"").await.status, 200);
+    assert_eq!(
+        request(a, "GET", "/load", b"").await.json(),
+        json!({"server_load": 0})
+    );
+}
+
+#[tokio::test]
+async fn a_closed_connection_leaves_the_batch_and_frees_its_blocks() {
+    let s = one().await;
+    let a = s.addrs[0];
+    let label = format!("{{model_name=\"{MODEL}\"}}");
+    let body = json!({"prompt": "tell me a long story", "stream": true, "max_tokens": 5000, "ignore_eos": true});
+    let mut conn = send(a, "POST", "/v1/completions", body.to_string().as_bytes()).await;
+    let got = read_until(&mut conn, b"\"text\"", Duration::from_secs(10)).await;
+    assert!(got.starts_with(b"HTTP/1.1 200"));
+    assert_eq!(
+        metric(
+            &metrics_text(a).await,
+            &format!("vllm:num_requests_running{label}")
+        ),
+        Some(1.0)
+    );
+    drop(conn);
+    let aborted = wait_metric(
+        a,
+        &format!("kvroute_sim_aborted_requests_total{label}"),
+        1.0,
+        Duration::from_secs(10),
+    )
+    .await;
+    assert_eq!(aborted, Some(1.0));
+    let m = metrics_text(a).await;
+    assert_eq!(
+        metric(&m, &format!("vllm:num_requests_running{label}")),
+        Some(0.0)
+    );
+    assert_eq!(
+        metric(&m, &format!("vllm:kv_cache_usage_perc{label}")),
+        Some(0.0)
+    );
+    let generated = metric(&m, &format!("vllm:generation_tokens_total{label}")).unwrap();
+    assert!(generated < 5000.0, "stopped early: {generated}");
+}
+
+#[tokio::test]
+async fn without_abort_on_disconnect_the_waste_is_counted() {
+    let s = start(SimConfig {
+        abort_on_disconnect: false,
+        ..cfg(1)
+    })
+    .await;
+    let a = s.addrs[0];
+    let label = format!("{{model_name=\"{MODEL}\"}}");
+    let body = json!({"prompt": "x", "stream": true, "max_tokens": 300, "ignore_eos": true});
+    let mut conn = send(a, "POST", "/v1/completions", body.to_string().as_bytes()).await;
+    read_until(&mut conn, b"\"text\"", Duration::from_secs(10)).await;
+    drop(conn);
+    // The request runs to its end; every token after the close counts as waste.
+    wait_metric(
+        a,
+        &format!("vllm:generation_tokens_total{label}"),
+        300.0,
+        Duration::from_secs(20),
+    )
+    .await;
+    let waste = metric(
+        &metrics_text(a).await,
+        &format!("kvroute_sim_tokens_after_disconnect_total{label}"),
+    )
+    .unwrap();
+    assert!(waste > 200.0, "{waste}\n{}", metrics_text(a).await);
+}
+
+#[tokio::test]
+async fn faults_error_rate_drop_mid_stream_and_hang() {
+    let s = start(SimConfig {
+        faults: Faults {
+            error_rate: 1.0,
+            ..Faults::default()
+        },
+        fault_worker: Some(0),
+        ..cfg(3)
+    })
+    .await;
+    let body = json!({"prompt": "x", "max_tokens": 2}).to_string();
+    let r = request(s.addrs[0], "POST", "/v1/completions", body.as_bytes()).await;
+    assert_eq!(r.status, 500);
+    assert_eq!(r.json()["error"]["type"], "InternalServerError");
+    assert_eq!(
+        request(s.addrs[1], "POST", "/v1/completions", body.as_bytes())
+            .await
+            .status,
+        200
+    );
+
+    let drop = start(SimConfig {
+        faults: Faults {
+            drop_after_tokens: Some(3),
+            ..Faults::default()
+        },
+        ..cfg(1)
+    })
+    .await;
+    let body =
+        json!({"prompt": "x", "max_tokens": 50, "stream": true, "ignore_eos": true}).to_string();
+    let mut conn = send(drop.addrs[0], "POST", "/v1/completions", body.as_bytes()).await;
+    let raw = read_until(&mut conn, b"[DONE]", Duration::from_secs(10)).await;
+    let text = String::from_utf8_lossy(&raw);
+    assert_eq!(text.matches("data: {").count(), 3, "{text}");
+    assert!(!text.contains("[DONE]"));
+
+    let hang = start(SimConfig {
+        faults: Faults {
+            hang: true,
+            ..Faults::default()
+        },
+        ..cfg(1)
+    })
+    .await;
+    let mut conn = send(hang.addrs[0], "GET", "/health", b"").await;
+    let got = read_until(&mut conn, b"HTTP/1.1", Duration::from_millis(300)).await;
+    assert!(got.is_empty(), "a hung worker answers nothing");
+}
+
+#[tokio::test]
+async fn a_stream_relayed_by_the_gateway_matches_the_workers_direct_answer() {
+    let s = start(cfg(2)).await;
+    let config = kvroute::config::Config {
+        workers: s
+            .addrs
+            .iter()
+            .map(|a| kvroute::config::WorkerConfig::from_url(format!("http://{a}")))
+            .collect(),
+        ..Default::default()
+    };
+    let gw = common::gateway(config).await;
+    let messages = json!([{"role": "user", "content": "Count to ten."}]);
+    let streamed =
+        json!({"model": MODEL, "messages": messages, "max_tokens": 40, "seed": 42, "stream": true});
+    let r = request(
+        gw.addr,
+        "POST",
+        "/v1/chat/completions",
+        streamed.to_string().as_bytes(),
+    )
+    .await;
+    assert_eq!(r.status, 200);
+    let worker = r.header("x-kvroute-worker").unwrap().to_string();
+    let mut text = String::new();
+    for e in sse_events(&r.body) {
+        if e != "[DONE]" {
+            let v: Value = serde_json::from_str(&e).unwrap();
+            text.push_str(v["choices"][0]["delta"]["content"].as_str().unwrap_or(""));
+        }
+    }
+    let direct = json!({"model": MODEL, "messages": messages, "max_tokens": 40, "seed": 42});
+    let addr = s.addrs.iter().find(|a| a.to_string() == worker).unwrap();
+    let d = request(
+        *addr,
+        "POST",
+        "/v1/chat/completions",
+        direct.to_string().as_bytes(),
+    )
+    .await
+    .json();
+    assert_eq!(
+        text,
+        d["choices"][0]["message"]["content"].as_str().unwrap()
+    );
+    assert!(!text.is_empty());
+    gw.shutdown.cancel();
+}
