@@ -63,7 +63,9 @@ impl Worker {
 
     /// Usable unless a recent connection failure ejected it.
     pub fn is_usable(&self) -> bool {
-        self.now_ms() >= self.ejected_until_ms.load(Ordering::Relaxed)
+        // Read the clock only for a worker that was ever ejected: selection asks every worker.
+        let until = self.ejected_until_ms.load(Ordering::Relaxed);
+        until == 0 || self.now_ms() >= until
     }
 
     /// Leaves the worker out of routing for `d` (passive ejection after a refused connection).
