@@ -76,7 +76,7 @@ pub async fn serve_state(
         workers = state.upstreams.pool.snapshot().len(),
         "kvroute gateway listening"
     );
-    let server = axum::serve(listener, app(state))
+    let server = axum::serve(no_delay(listener), app(state))
         .with_graceful_shutdown(shutdown.clone().cancelled_owned());
     let deadline = async {
         shutdown.cancelled().await;
@@ -115,4 +115,18 @@ pub async fn shutdown_signal() {
         let _ = ctrl_c.await;
     }
     tracing::info!("shutdown signal received; draining");
+}
+
+/// Sets `TCP_NODELAY` on every accepted connection. Without it, an SSE event written right after
+/// the response head waits for the client's delayed ACK (~40 ms on Linux): Nagle's algorithm
+/// holds a small write while an earlier one is unacknowledged.
+pub fn no_delay(
+    listener: TcpListener,
+) -> impl axum::serve::Listener<Io = tokio::net::TcpStream, Addr = std::net::SocketAddr> {
+    use axum::serve::ListenerExt;
+    listener.tap_io(|tcp| {
+        if let Err(e) = tcp.set_nodelay(true) {
+            tracing::debug!("cannot set TCP_NODELAY: {e}");
+        }
+    })
 }

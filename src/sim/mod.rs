@@ -218,7 +218,7 @@ pub fn spawn(
         // worker has nothing to save.
         tasks.spawn(async move {
             tokio::select! {
-                served = axum::serve(listener, app) => {
+                served = axum::serve(crate::server::no_delay(listener), app) => {
                     if let Err(e) = served {
                         tracing::warn!(%addr, "simulated worker stopped: {e}");
                     }
