@@ -89,3 +89,35 @@ async fn demo_prints_a_curl_that_streams_through_the_gateway() {
     assert!(text.contains("chat.completion.chunk"), "{text}");
     assert!(text.trim_end().ends_with("data: [DONE]"), "{text}");
 }
+
+#[tokio::test]
+async fn sim_reads_a_config_file_and_flags_override_it() {
+    let dir = std::env::temp_dir().join(format!("kvroute-sim-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("sim.yaml");
+    std::fs::write(
+        &file,
+        "workers: 4\nport: 0\ntime_scale: 50\npreset: l4-qwen2.5-7b\nfaults:\n  error_rate: 1.0\nfault_worker: 1\n",
+    )
+    .unwrap();
+    let (_child, lines) = spawn(&[
+        "sim",
+        "--sim-config",
+        file.to_str().unwrap(),
+        "--workers",
+        "2",
+    ]);
+    let urls: Vec<String> = lines.take(2).collect();
+    assert_eq!(urls.len(), 2);
+    let body = br#"{"prompt": "hi", "max_tokens": 1}"#;
+    let ok = common::request(addr_of(&urls[0]), "POST", "/v1/completions", body).await;
+    assert_eq!(ok.status, 200);
+    assert_eq!(
+        ok.json()["model"],
+        "Qwen/Qwen2.5-7B-Instruct",
+        "preset from the file"
+    );
+    let faulty = common::request(addr_of(&urls[1]), "POST", "/v1/completions", body).await;
+    assert_eq!(faulty.status, 500, "faults from the file, on worker 1 only");
+    let _ = std::fs::remove_dir_all(dir);
+}
