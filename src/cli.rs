@@ -42,6 +42,9 @@ enum Command {
     },
     /// Run simulated vLLM workers; prints one URL a line once they accept connections.
     Sim(SimArgs),
+    /// Measure: load generation, policy comparison and sweeps.
+    #[command(subcommand)]
+    Bench(crate::bench::cli::BenchCommand),
     /// Run simulated workers and the gateway in front of them, in one process.
     Demo {
         #[command(flatten)]
@@ -173,6 +176,7 @@ pub fn main() -> ExitCode {
                 Ok(())
             })
         }
+        Command::Bench(cmd) => run(async move { crate::bench::cli::run(cmd).await.map_err(io) }),
         Command::Demo {
             sim: args,
             listen,

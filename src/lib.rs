@@ -7,6 +7,7 @@
 //! in [`metrics`]; every default in [`config`].
 #![forbid(unsafe_code)]
 
+pub mod bench;
 pub mod cli;
 pub mod config;
 pub mod error;

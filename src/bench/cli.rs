@@ -1,0 +1,253 @@
+//! `kvroute bench run | compare | sweep`: the command line of the benchmark.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::{Args, Subcommand};
+
+use super::loadgen::{Cancel, LoadSpec};
+use super::report::{self, Run};
+use super::workload::Workload;
+use super::{BenchError, DEFAULT_SLO};
+use crate::sim::SimConfig;
+
+#[derive(Subcommand)]
+pub enum BenchCommand {
+    /// One run against any OpenAI-compatible URL (kvroute, vLLM, another router).
+    Run {
+        /// Base URL of the target (no `/v1`).
+        #[arg(long)]
+        url: String,
+        /// A worker's base URL whose /metrics to read (prefix hits, preemptions); repeatable.
+        #[arg(long = "worker-metrics")]
+        worker_metrics: Vec<String>,
+        #[command(flatten)]
+        load: LoadArgs,
+    },
+    /// Fresh simulated workers and one gateway per policy; the same seeded load through each.
+    Compare {
+        /// Policies to compare, comma-separated; the first is the baseline of the ratios.
+        #[arg(long, default_value = "round_robin,prefix", value_delimiter = ',')]
+        policies: Vec<String>,
+        /// Simulated workers per pool.
+        #[arg(long, default_value_t = 2)]
+        workers: usize,
+        /// Simulator preset (`kvroute sim --list-presets`).
+        #[arg(long, default_value = crate::sim::presets::DEFAULT_PRESET)]
+        preset: String,
+        #[command(flatten)]
+        load: LoadArgs,
+    },
+    /// The same load at several concurrencies (or open-loop rates), to find the knee.
+    Sweep {
+        #[arg(long)]
+        url: String,
+        /// Concurrency points, comma-separated.
+        #[arg(long, value_delimiter = ',', default_value = "1,2,4,8,16,32")]
+        points: Vec<f64>,
+        /// Treat the points as open-loop request rates (req/s), capped by --concurrency in flight.
+        #[arg(long)]
+        rates: bool,
+        #[arg(long = "worker-metrics")]
+        worker_metrics: Vec<String>,
+        #[command(flatten)]
+        load: LoadArgs,
+    },
+}
+
+#[derive(Args, Clone)]
+pub struct LoadArgs {
+    /// prefix-repetition, random, multi-turn, zipf or mixed.
+    #[arg(long, default_value = "prefix-repetition")]
+    workload: String,
+    /// A YAML file describing the workload (overrides --workload).
+    #[arg(long)]
+    workload_file: Option<PathBuf>,
+    /// Clients in flight (closed loop), or the cap on in-flight requests with --rate.
+    #[arg(long, default_value_t = 16)]
+    concurrency: usize,
+    /// Open loop: Poisson arrivals at this many requests/s.
+    #[arg(long)]
+    rate: Option<f64>,
+    /// Seconds before the measured window.
+    #[arg(long, default_value_t = 10.0)]
+    warmup: f64,
+    /// Seconds of the measured window.
+    #[arg(long, default_value_t = 60.0)]
+    duration: f64,
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// Model name; the first of the target's /v1/models when unset.
+    #[arg(long)]
+    model: Option<String>,
+    /// Share of requests whose client disconnects after --cancel-after tokens.
+    #[arg(long, default_value_t = 0.0)]
+    cancel_fraction: f64,
+    #[arg(long, default_value_t = 8)]
+    cancel_after: usize,
+    /// SLO on time to first token, ms (classes of the mixed workload carry their own).
+    #[arg(long, default_value_t = DEFAULT_SLO.0)]
+    slo_ttft_ms: f64,
+    /// SLO on time per output token, ms.
+    #[arg(long, default_value_t = DEFAULT_SLO.1)]
+    slo_tpot_ms: f64,
+    /// The target's simulated workers run modelled time this many times faster than the wall clock
+    /// (compare starts them so); figures are reported in modelled time. Warm-up, duration and the
+    /// request timeout stay in wall-clock seconds.
+    #[arg(long, default_value_t = 1.0)]
+    time_scale: f64,
+    /// Per-request timeout, seconds.
+    #[arg(long, default_value_t = 600.0)]
+    request_timeout: f64,
+    /// Write the runs as JSON here.
+    #[arg(long)]
+    json: Option<PathBuf>,
+    /// Write an SVG plot here (TTFT CDF; throughput and TTFT against the sweep points).
+    #[arg(long)]
+    svg: Option<PathBuf>,
+}
+
+impl LoadArgs {
+    fn spec(&self, url: String) -> Result<LoadSpec, BenchError> {
+        let workload = match &self.workload_file {
+            Some(p) => {
+                let text = std::fs::read_to_string(p)
+                    .map_err(|e| BenchError::Setup(format!("{}: {e}", p.display())))?;
+                serde_saphyr::from_str(&text)
+                    .map_err(|e| BenchError::Setup(format!("{}: {e}", p.display())))?
+            }
+            None => Workload::by_name(&self.workload).ok_or_else(|| {
+                BenchError::Setup(format!(
+                    "unknown workload `{}` (known: {})",
+                    self.workload,
+                    Workload::NAMES
+                ))
+            })?,
+        };
+        if self.duration <= 0.0
+            || self.warmup < 0.0
+            || self.concurrency == 0
+            || self.time_scale <= 0.0
+        {
+            return Err(BenchError::Setup(
+                "duration and concurrency must be positive, warmup not negative".into(),
+            ));
+        }
+        Ok(LoadSpec {
+            url,
+            model: self.model.clone(),
+            workload,
+            seed: self.seed,
+            concurrency: self.concurrency,
+            rate: self.rate,
+            warmup: Duration::from_secs_f64(self.warmup),
+            duration: Duration::from_secs_f64(self.duration),
+            cancel: (self.cancel_fraction > 0.0).then_some(Cancel {
+                fraction: self.cancel_fraction,
+                after_tokens: self.cancel_after,
+            }),
+            request_timeout: Duration::from_secs_f64(self.request_timeout),
+        })
+    }
+
+    fn slo(&self) -> (f64, f64) {
+        (self.slo_ttft_ms, self.slo_tpot_ms)
+    }
+
+    fn write(&self, runs: &[Run], svg: impl FnOnce() -> String) -> std::io::Result<()> {
+        if let Some(p) = &self.json {
+            let json = serde_json::to_string_pretty(runs).map_err(std::io::Error::other)?;
+            std::fs::write(p, json)?;
+        }
+        if let Some(p) = &self.svg {
+            std::fs::write(p, svg())?;
+        }
+        Ok(())
+    }
+}
+
+fn describe(spec: &LoadSpec) -> String {
+    let arrival = match spec.rate {
+        Some(r) => format!(
+            "open loop {r} req/s, at most {} in flight",
+            spec.concurrency
+        ),
+        None => format!("closed loop, concurrency {}", spec.concurrency),
+    };
+    format!(
+        "workload {:?}\n{arrival}, seed {}, warm-up {:?}, window {:?}\n",
+        spec.workload, spec.seed, spec.warmup, spec.duration
+    )
+}
+
+pub async fn run(cmd: BenchCommand) -> Result<(), BenchError> {
+    let io = |e: std::io::Error| BenchError::Setup(e.to_string());
+    match cmd {
+        BenchCommand::Run {
+            url,
+            worker_metrics,
+            load,
+        } => {
+            let spec = load.spec(url.clone())?;
+            print!("{}", describe(&spec));
+            let (run, _) =
+                super::run_once(&url, &spec, &worker_metrics, load.slo(), load.time_scale).await?;
+            let runs = vec![run];
+            println!("\n{}", report::table(&runs));
+            load.write(&runs, || report::ttft_cdf_svg(&runs))
+                .map_err(io)
+        }
+        BenchCommand::Compare {
+            policies,
+            workers,
+            preset,
+            load,
+        } => {
+            let time_scale = load.time_scale;
+            let sim = SimConfig {
+                workers,
+                preset,
+                time_scale,
+                ..SimConfig::default()
+            };
+            sim.validate()?;
+            let spec = load.spec(String::new())?;
+            print!("{}", describe(&spec));
+            println!(
+                "pool: {workers} simulated worker(s), preset {}, time scale {time_scale}; fresh per policy\n",
+                sim.preset
+            );
+            let (runs, limit) = super::compare(&sim, &policies, &spec, load.slo()).await?;
+            println!("{}", report::table(&runs));
+            print!("{}", super::limit_line(limit, &runs));
+            load.write(&runs, || report::ttft_cdf_svg(&runs))
+                .map_err(io)
+        }
+        BenchCommand::Sweep {
+            url,
+            points,
+            rates,
+            worker_metrics,
+            load,
+        } => {
+            let spec = load.spec(url)?;
+            print!("{}", describe(&spec));
+            let runs = super::sweep(
+                &spec,
+                &points,
+                rates,
+                &worker_metrics,
+                load.slo(),
+                load.time_scale,
+            )
+            .await?;
+            println!("\n{}", report::table(&runs));
+            let pts: Vec<(usize, super::stats::Summary)> = points
+                .iter()
+                .zip(&runs)
+                .map(|(p, r)| (*p as usize, r.summary.clone()))
+                .collect();
+            load.write(&runs, || report::sweep_svg(&pts)).map_err(io)
+        }
+    }
+}

@@ -1,0 +1,355 @@
+//! The load generator: seeded requests against any OpenAI-compatible URL, streamed, timed per event.
+//!
+//! Closed loop: `concurrency` clients, each sending its next request the moment the last one ends
+//! (intended time = that moment). Open loop: Poisson arrivals at `rate`, at most `concurrency` in
+//! flight; a request that waits for a free slot is still timed from its scheduled arrival. New
+//! requests stop at the end of the window; those in flight are awaited (up to the request timeout).
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::{connect::HttpConnector, Client};
+use hyper_util::rt::TokioExecutor;
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+use tokio::sync::Semaphore;
+use tokio::task::JoinSet;
+use tokio::time::Instant;
+
+use super::stats::Sample;
+use super::workload::{unit, RequestSpec, Workload};
+use crate::sim::engine::splitmix;
+
+type HttpClient = Client<HttpConnector, Full<Bytes>>;
+
+/// A share of clients that disconnect after `after_tokens` streamed tokens.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Cancel {
+    pub fraction: f64,
+    pub after_tokens: usize,
+}
+
+#[derive(Clone, Debug)]
+pub struct LoadSpec {
+    /// Base URL, e.g. `http://127.0.0.1:8080` (no `/v1`).
+    pub url: String,
+    /// Model to ask for; the first of `/v1/models` when unset.
+    pub model: Option<String>,
+    pub workload: Workload,
+    pub seed: u64,
+    pub concurrency: usize,
+    /// Open loop at this many requests/s; closed loop when unset.
+    pub rate: Option<f64>,
+    pub warmup: Duration,
+    pub duration: Duration,
+    pub cancel: Option<Cancel>,
+    pub request_timeout: Duration,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum LoadError {
+    #[error("bad URL {0}")]
+    Url(String),
+    #[error("{url}: {detail}")]
+    Target { url: String, detail: String },
+}
+
+fn client() -> HttpClient {
+    let mut c = HttpConnector::new();
+    c.set_nodelay(true);
+    c.set_connect_timeout(Some(Duration::from_secs(5)));
+    Client::builder(TokioExecutor::new())
+        .pool_max_idle_per_host(4096)
+        .build(c)
+}
+
+/// Runs the load and returns every sample (the window is applied by [`super::stats::summarize`]).
+pub async fn run(spec: &LoadSpec) -> Result<Vec<Sample>, LoadError> {
+    let base = spec.url.trim_end_matches('/').to_string();
+    let _: http::Uri = base.parse().map_err(|_| LoadError::Url(base.clone()))?;
+    let client = client();
+    let model = match &spec.model {
+        Some(m) => m.clone(),
+        None => first_model(&client, &base).await?,
+    };
+    let shared = Arc::new(Shared {
+        client,
+        base,
+        model,
+        spec: spec.clone(),
+        start: Instant::now(),
+        next: AtomicU64::new(0),
+    });
+    let end = spec.warmup + spec.duration;
+    let mut tasks = JoinSet::new();
+    match spec.rate {
+        None => {
+            for _ in 0..spec.concurrency.max(1) {
+                let sh = shared.clone();
+                tasks.spawn(async move {
+                    let mut out = Vec::new();
+                    loop {
+                        let intended = sh.start.elapsed();
+                        if intended >= end {
+                            break;
+                        }
+                        let i = sh.next.fetch_add(1, Ordering::Relaxed);
+                        out.push(sh.one(i, intended.as_secs_f64()).await);
+                    }
+                    out
+                });
+            }
+        }
+        Some(rate) => {
+            let slots = Arc::new(Semaphore::new(spec.concurrency.max(1)));
+            let mut t = 0.0;
+            let mut i = 0u64;
+            loop {
+                // Exponential inter-arrival times from the seeded stream: a Poisson process.
+                t += -(1.0 - unit(splitmix(spec.seed ^ 0xa771 ^ i))).ln() / rate;
+                if Duration::from_secs_f64(t) >= end {
+                    break;
+                }
+                tokio::time::sleep_until(shared.start + Duration::from_secs_f64(t)).await;
+                let Ok(permit) = slots.clone().acquire_owned().await else {
+                    break;
+                };
+                let sh = shared.clone();
+                let intended = t;
+                let idx = i;
+                tasks.spawn(async move {
+                    let s = sh.one(idx, intended).await;
+                    drop(permit);
+                    vec![s]
+                });
+                i += 1;
+            }
+        }
+    }
+    let mut samples: Vec<Sample> = tasks.join_all().await.into_iter().flatten().collect();
+    samples.sort_by(|a, b| a.intended.total_cmp(&b.intended));
+    Ok(samples)
+}
+
+async fn first_model(client: &HttpClient, base: &str) -> Result<String, LoadError> {
+    let err = |detail: String| LoadError::Target {
+        url: format!("{base}/v1/models"),
+        detail,
+    };
+    let uri: http::Uri = format!("{base}/v1/models")
+        .parse()
+        .map_err(|_| LoadError::Url(base.into()))?;
+    let resp = client.get(uri).await.map_err(|e| err(e.to_string()))?;
+    let body = resp
+        .into_body()
+        .collect()
+        .await
+        .map_err(|e| err(e.to_string()))?
+        .to_bytes();
+    let v: Value = serde_json::from_slice(&body).map_err(|e| err(e.to_string()))?;
+    v["data"][0]["id"]
+        .as_str()
+        .map(str::to_string)
+        .ok_or_else(|| err("no model listed".into()))
+}
+
+struct Shared {
+    client: HttpClient,
+    base: String,
+    model: String,
+    spec: LoadSpec,
+    start: Instant,
+    next: AtomicU64,
+}
+
+impl Shared {
+    fn now(&self) -> f64 {
+        self.start.elapsed().as_secs_f64()
+    }
+
+    /// Sends request `i` and times it; never fails (an error is a sample with `ok: false`).
+    async fn one(&self, i: u64, intended: f64) -> Sample {
+        let req = self.spec.workload.request(self.spec.seed, i);
+        let cancel_after = self.spec.cancel.and_then(|c| {
+            (unit(splitmix(self.spec.seed ^ 0xcafe ^ i)) < c.fraction).then_some(c.after_tokens)
+        });
+        let mut s = Sample {
+            index: i,
+            class: req.class.clone(),
+            intended,
+            sent: self.now(),
+            slo: req.slo,
+            ..Sample::default()
+        };
+        let outcome = tokio::time::timeout(
+            self.spec.request_timeout,
+            self.stream(&req, cancel_after, &mut s),
+        )
+        .await;
+        match outcome {
+            Ok(Ok(())) => s.ok = true,
+            Ok(Err(e)) => s.error = Some(e),
+            Err(_) => s.error = Some("timeout".into()),
+        }
+        s.done = self.now();
+        s
+    }
+
+    async fn stream(
+        &self,
+        req: &RequestSpec,
+        cancel_after: Option<usize>,
+        s: &mut Sample,
+    ) -> Result<(), String> {
+        let mut body = req.body.clone();
+        body["model"] = Value::from(self.model.as_str());
+        body["stream"] = Value::Bool(true);
+        body["stream_options"] = serde_json::json!({"include_usage": true});
+        // Fixed output lengths, so every policy and target generates the same amount.
+        body["ignore_eos"] = Value::Bool(true);
+        let path = if req.chat {
+            "/v1/chat/completions"
+        } else {
+            "/v1/completions"
+        };
+        let http_req = http::Request::post(format!("{}{path}", self.base))
+            .header(http::header::CONTENT_TYPE, "application/json")
+            .body(Full::new(Bytes::from(body.to_string())))
+            .map_err(|e| e.to_string())?;
+        let resp = self
+            .client
+            .request(http_req)
+            .await
+            .map_err(|e| format!("send: {e}"))?;
+        let status = resp.status();
+        let mut body = resp.into_body();
+        if !status.is_success() {
+            let bytes = body
+                .collect()
+                .await
+                .map(|b| b.to_bytes())
+                .unwrap_or_default();
+            let text = String::from_utf8_lossy(&bytes);
+            return Err(format!(
+                "HTTP {}: {}",
+                status.as_u16(),
+                text.chars().take(200).collect::<String>()
+            ));
+        }
+        let mut buf = Vec::new();
+        let mut content_events = 0usize;
+        while let Some(frame) = body.frame().await {
+            let frame = frame.map_err(|e| format!("body: {e}"))?;
+            let Some(data) = frame.data_ref() else {
+                continue;
+            };
+            let now = self.now();
+            buf.extend_from_slice(data);
+            while let Some(end) = buf.windows(2).position(|w| w == b"\n\n") {
+                let event: Vec<u8> = buf.drain(..end + 2).collect();
+                let Some(payload) = event.strip_prefix(b"data: ") else {
+                    continue;
+                };
+                let payload = &payload[..payload.len() - 2];
+                if payload == b"[DONE]" {
+                    if content_events == 0 && s.output_tokens == 0 {
+                        return Err("stream ended without output".into());
+                    }
+                    return Ok(());
+                }
+                let v: Value =
+                    serde_json::from_slice(payload).map_err(|e| format!("event: {e}"))?;
+                if let Some(n) = v["usage"]["completion_tokens"].as_u64() {
+                    s.output_tokens = n as usize;
+                }
+                let choice = &v["choices"][0];
+                let text = choice["text"]
+                    .as_str()
+                    .or(choice["delta"]["content"].as_str());
+                if text.is_some_and(|t| !t.is_empty()) {
+                    content_events += 1;
+                    s.token_times.push(now);
+                    if s.output_tokens < content_events {
+                        s.output_tokens = content_events;
+                    }
+                    if cancel_after.is_some_and(|k| content_events >= k) {
+                        s.cancelled = true;
+                        return Ok(()); // dropping the body closes the connection
+                    }
+                }
+            }
+        }
+        Err("stream ended before [DONE]".into())
+    }
+}
+
+/// Engine counters summed over workers, read from their Prometheus `/metrics`.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct WorkerCounters {
+    pub prefix_queries: f64,
+    pub prefix_hits: f64,
+    pub preemptions: f64,
+    pub generation_tokens: f64,
+    pub tokens_after_disconnect: f64,
+}
+
+impl WorkerCounters {
+    pub fn since(&self, before: &Self) -> Self {
+        Self {
+            prefix_queries: self.prefix_queries - before.prefix_queries,
+            prefix_hits: self.prefix_hits - before.prefix_hits,
+            preemptions: self.preemptions - before.preemptions,
+            generation_tokens: self.generation_tokens - before.generation_tokens,
+            tokens_after_disconnect: self.tokens_after_disconnect - before.tokens_after_disconnect,
+        }
+    }
+
+    pub fn hit_rate(&self) -> f64 {
+        if self.prefix_queries > 0.0 {
+            self.prefix_hits / self.prefix_queries
+        } else {
+            0.0
+        }
+    }
+
+    /// Sums the named series of a Prometheus text exposition (any labels).
+    pub fn add_exposition(&mut self, text: &str) {
+        for line in text.lines().filter(|l| !l.starts_with('#')) {
+            let name = line.split(['{', ' ']).next().unwrap_or("");
+            let Some(v) = line.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok()) else {
+                continue;
+            };
+            match name {
+                "vllm:prefix_cache_queries_total" => self.prefix_queries += v,
+                "vllm:prefix_cache_hits_total" => self.prefix_hits += v,
+                "vllm:num_preemptions_total" => self.preemptions += v,
+                "vllm:generation_tokens_total" => self.generation_tokens += v,
+                "kvroute_sim_tokens_after_disconnect_total" => self.tokens_after_disconnect += v,
+                _ => {}
+            }
+        }
+    }
+}
+
+/// Reads every worker's `/metrics` (base URLs); unreachable ones are skipped with a warning.
+pub async fn scrape(workers: &[String]) -> WorkerCounters {
+    let client = client();
+    let mut c = WorkerCounters::default();
+    for w in workers {
+        let Ok(uri) = format!("{}/metrics", w.trim_end_matches('/')).parse::<http::Uri>() else {
+            continue;
+        };
+        match client.get(uri).await {
+            Ok(resp) => {
+                if let Ok(b) = resp.into_body().collect().await {
+                    c.add_exposition(&String::from_utf8_lossy(&b.to_bytes()));
+                }
+            }
+            Err(e) => tracing::warn!(worker = %w, "cannot scrape metrics: {e}"),
+        }
+    }
+    c
+}

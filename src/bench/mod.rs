@@ -1,0 +1,293 @@
+//! `kvroute bench`: seeded workloads, a load generator that times from intended send times,
+//! window statistics, reports, and side-by-side comparison of routing policies on fresh simulated
+//! pools.
+//!
+//! [`workload`] (what to send) → [`loadgen`] (sending and timing) → [`stats`] (the window) →
+//! [`report`] (table, JSON, SVG). This file orchestrates: one run, a policy comparison, a sweep,
+//! and the cache-hit limit.
+
+pub mod cli;
+pub mod loadgen;
+pub mod report;
+pub mod stats;
+pub mod workload;
+
+use std::time::Duration;
+
+use tokio::net::TcpListener;
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+
+use crate::config::{Config, Overrides};
+use crate::sim::{self, kv, request as sim_request, tokenizer, SimConfig};
+use loadgen::LoadSpec;
+use report::Run;
+use stats::{summarize, Sample};
+use workload::Workload;
+
+#[derive(Debug, thiserror::Error)]
+pub enum BenchError {
+    #[error(transparent)]
+    Load(#[from] loadgen::LoadError),
+    #[error(transparent)]
+    Sim(#[from] sim::SimError),
+    #[error("{0}")]
+    Setup(String),
+}
+
+/// Default SLO when a workload class names none: TTFT and TPOT in milliseconds.
+pub const DEFAULT_SLO: (f64, f64) = (2000.0, 200.0);
+
+/// One run against `spec.url`, reading `worker_metrics` before the window and after the run.
+/// With `time_scale` k > 1 (simulated workers running k times faster than real time) every time is
+/// reported in modelled time: latencies k times longer and rates k times lower than the wall clock
+/// saw, so the figures read as the modelled GPUs would give them.
+pub async fn run_once(
+    label: &str,
+    spec: &LoadSpec,
+    worker_metrics: &[String],
+    slo: (f64, f64),
+    time_scale: f64,
+) -> Result<(Run, Vec<Sample>), BenchError> {
+    let before = if worker_metrics.is_empty() {
+        None
+    } else {
+        let urls = worker_metrics.to_vec();
+        let warmup = spec.warmup;
+        Some(tokio::spawn(async move {
+            tokio::time::sleep(warmup).await;
+            loadgen::scrape(&urls).await
+        }))
+    };
+    let mut samples = loadgen::run(spec).await?;
+    for s in &mut samples {
+        s.scale(time_scale);
+    }
+    let workers = match before {
+        Some(task) => {
+            let before = task.await.unwrap_or_default();
+            Some(loadgen::scrape(worker_metrics).await.since(&before))
+        }
+        None => None,
+    };
+    let warmup = spec.warmup.as_secs_f64() * time_scale;
+    let duration = spec.duration.as_secs_f64() * time_scale;
+    let summary = summarize(&samples, warmup, duration, slo);
+    let ttfts = samples
+        .iter()
+        .filter(|s| s.ok && !s.cancelled && s.intended >= warmup && s.intended < warmup + duration)
+        .filter_map(Sample::ttft)
+        .collect();
+    Ok((
+        Run {
+            label: label.into(),
+            summary,
+            workers,
+            ttfts,
+        },
+        samples,
+    ))
+}
+
+/// A fresh simulated pool and a gateway in front of it, torn down on drop.
+pub struct Pool {
+    pub gateway: String,
+    pub workers: Vec<String>,
+    cancel: CancellationToken,
+    _tasks: JoinSet<()>,
+}
+
+impl Drop for Pool {
+    fn drop(&mut self) {
+        self.cancel.cancel();
+    }
+}
+
+pub async fn start_pool(sim_cfg: &SimConfig, policy: &str) -> Result<Pool, BenchError> {
+    let cfg = SimConfig {
+        port: 0,
+        ..sim_cfg.clone()
+    };
+    let cancel = CancellationToken::new();
+    let mut tasks = JoinSet::new();
+    let addrs = sim::spawn(&cfg, cfg.bind().await?, &cancel, &mut tasks)?;
+    let workers: Vec<String> = addrs.iter().map(|a| format!("http://{a}")).collect();
+    let config = Config::default()
+        .with_overrides(Overrides {
+            listen: None,
+            workers: workers.clone(),
+            policy: Some(policy.into()),
+        })
+        .map_err(|e| BenchError::Setup(e.to_string()))?;
+    let listener = TcpListener::bind((cfg.host, 0))
+        .await
+        .map_err(|e| BenchError::Setup(e.to_string()))?;
+    let gateway = format!(
+        "http://{}",
+        listener
+            .local_addr()
+            .map_err(|e| BenchError::Setup(e.to_string()))?
+    );
+    let stop = cancel.clone();
+    tasks.spawn(async move {
+        if let Err(e) = crate::server::serve(listener, config, stop).await {
+            tracing::warn!("bench gateway stopped: {e}");
+        }
+    });
+    Ok(Pool {
+        gateway,
+        workers,
+        cancel,
+        _tasks: tasks,
+    })
+}
+
+/// The same seeded workload through one fresh pool per policy, in turn.
+pub async fn compare(
+    sim_cfg: &SimConfig,
+    policies: &[String],
+    spec: &LoadSpec,
+    slo: (f64, f64),
+) -> Result<(Vec<Run>, Option<f64>), BenchError> {
+    let mut runs = Vec::new();
+    let mut limit = None;
+    for policy in policies {
+        let pool = start_pool(sim_cfg, policy).await?;
+        let spec = LoadSpec {
+            url: pool.gateway.clone(),
+            ..spec.clone()
+        };
+        let k = sim_cfg.time_scale;
+        let (run, samples) = run_once(policy, &spec, &pool.workers, slo, k).await?;
+        if limit.is_none() {
+            let blocks = sim_cfg.engine_params()?.num_gpu_blocks * sim_cfg.workers;
+            let warmup = spec.warmup.mul_f64(k);
+            limit = Some(limit_hit_rate(
+                &spec.workload,
+                spec.seed,
+                &samples,
+                warmup,
+                blocks,
+            ));
+        }
+        runs.push(run);
+        drop(pool);
+        // Let the torn-down pool's sockets close before the next one starts.
+        tokio::task::yield_now().await;
+    }
+    Ok((runs, limit))
+}
+
+/// Concurrency (or, with `rates`, open-loop rate) sweep against `spec.url`.
+pub async fn sweep(
+    spec: &LoadSpec,
+    points: &[f64],
+    open_loop: bool,
+    worker_metrics: &[String],
+    slo: (f64, f64),
+    time_scale: f64,
+) -> Result<Vec<Run>, BenchError> {
+    let mut runs = Vec::new();
+    for &p in points {
+        let spec = if open_loop {
+            LoadSpec {
+                rate: Some(p),
+                ..spec.clone()
+            }
+        } else {
+            LoadSpec {
+                concurrency: p as usize,
+                rate: None,
+                ..spec.clone()
+            }
+        };
+        let label = if open_loop {
+            format!("rate={p}")
+        } else {
+            format!("C={p}")
+        };
+        runs.push(
+            run_once(&label, &spec, worker_metrics, slo, time_scale)
+                .await?
+                .0,
+        );
+    }
+    Ok(runs)
+}
+
+/// The prefix-cache hit rate one cache with `total_blocks` would reach on the same request
+/// stream: every request sent is replayed in order through a single paged cache (with the
+/// simulator's tokenizer and block size), and the window's requests are counted. An upper bound
+/// for any router in front of workers whose caches add up to that capacity (it ignores the
+/// blocks that concurrent requests pin, which only lowers what is reachable).
+pub fn limit_hit_rate(
+    w: &Workload,
+    seed: u64,
+    samples: &[Sample],
+    warmup: Duration,
+    total_blocks: usize,
+) -> f64 {
+    let warm = warmup.as_secs_f64();
+    let mut order: Vec<&Sample> = samples.iter().collect();
+    order.sort_by(|a, b| {
+        a.intended
+            .total_cmp(&b.intended)
+            .then(a.index.cmp(&b.index))
+    });
+    let mut cache = kv::KvCache::new(total_blocks);
+    let (mut queries, mut hits) = (0usize, 0usize);
+    for s in order {
+        let req = w.request(seed, s.index);
+        let text = if req.chat {
+            let messages: Vec<sim_request::Message> =
+                serde_json::from_value(req.body["messages"].clone()).unwrap_or_default();
+            sim_request::chat_template(&messages).unwrap_or_default()
+        } else {
+            req.body["prompt"].as_str().unwrap_or_default().to_string()
+        };
+        let mut tokens = vec![sim_request::BOS];
+        tokens.extend(tokenizer::tokenize(&text));
+        let mut hashes = Vec::new();
+        kv::extend_hashes(&mut hashes, &tokens);
+        let usable = (tokens.len() - 1) / kv::BLOCK_TOKENS;
+        let hit = cache.match_prefix(&hashes[..usable.min(hashes.len())]);
+        if s.intended >= warm {
+            queries += tokens.len();
+            hits += hit.len() * kv::BLOCK_TOKENS;
+        }
+        cache.touch(&hit);
+        let need = tokens.len().div_ceil(kv::BLOCK_TOKENS) - hit.len();
+        let Some(new) = cache.allocate(need) else {
+            cache.free(&hit);
+            continue;
+        };
+        let blocks: Vec<u32> = hit.iter().copied().chain(new).collect();
+        for (b, h) in blocks.iter().zip(&hashes) {
+            cache.register(*b, *h);
+        }
+        cache.free(&blocks);
+    }
+    if queries == 0 {
+        0.0
+    } else {
+        hits as f64 / queries as f64
+    }
+}
+
+/// What `compare` prints under its table.
+pub fn limit_line(limit: Option<f64>, runs: &[Run]) -> String {
+    let Some(l) = limit else {
+        return String::new();
+    };
+    let best = runs
+        .iter()
+        .filter_map(|r| r.workers.as_ref().map(|w| (r.label.as_str(), w.hit_rate())))
+        .fold(("-", 0.0), |a, b| if b.1 > a.1 { b } else { a });
+    format!(
+        "limit: one cache with the pool's total KV capacity would hit {:.1}% of prompt tokens on \
+         this stream; best policy here: {} at {:.1}%\n",
+        l * 100.0,
+        best.0,
+        best.1 * 100.0
+    )
+}

@@ -1,0 +1,323 @@
+//! Reports: a readable table, JSON, and self-contained SVG plots.
+
+use std::fmt::Write;
+
+use serde::Serialize;
+
+use super::loadgen::WorkerCounters;
+use super::stats::Summary;
+
+/// One labelled run: a policy in a comparison, a concurrency in a sweep, or a single run.
+#[derive(Clone, Debug, Serialize)]
+pub struct Run {
+    pub label: String,
+    pub summary: Summary,
+    /// Worker-side counters over the run, when the workers' metrics were reachable.
+    pub workers: Option<WorkerCounters>,
+    /// TTFTs of the window's successful requests (seconds), for the CDF plot.
+    #[serde(skip)]
+    pub ttfts: Vec<f64>,
+}
+
+fn ms(s: f64) -> String {
+    format!("{:.0}", s * 1e3)
+}
+
+/// Runs side by side, one column each, with each run's ratio to the first on the rate and TTFT rows.
+pub fn table(runs: &[Run]) -> String {
+    let mut rows: Vec<(String, Vec<String>)> = Vec::new();
+    let mut row = |name: &str, f: &dyn Fn(&Run) -> String| {
+        rows.push((name.to_string(), runs.iter().map(f).collect()));
+    };
+    row("requests (window)", &|r| r.summary.requests.to_string());
+    row("errors / cancelled", &|r| {
+        format!("{} / {}", r.summary.errors, r.summary.cancelled)
+    });
+    row("req/s", &|r| format!("{:.2}", r.summary.req_per_s));
+    row("output tok/s", &|r| {
+        format!("{:.0}", r.summary.output_tok_per_s)
+    });
+    row("TTFT p50 / p95 / p99 ms", &|r| {
+        let t = &r.summary.ttft;
+        format!("{} / {} / {}", ms(t.p50), ms(t.p95), ms(t.p99))
+    });
+    row("ITL p50 / p99 ms", &|r| {
+        format!("{} / {}", ms(r.summary.itl.p50), ms(r.summary.itl.p99))
+    });
+    row("TPOT p95 ms", &|r| ms(r.summary.tpot.p95));
+    row("e2e p50 / p99 ms", &|r| {
+        format!("{} / {}", ms(r.summary.e2e.p50), ms(r.summary.e2e.p99))
+    });
+    row("goodput (SLO met)", &|r| {
+        format!("{:.0}%", r.summary.goodput * 100.0)
+    });
+    row("worker prefix hit rate", &|r| {
+        r.workers
+            .as_ref()
+            .map_or("-".into(), |w| format!("{:.1}%", w.hit_rate() * 100.0))
+    });
+    row("worker preemptions", &|r| {
+        r.workers
+            .as_ref()
+            .map_or("-".into(), |w| format!("{:.0}", w.preemptions))
+    });
+    row("tokens after disconnect", &|r| {
+        r.workers
+            .as_ref()
+            .map_or("-".into(), |w| format!("{:.0}", w.tokens_after_disconnect))
+    });
+    if runs.len() > 1 {
+        let base = &runs[0].summary;
+        row(&format!("req/s vs {}", runs[0].label), &|r| {
+            ratio(r.summary.req_per_s, base.req_per_s)
+        });
+        row(&format!("TTFT p95 vs {}", runs[0].label), &|r| {
+            ratio(r.summary.ttft.p95, base.ttft.p95)
+        });
+    }
+    let head: Vec<String> = runs.iter().map(|r| r.label.clone()).collect();
+    let width0 = rows.iter().map(|r| r.0.len()).max().unwrap_or(0);
+    let widths: Vec<usize> = (0..runs.len())
+        .map(|i| {
+            rows.iter()
+                .map(|r| r.1[i].len())
+                .chain([head[i].len()])
+                .max()
+                .unwrap_or(0)
+        })
+        .collect();
+    let mut out = String::new();
+    let line = |out: &mut String, first: &str, cells: &[String]| {
+        let _ = write!(out, "| {first:<width0$} |");
+        for (c, w) in cells.iter().zip(&widths) {
+            let _ = write!(out, " {c:>w$} |");
+        }
+        out.push('\n');
+    };
+    line(&mut out, "", &head);
+    let _ = write!(out, "|{}|", "-".repeat(width0 + 2));
+    for w in &widths {
+        let _ = write!(out, "{}:|", "-".repeat(w + 1));
+    }
+    out.push('\n');
+    for (name, cells) in &rows {
+        line(&mut out, name, cells);
+    }
+    out
+}
+
+fn ratio(a: f64, b: f64) -> String {
+    if b > 0.0 {
+        format!("{:.2}x", a / b)
+    } else {
+        "-".into()
+    }
+}
+
+const COLORS: &[&str] = &[
+    "#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b",
+];
+
+/// A TTFT CDF per run, as a standalone SVG.
+pub fn ttft_cdf_svg(runs: &[Run]) -> String {
+    let max = runs
+        .iter()
+        .flat_map(|r| r.ttfts.iter().copied())
+        .fold(0.0, f64::max)
+        .max(1e-3);
+    let series: Vec<(String, Vec<(f64, f64)>)> = runs
+        .iter()
+        .map(|r| {
+            let mut v = r.ttfts.clone();
+            v.sort_by(f64::total_cmp);
+            let n = v.len().max(1) as f64;
+            let pts = v
+                .iter()
+                .enumerate()
+                .map(|(i, t)| (t * 1e3, (i + 1) as f64 / n))
+                .collect();
+            (r.label.clone(), pts)
+        })
+        .collect();
+    svg_lines(
+        "TTFT CDF",
+        "TTFT (ms)",
+        "share of requests",
+        max * 1e3,
+        1.0,
+        &series,
+    )
+}
+
+/// Throughput and TTFT p95 against concurrency, for a sweep (two panels in one SVG).
+pub fn sweep_svg(points: &[(usize, Summary)]) -> String {
+    let rate: Vec<(f64, f64)> = points
+        .iter()
+        .map(|(c, s)| (*c as f64, s.req_per_s))
+        .collect();
+    let ttft: Vec<(f64, f64)> = points
+        .iter()
+        .map(|(c, s)| (*c as f64, s.ttft.p95 * 1e3))
+        .collect();
+    let xmax = rate.iter().map(|p| p.0).fold(1.0, f64::max);
+    let top = svg_lines(
+        "throughput",
+        "concurrency",
+        "req/s",
+        xmax,
+        rate.iter().map(|p| p.1).fold(1e-3, f64::max),
+        &[("req/s".into(), rate)],
+    );
+    let bottom = svg_lines(
+        "TTFT p95",
+        "concurrency",
+        "ms",
+        xmax,
+        ttft.iter().map(|p| p.1).fold(1e-3, f64::max),
+        &[("TTFT p95".into(), ttft)],
+    );
+    format!(
+        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"640\" height=\"800\">\
+         <g>{}</g><g transform=\"translate(0,400)\">{}</g></svg>\n",
+        inner(&top),
+        inner(&bottom)
+    )
+}
+
+fn inner(svg: &str) -> &str {
+    let start = svg.find('>').map_or(0, |i| i + 1);
+    let end = svg.rfind("</svg>").unwrap_or(svg.len());
+    &svg[start..end]
+}
+
+fn svg_lines(
+    title: &str,
+    xlabel: &str,
+    ylabel: &str,
+    xmax: f64,
+    ymax: f64,
+    series: &[(String, Vec<(f64, f64)>)],
+) -> String {
+    let (w, h, l, r, t, b) = (640.0, 400.0, 70.0, 20.0, 40.0, 50.0);
+    let x = |v: f64| l + v / xmax * (w - l - r);
+    let y = |v: f64| h - b - v / ymax * (h - t - b);
+    let mut s = format!(
+        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{w}\" height=\"{h}\" font-family=\"sans-serif\" font-size=\"12\">\
+         <rect width=\"{w}\" height=\"{h}\" fill=\"white\"/>\
+         <text x=\"{}\" y=\"24\" text-anchor=\"middle\" font-size=\"15\">{title}</text>\
+         <line x1=\"{l}\" y1=\"{}\" x2=\"{}\" y2=\"{}\" stroke=\"black\"/>\
+         <line x1=\"{l}\" y1=\"{t}\" x2=\"{l}\" y2=\"{}\" stroke=\"black\"/>\
+         <text x=\"{}\" y=\"{}\" text-anchor=\"middle\">{xlabel}</text>\
+         <text x=\"16\" y=\"{}\" text-anchor=\"middle\" transform=\"rotate(-90 16 {})\">{ylabel}</text>",
+        w / 2.0,
+        h - b,
+        w - r,
+        h - b,
+        h - b,
+        (l + w - r) / 2.0,
+        h - 12.0,
+        (t + h - b) / 2.0,
+        (t + h - b) / 2.0,
+    );
+    for k in 0..=4 {
+        let f = k as f64 / 4.0;
+        let _ = write!(
+            s,
+            "<text x=\"{}\" y=\"{}\" text-anchor=\"middle\">{}</text>\
+             <text x=\"{}\" y=\"{}\" text-anchor=\"end\">{}</text>",
+            x(f * xmax),
+            h - b + 16.0,
+            fmt_tick(f * xmax),
+            l - 6.0,
+            y(f * ymax) + 4.0,
+            fmt_tick(f * ymax)
+        );
+    }
+    for (i, (label, pts)) in series.iter().enumerate() {
+        let color = COLORS[i % COLORS.len()];
+        let path: Vec<String> = pts
+            .iter()
+            .map(|(a, b)| format!("{:.1},{:.1}", x(*a), y(*b)))
+            .collect();
+        let _ = write!(
+            s,
+            "<polyline fill=\"none\" stroke=\"{color}\" stroke-width=\"2\" points=\"{}\"/>\
+             <text x=\"{}\" y=\"{}\" fill=\"{color}\">{}</text>",
+            path.join(" "),
+            l + 10.0,
+            t + 16.0 * (i + 1) as f64,
+            escape(label)
+        );
+    }
+    s.push_str("</svg>\n");
+    s
+}
+
+fn fmt_tick(v: f64) -> String {
+    if v >= 100.0 {
+        format!("{v:.0}")
+    } else if v >= 1.0 {
+        format!("{v:.1}")
+    } else {
+        format!("{v:.2}")
+    }
+}
+
+fn escape(s: &str) -> String {
+    s.replace('&', "&amp;")
+        .replace('<', "&lt;")
+        .replace('>', "&gt;")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::bench::stats::Percentiles;
+
+    fn run(label: &str, rate: f64, p95: f64) -> Run {
+        Run {
+            label: label.into(),
+            summary: Summary {
+                req_per_s: rate,
+                ttft: Percentiles {
+                    p95,
+                    ..Percentiles::default()
+                },
+                ..Summary::default()
+            },
+            workers: None,
+            ttfts: vec![0.1, 0.2, p95],
+        }
+    }
+
+    #[test]
+    fn table_puts_runs_side_by_side_with_ratios_to_the_first() {
+        let t = table(&[run("round_robin", 6.5, 1.8), run("prefix", 13.0, 0.5)]);
+        let lines: Vec<&str> = t.lines().collect();
+        assert!(lines[0].contains("round_robin") && lines[0].contains("prefix"));
+        let ratio = lines
+            .iter()
+            .find(|l| l.contains("req/s vs round_robin"))
+            .unwrap();
+        assert!(
+            ratio.contains("1.00x") && ratio.contains("2.00x"),
+            "{ratio}"
+        );
+        let ttft = lines.iter().find(|l| l.contains("TTFT p95 vs")).unwrap();
+        assert!(ttft.contains("0.28x"), "{ttft}");
+        // Every row has the same number of cells.
+        let cells = |l: &str| l.matches('|').count();
+        assert!(lines.iter().all(|l| cells(l) == cells(lines[0])));
+    }
+
+    #[test]
+    fn svg_plots_one_line_per_run_and_escapes_labels() {
+        let svg = ttft_cdf_svg(&[run("a<b", 1.0, 0.3), run("c", 1.0, 0.4)]);
+        assert!(svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>"));
+        assert_eq!(svg.matches("<polyline").count(), 2);
+        assert!(svg.contains("a&lt;b") && !svg.contains("a<b"));
+        let sweep = sweep_svg(&[(1, Summary::default()), (8, Summary::default())]);
+        assert_eq!(sweep.matches("<polyline").count(), 2);
+        assert_eq!(sweep.matches("<svg").count(), 1, "one document, two panels");
+    }
+}

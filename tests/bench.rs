@@ -1,0 +1,149 @@
+//! `kvroute bench` end to end over loopback: the generator's intended-time latency against a real
+//! (simulated) worker, and a short policy comparison on a small pool.
+
+use std::time::Duration;
+
+use kvroute::bench::{self, loadgen::LoadSpec, workload::Workload};
+use kvroute::sim::presets::{CostModel, EngineParams};
+use kvroute::sim::SimConfig;
+
+fn small_engine(blocks: usize) -> EngineParams {
+    EngineParams {
+        model: "tiny".into(),
+        max_model_len: 2048,
+        num_gpu_blocks: blocks,
+        max_num_seqs: 64,
+        max_num_batched_tokens: 2048,
+        cost: CostModel {
+            step_base_ms: 10.0,
+            prefill_ms_per_token: 0.1,
+            decode_ms_per_seq: 0.1,
+            kv_read_ms_per_1k_tokens: 0.1,
+        },
+    }
+}
+
+fn spec(workload: Workload) -> LoadSpec {
+    LoadSpec {
+        url: String::new(),
+        model: None,
+        workload,
+        seed: 3,
+        concurrency: 8,
+        rate: None,
+        warmup: Duration::from_millis(500),
+        duration: Duration::from_millis(2000),
+        cancel: None,
+        request_timeout: Duration::from_secs(30),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_open_loop_that_outruns_the_server_reports_the_wait_it_caused() {
+    let sim = SimConfig {
+        workers: 1,
+        engine: Some(small_engine(2048)),
+        ..SimConfig::default()
+    };
+    let pool = bench::start_pool(&sim, "round_robin").await.unwrap();
+    // 40 req/s offered, one request in flight at a time, each ~10 steps of 10 ms: the queue grows.
+    let load = LoadSpec {
+        url: pool.gateway.clone(),
+        rate: Some(40.0),
+        concurrency: 1,
+        warmup: Duration::ZERO,
+        duration: Duration::from_millis(1000),
+        ..spec(Workload::Random {
+            input_tokens: 32,
+            output_tokens: 10,
+        })
+    };
+    let (run, samples) = bench::run_once("open", &load, &[], (1e9, 1e9), 1.0)
+        .await
+        .unwrap();
+    let s = &run.summary;
+    assert!(s.requests >= 20, "{} requests", s.requests);
+    assert_eq!(s.errors, 0);
+    assert!(s.max_send_lag > 0.2, "lag {}", s.max_send_lag);
+    // Latency counts from the intended time, so the worst TTFT includes the worst lag.
+    assert!(s.ttft.p99 >= s.max_send_lag * 0.9, "{s:?}");
+    // And each sample's TTFT is at least its own send lag.
+    for x in samples.iter().filter(|x| x.ok) {
+        assert!(x.ttft().unwrap() >= x.sent - x.intended);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn compare_shows_prefix_routing_beating_round_robin_when_caches_cannot_hold_every_prefix() {
+    // 16 prefixes × 384 tokens = 384 blocks; each worker holds 300. Round-robin needs every prefix
+    // on both workers and thrashes; prefix routing puts about half on each, which fits. (Each
+    // prefix is ~1.4 KB, longer than the 1 KB the gateway's default key hashes: a key longer than
+    // the shared prefix would make every request's key unique.)
+    let sim = SimConfig {
+        workers: 2,
+        engine: Some(small_engine(300)),
+        time_scale: 4.0,
+        ..SimConfig::default()
+    };
+    let load = spec(Workload::PrefixRepetition {
+        prefixes: 16,
+        prefix_tokens: 383,
+        unique_tokens: 16,
+        output_tokens: 8,
+    });
+    let policies = ["round_robin".to_string(), "prefix".to_string()];
+    let (runs, limit) = bench::compare(&sim, &policies, &load, (1e9, 1e9))
+        .await
+        .unwrap();
+    assert_eq!(runs.len(), 2);
+    let hit = |i: usize| runs[i].workers.as_ref().unwrap().hit_rate();
+    for r in &runs {
+        assert!(r.summary.requests > 20, "{}: {:?}", r.label, r.summary);
+        assert_eq!(r.summary.errors, 0);
+    }
+    let table = bench::report::table(&runs);
+    assert!(hit(1) > hit(0) + 0.15, "{table}");
+    let limit = limit.unwrap();
+    assert!(
+        limit >= hit(1) * 0.9,
+        "limit {limit} below prefix {}",
+        hit(1)
+    );
+    assert!(table.contains("req/s vs round_robin"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancelling_clients_are_counted_and_do_not_count_as_errors() {
+    let sim = SimConfig {
+        workers: 1,
+        engine: Some(small_engine(2048)),
+        time_scale: 4.0,
+        ..SimConfig::default()
+    };
+    let pool = bench::start_pool(&sim, "prefix").await.unwrap();
+    let load = LoadSpec {
+        url: pool.gateway.clone(),
+        cancel: Some(bench::loadgen::Cancel {
+            fraction: 0.5,
+            after_tokens: 2,
+        }),
+        ..spec(Workload::Random {
+            input_tokens: 32,
+            output_tokens: 40,
+        })
+    };
+    let (run, samples) = bench::run_once("c", &load, &pool.workers, (1e9, 1e9), 4.0)
+        .await
+        .unwrap();
+    let s = &run.summary;
+    assert!(s.cancelled > 0 && s.succeeded > 0, "{s:?}");
+    assert_eq!(s.errors, 0);
+    assert!(samples
+        .iter()
+        .filter(|x| x.cancelled)
+        .all(|x| x.token_times.len() == 2));
+    // The workers generated fewer tokens than 40 per request: the aborts reached them.
+    let w = run.workers.as_ref().unwrap();
+    let sent = samples.iter().filter(|x| x.intended >= 0.5 * 4.0).count() as f64;
+    assert!(w.generation_tokens < sent * 40.0, "{w:?}");
+}
