@@ -147,3 +147,43 @@ async fn cancelling_clients_are_counted_and_do_not_count_as_errors() {
     let sent = samples.iter().filter(|x| x.intended >= 0.5 * 4.0).count() as f64;
     assert!(w.generation_tokens < sent * 40.0, "{w:?}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn compare_takes_config_files_and_sweep_finds_throughput_rising_with_concurrency() {
+    let sim = SimConfig {
+        workers: 2,
+        engine: Some(small_engine(2048)),
+        time_scale: 4.0,
+        ..SimConfig::default()
+    };
+    let load = LoadSpec {
+        warmup: Duration::from_millis(300),
+        duration: Duration::from_millis(1200),
+        ..spec(Workload::Random {
+            input_tokens: 64,
+            output_tokens: 16,
+        })
+    };
+    let file = concat!(env!("CARGO_MANIFEST_DIR"), "/config/least_conn.yaml").to_string();
+    let (runs, _) = bench::compare(&sim, &[file], &load, (1e9, 1e9))
+        .await
+        .unwrap();
+    assert_eq!(runs[0].label, "least_conn", "labelled by the file's stem");
+    assert_eq!(runs[0].summary.errors, 0);
+    assert!(runs[0].summary.requests > 10);
+
+    let pool = bench::start_pool(&sim, "least_conn").await.unwrap();
+    let load = LoadSpec {
+        url: pool.gateway.clone(),
+        ..load
+    };
+    let runs = bench::sweep(&load, &[1.0, 8.0], false, &[], (1e9, 1e9), 4.0)
+        .await
+        .unwrap();
+    assert_eq!(runs[1].label, "C=8");
+    assert!(
+        runs[1].summary.req_per_s > 2.0 * runs[0].summary.req_per_s,
+        "{}",
+        bench::report::table(&runs)
+    );
+}

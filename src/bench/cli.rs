@@ -26,7 +26,8 @@ pub enum BenchCommand {
     },
     /// Fresh simulated workers and one gateway per policy; the same seeded load through each.
     Compare {
-        /// Policies to compare, comma-separated; the first is the baseline of the ratios.
+        /// Arms to compare, comma-separated: policy names or gateway config files (their worker
+        /// lists are replaced by the pool's); the first is the baseline of the ratios.
         #[arg(long, default_value = "round_robin,prefix", value_delimiter = ',')]
         policies: Vec<String>,
         /// Simulated workers per pool.

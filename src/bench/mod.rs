@@ -103,7 +103,9 @@ impl Drop for Pool {
     }
 }
 
-pub async fn start_pool(sim_cfg: &SimConfig, policy: &str) -> Result<Pool, BenchError> {
+/// Starts a pool whose gateway runs `arm`: a policy name, or a gateway config file (`.yaml`/`.yml`)
+/// whose worker list is replaced by the pool's.
+pub async fn start_pool(sim_cfg: &SimConfig, arm: &str) -> Result<Pool, BenchError> {
     let cfg = SimConfig {
         port: 0,
         ..sim_cfg.clone()
@@ -112,12 +114,21 @@ pub async fn start_pool(sim_cfg: &SimConfig, policy: &str) -> Result<Pool, Bench
     let mut tasks = JoinSet::new();
     let addrs = sim::spawn(&cfg, cfg.bind().await?, &cancel, &mut tasks)?;
     let workers: Vec<String> = addrs.iter().map(|a| format!("http://{a}")).collect();
-    let config = Config::default()
-        .with_overrides(Overrides {
-            listen: None,
-            workers: workers.clone(),
-            policy: Some(policy.into()),
+    let is_file = arm.ends_with(".yaml") || arm.ends_with(".yml");
+    let base = if is_file {
+        Config::parse_file(std::path::Path::new(arm))
+    } else {
+        Ok(Config::default())
+    };
+    let config = base
+        .and_then(|c| {
+            c.with_overrides(Overrides {
+                listen: None,
+                workers: workers.clone(),
+                policy: (!is_file).then(|| arm.to_string()),
+            })
         })
+        .and_then(|c| c.validate().map(|()| c))
         .map_err(|e| BenchError::Setup(e.to_string()))?;
     let listener = TcpListener::bind((cfg.host, 0))
         .await
@@ -142,7 +153,7 @@ pub async fn start_pool(sim_cfg: &SimConfig, policy: &str) -> Result<Pool, Bench
     })
 }
 
-/// The same seeded workload through one fresh pool per policy, in turn.
+/// The same seeded workload through one fresh pool per arm (policy name or config file), in turn.
 pub async fn compare(
     sim_cfg: &SimConfig,
     policies: &[String],
@@ -158,7 +169,10 @@ pub async fn compare(
             ..spec.clone()
         };
         let k = sim_cfg.time_scale;
-        let (run, samples) = run_once(policy, &spec, &pool.workers, slo, k).await?;
+        let label = std::path::Path::new(policy)
+            .file_stem()
+            .map_or(policy.clone(), |s| s.to_string_lossy().into_owned());
+        let (run, samples) = run_once(&label, &spec, &pool.workers, slo, k).await?;
         if limit.is_none() {
             let blocks = sim_cfg.engine_params()?.num_gpu_blocks * sim_cfg.workers;
             let warmup = spec.warmup.mul_f64(k);
