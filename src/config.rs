@@ -45,6 +45,10 @@ pub struct Config {
     pub eject_seconds: f64,
     /// How long in-flight requests may run after SIGTERM before the gateway exits, in seconds.
     pub drain_seconds: f64,
+    /// Active and passive health checking of workers.
+    pub health: HealthConfig,
+    /// Where the worker list comes from: this file (`static`), DNS, or the Kubernetes API.
+    pub discovery: DiscoveryConfig,
 }
 
 impl Default for Config {
@@ -60,6 +64,8 @@ impl Default for Config {
             connect_retries: 2,
             eject_seconds: 5.0,
             drain_seconds: 30.0,
+            health: HealthConfig::default(),
+            discovery: DiscoveryConfig::default(),
         }
     }
 }
@@ -84,6 +90,9 @@ pub struct WorkerConfig {
     /// Models this worker serves; empty means any model.
     #[serde(default)]
     pub models: Vec<String>,
+    /// A draining worker gets no new requests; its in-flight streams finish.
+    #[serde(default)]
+    pub draining: bool,
 }
 
 impl WorkerConfig {
@@ -92,8 +101,74 @@ impl WorkerConfig {
             url: url.into(),
             name: None,
             models: Vec::new(),
+            draining: false,
         }
     }
+}
+
+/// Health checking. Active checks GET `path` on every worker each `interval_seconds` (0 turns
+/// them off); a worker is marked down after `unhealthy_threshold` failures in a row and up again
+/// after `healthy_threshold` successes. Passively, `passive_failures` 5xx answers in a row eject
+/// a worker for `eject_seconds` (a refused connection ejects it at once).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct HealthConfig {
+    pub interval_seconds: f64,
+    pub timeout_seconds: f64,
+    pub path: String,
+    pub unhealthy_threshold: u32,
+    pub healthy_threshold: u32,
+    pub passive_failures: u32,
+}
+
+impl Default for HealthConfig {
+    fn default() -> Self {
+        Self {
+            interval_seconds: 5.0,
+            timeout_seconds: 2.0,
+            path: "/health".into(),
+            unhealthy_threshold: 3,
+            healthy_threshold: 2,
+            passive_failures: 3,
+        }
+    }
+}
+
+/// Worker discovery. `static` uses `workers`; `dns` re-resolves `host` (e.g. a headless Service)
+/// every `interval_seconds` and uses every address on `port`; `kubernetes` watches the
+/// EndpointSlices of `service` in `namespace` and uses the Ready, non-terminating endpoints on
+/// `port_name` (or `port`).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
+pub enum DiscoveryConfig {
+    #[default]
+    Static,
+    Dns {
+        host: String,
+        port: u16,
+        #[serde(default = "default_interval")]
+        interval_seconds: f64,
+    },
+    Kubernetes {
+        #[serde(default = "default_namespace")]
+        namespace: String,
+        service: String,
+        #[serde(default)]
+        port_name: Option<String>,
+        #[serde(default)]
+        port: Option<u16>,
+        /// API server base URL; in a pod, taken from the service-account environment when unset.
+        #[serde(default)]
+        api_url: Option<String>,
+    },
+}
+
+fn default_interval() -> f64 {
+    5.0
+}
+
+fn default_namespace() -> String {
+    "default".into()
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -262,7 +337,7 @@ impl Config {
     /// Checks what serde cannot: ranges, URLs, duplicate names.
     pub fn validate(&self) -> Result<(), ConfigError> {
         let bad = |m: String| Err(ConfigError::Invalid(m));
-        if self.workers.is_empty() {
+        if self.workers.is_empty() && self.discovery == DiscoveryConfig::Static {
             return bad(
                 "at least one worker is required (workers: [{url: ...}] or --worker URL)".into(),
             );
@@ -316,6 +391,41 @@ impl Config {
         }
         if self.body_limit_bytes == 0 {
             return bad("body_limit_bytes must be at least 1".into());
+        }
+        let h = &self.health;
+        let positive = |v: f64| v.is_finite() && v > 0.0;
+        if !(h.interval_seconds == 0.0 || positive(h.interval_seconds))
+            || !positive(h.timeout_seconds)
+            || h.unhealthy_threshold == 0
+            || h.healthy_threshold == 0
+            || h.passive_failures == 0
+            || !h.path.starts_with('/')
+        {
+            return bad("health: interval_seconds >= 0, timeout_seconds > 0, thresholds >= 1, path starting with /".into());
+        }
+        match &self.discovery {
+            DiscoveryConfig::Static => {}
+            DiscoveryConfig::Dns {
+                host,
+                interval_seconds,
+                ..
+            } => {
+                if host.is_empty() || !(interval_seconds.is_finite() && *interval_seconds > 0.0) {
+                    return bad("discovery.dns needs a host and a positive interval_seconds".into());
+                }
+            }
+            DiscoveryConfig::Kubernetes {
+                service,
+                port_name,
+                port,
+                ..
+            } => {
+                if service.is_empty() || (port_name.is_none() && port.is_none()) {
+                    return bad(
+                        "discovery.kubernetes needs a service and a port_name or port".into(),
+                    );
+                }
+            }
         }
         Ok(())
     }

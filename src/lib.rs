@@ -11,6 +11,7 @@ pub mod bench;
 pub mod cli;
 pub mod config;
 pub mod error;
+pub mod health;
 pub mod metrics;
 pub mod policy;
 pub mod proxy;

@@ -22,6 +22,16 @@ pub struct Metrics {
     pub routing_decisions: IntCounterVec,
     /// `worker`.
     pub worker_inflight: IntGaugeVec,
+    /// `worker`: 1 when the worker takes new requests (not down, draining or ejected).
+    pub worker_healthy: IntGaugeVec,
+    /// `worker`, `result` (ok, fail).
+    pub health_checks: IntCounterVec,
+    /// `source` (static, dns, kubernetes, reload), `result` (applied, rejected, error).
+    pub discovery_updates: IntCounterVec,
+    /// Workers in the current set.
+    pub workers: prometheus::IntGauge,
+    /// `result` (applied, rejected): config reloads.
+    pub config_reloads: IntCounterVec,
     /// `policy`, `worker`: from receiving the request to the worker's response headers.
     pub ttfb: HistogramVec,
     /// `policy`, `worker`: from receiving the request to the end of the response body.
@@ -67,7 +77,41 @@ impl Metrics {
         registry
             .register(Box::new(worker_inflight.clone()))
             .expect("metric registered once");
+        let gauge = |name: &str, help: &str, labels: &[&str]| {
+            let g =
+                IntGaugeVec::new(Opts::new(name, help), labels).expect("static metric definition");
+            registry
+                .register(Box::new(g.clone()))
+                .expect("metric registered once");
+            g
+        };
+        let workers = prometheus::IntGauge::new("kvroute_workers", "Workers in the current set.")
+            .expect("static metric definition");
+        registry
+            .register(Box::new(workers.clone()))
+            .expect("metric registered once");
         Self {
+            worker_healthy: gauge(
+                "kvroute_worker_healthy",
+                "1 when the worker takes new requests (not down, draining or ejected), else 0.",
+                &["worker"],
+            ),
+            health_checks: counter(
+                "kvroute_health_checks_total",
+                "Active health checks, by worker and result (ok, fail).",
+                &["worker", "result"],
+            ),
+            discovery_updates: counter(
+                "kvroute_discovery_updates_total",
+                "Worker-set updates, by source (static, dns, kubernetes, reload) and result.",
+                &["source", "result"],
+            ),
+            workers,
+            config_reloads: counter(
+                "kvroute_config_reloads_total",
+                "Config reloads, by result (applied, rejected).",
+                &["result"],
+            ),
             requests: counter(
                 "kvroute_requests_total",
                 "Requests answered, by route, policy, worker and HTTP status.",

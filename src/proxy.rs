@@ -126,7 +126,12 @@ pub async fn forward(
         let timeout = up.config.timeouts.first_byte();
         match tokio::time::timeout(timeout, up.client.request(request)).await {
             Ok(Ok(resp)) => {
-                return Ok(tracker.into_response(resp, route, up.config.timeouts.idle_stream()))
+                worker.record_status(
+                    resp.status(),
+                    up.config.health.passive_failures,
+                    Duration::from_secs_f64(up.config.eject_seconds),
+                );
+                return Ok(tracker.into_response(resp, route, up.config.timeouts.idle_stream()));
             }
             Ok(Err(e)) if e.is_connect() => {
                 tracker.failed("connect");

@@ -76,6 +76,13 @@ pub async fn serve_state(
         workers = state.upstreams.pool.snapshot().len(),
         "kvroute gateway listening"
     );
+    // Background tasks stop with the server: their token is a child of the shutdown token.
+    let background = shutdown.child_token();
+    let _stop_background = background.clone().drop_guard();
+    tokio::spawn(crate::health::run(
+        state.upstreams.clone(),
+        background.clone(),
+    ));
     let server = axum::serve(no_delay(listener), app(state))
         .with_graceful_shutdown(shutdown.clone().cancelled_owned());
     let deadline = async {

@@ -4,7 +4,7 @@
 use std::{
     borrow::Cow,
     sync::{
-        atomic::{AtomicU64, AtomicUsize, Ordering},
+        atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering},
         Arc,
     },
     time::Duration,
@@ -35,6 +35,13 @@ pub struct Worker {
     /// Milliseconds after `born` until which the worker is left out of routing.
     ejected_until_ms: AtomicU64,
     born: Instant,
+    /// Marked down by active health checks.
+    down: AtomicBool,
+    /// Takes no new requests (configured, or set while the worker leaves the pool).
+    draining: AtomicBool,
+    /// 5xx answers in a row, for passive ejection.
+    error_streak: AtomicU32,
+    healthy_gauge: prometheus::IntGauge,
 }
 
 impl Worker {
@@ -50,6 +57,10 @@ impl Worker {
             models: cfg.models.clone(),
             id_hash: xxh3_64(name.as_bytes()),
             inflight_gauge: metrics.worker_inflight.with_label_values(&[&name]),
+            healthy_gauge: metrics.worker_healthy.with_label_values(&[&name]),
+            down: AtomicBool::new(false),
+            draining: AtomicBool::new(cfg.draining),
+            error_streak: AtomicU32::new(0),
             name,
             inflight: AtomicUsize::new(0),
             ejected_until_ms: AtomicU64::new(0),
@@ -61,17 +72,55 @@ impl Worker {
         self.inflight.load(Ordering::Relaxed)
     }
 
-    /// Usable unless a recent connection failure ejected it.
+    /// Usable unless draining, marked down by health checks, or recently ejected.
     pub fn is_usable(&self) -> bool {
+        if self.down.load(Ordering::Relaxed) || self.draining.load(Ordering::Relaxed) {
+            return false;
+        }
         // Read the clock only for a worker that was ever ejected: selection asks every worker.
         let until = self.ejected_until_ms.load(Ordering::Relaxed);
         until == 0 || self.now_ms() >= until
+    }
+
+    pub fn set_down(&self, down: bool) {
+        if self.down.swap(down, Ordering::Relaxed) != down {
+            tracing::warn!(worker = %self.name, down, "health check changed the worker's state");
+        }
+        self.publish_health();
+    }
+
+    pub fn set_draining(&self, draining: bool) {
+        self.draining.store(draining, Ordering::Relaxed);
+        self.publish_health();
+    }
+
+    pub fn is_draining(&self) -> bool {
+        self.draining.load(Ordering::Relaxed)
+    }
+
+    /// Sets `kvroute_worker_healthy` from the current state.
+    pub fn publish_health(&self) {
+        self.healthy_gauge.set(i64::from(self.is_usable()));
+    }
+
+    /// Passive health: `threshold` 5xx answers in a row eject the worker for `eject`.
+    pub fn record_status(&self, status: http::StatusCode, threshold: u32, eject: Duration) {
+        if !status.is_server_error() {
+            self.error_streak.store(0, Ordering::Relaxed);
+            return;
+        }
+        if self.error_streak.fetch_add(1, Ordering::Relaxed) + 1 >= threshold {
+            self.error_streak.store(0, Ordering::Relaxed);
+            tracing::warn!(worker = %self.name, %status, "worker answered 5xx repeatedly; ejecting");
+            self.eject_for(eject);
+        }
     }
 
     /// Leaves the worker out of routing for `d` (passive ejection after a refused connection).
     pub fn eject_for(&self, d: Duration) {
         let until = self.now_ms() + d.as_millis() as u64;
         self.ejected_until_ms.fetch_max(until, Ordering::Relaxed);
+        self.healthy_gauge.set(0);
     }
 
     pub fn serves(&self, model: Option<&str>) -> bool {
@@ -127,11 +176,58 @@ impl Pool {
     }
 
     pub fn from_config(cfgs: &[WorkerConfig], metrics: &Metrics) -> Result<Self, String> {
-        let workers = cfgs
-            .iter()
-            .map(|c| Worker::new(c, metrics).map(Arc::new))
-            .collect::<Result<Vec<_>, _>>()?;
-        Ok(Self::new(workers))
+        let pool = Self::new(Vec::new());
+        pool.reconcile(cfgs, metrics)?;
+        Ok(pool)
+    }
+
+    /// Makes the pool hold exactly `cfgs`, keeping the `Worker` (in-flight count, health) of every
+    /// worker whose name and URL are unchanged, and swapping the set in one store. Workers that
+    /// left are marked draining: streams still on them finish, nothing new is sent. Returns how
+    /// many workers were added and removed.
+    pub fn reconcile(
+        &self,
+        cfgs: &[WorkerConfig],
+        metrics: &Metrics,
+    ) -> Result<(usize, usize), String> {
+        let old = self.snapshot();
+        let mut next = Vec::with_capacity(cfgs.len());
+        let mut added = 0;
+        for c in cfgs {
+            let name = worker_name(c);
+            let kept = old.iter().find(|w| {
+                w.name == name
+                    && c.url
+                        .parse::<http::Uri>()
+                        .ok()
+                        .and_then(|u| u.authority().cloned())
+                        .as_ref()
+                        == Some(&w.authority)
+            });
+            let w = match kept {
+                Some(w) => {
+                    w.set_draining(c.draining);
+                    Arc::clone(w)
+                }
+                None => {
+                    added += 1;
+                    Arc::new(Worker::new(c, metrics)?)
+                }
+            };
+            w.publish_health();
+            next.push(w);
+        }
+        let mut removed = 0;
+        for w in old.iter() {
+            if !next.iter().any(|n| Arc::ptr_eq(n, w)) {
+                removed += 1;
+                w.set_draining(true);
+                metrics.worker_healthy.remove_label_values(&[&w.name]).ok();
+            }
+        }
+        metrics.workers.set(next.len() as i64);
+        self.replace(next);
+        Ok((added, removed))
     }
 
     pub fn snapshot(&self) -> Arc<Vec<Arc<Worker>>> {
@@ -213,9 +309,8 @@ mod tests {
             Arc::new(
                 Worker::new(
                     &WorkerConfig {
-                        url: url.into(),
-                        name: None,
                         models: models.iter().map(|s| s.to_string()).collect(),
+                        ..WorkerConfig::from_url(url)
                     },
                     &metrics,
                 )
@@ -241,5 +336,32 @@ mod tests {
             eligible(&only_named, Some("qwen")),
             Err(ApiError::ModelNotFound(_))
         ));
+    }
+
+    #[test]
+    fn reconcile_keeps_unchanged_workers_adds_new_and_drains_the_departed() {
+        let metrics = Metrics::new();
+        let cfg = |urls: &[&str]| -> Vec<WorkerConfig> {
+            urls.iter().map(|u| WorkerConfig::from_url(*u)).collect()
+        };
+        let pool = Pool::from_config(&cfg(&["http://a:1", "http://b:1"]), &metrics).unwrap();
+        let before = pool.snapshot();
+        let _guard = before[1].acquire();
+        let (added, removed) = pool
+            .reconcile(&cfg(&["http://b:1", "http://c:1"]), &metrics)
+            .unwrap();
+        assert_eq!((added, removed), (1, 1));
+        let after = pool.snapshot();
+        assert!(
+            Arc::ptr_eq(&after[0], &before[1]),
+            "b kept, with its in-flight count"
+        );
+        assert_eq!(after[0].inflight(), 1);
+        assert_eq!(after[1].name, "c:1");
+        assert!(
+            before[0].is_draining() && !before[0].is_usable(),
+            "a drains"
+        );
+        assert_eq!(metrics.workers.get(), 2);
     }
 }

@@ -180,6 +180,24 @@ mod tests {
         assert!(f.index != first && f.index != s.index);
     }
 
+    #[test]
+    fn adding_a_fifth_worker_to_four_moves_about_a_fifth_of_prefixes_all_onto_it() {
+        let five = test_workers(5);
+        let four = &five[..4];
+        let p = policy(1.5);
+        let n = 10_000u64;
+        let mut moved = 0;
+        for k in 0..n {
+            let (before, after) = (pick(&p, four, k), pick(&p, &five, k));
+            if before != after {
+                moved += 1;
+                assert_eq!(after, five[4].name, "a moved key goes to the new worker");
+            }
+        }
+        let share = moved as f64 / n as f64;
+        assert!((0.17..0.23).contains(&share), "{share}");
+    }
+
     proptest! {
         #[test]
         fn choice_is_valid_and_deterministic(n in 1usize..40, k in any::<u64>()) {

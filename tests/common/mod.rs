@@ -181,9 +181,8 @@ impl Upstream {
 
     pub fn worker_config(&self) -> WorkerConfig {
         WorkerConfig {
-            url: self.url(),
             name: Some(self.name.clone()),
-            models: Vec::new(),
+            ..WorkerConfig::from_url(self.url())
         }
     }
 
