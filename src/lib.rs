@@ -10,6 +10,7 @@
 pub mod bench;
 pub mod cli;
 pub mod config;
+pub mod discovery;
 pub mod error;
 pub mod health;
 pub mod metrics;

@@ -26,6 +26,8 @@ pub struct AppState {
     pub policy: Arc<dyn Policy>,
     /// Picks the worker for paths that carry no prompt.
     pub passthrough: Arc<LeastConn>,
+    /// Name resolution for `dns` discovery (replaceable in tests).
+    pub resolver: Arc<dyn crate::discovery::Resolve>,
 }
 
 pub async fn completions(State(s): State<AppState>, req: Request) -> Response {

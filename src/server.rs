@@ -24,6 +24,7 @@ impl AppState {
         let metrics = Metrics::new();
         let pool = Pool::from_config(&config.workers, &metrics)?;
         Ok(Self {
+            resolver: Arc::new(crate::discovery::SystemResolver),
             policy: policy::build(&config.policy),
             passthrough: Arc::new(LeastConn::default()),
             upstreams: Arc::new(Upstreams {
@@ -81,6 +82,11 @@ pub async fn serve_state(
     let _stop_background = background.clone().drop_guard();
     tokio::spawn(crate::health::run(
         state.upstreams.clone(),
+        background.clone(),
+    ));
+    tokio::spawn(crate::discovery::run(
+        state.upstreams.clone(),
+        state.resolver.clone(),
         background.clone(),
     ));
     let server = axum::serve(no_delay(listener), app(state))

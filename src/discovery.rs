@@ -1,0 +1,313 @@
+//! Worker discovery: where the worker set comes from, and keeping the pool equal to it.
+//!
+//! A source yields complete worker lists; every list is applied with
+//! [`crate::workers::Pool::reconcile`], which swaps the set atomically, keeps unchanged workers
+//! (their in-flight counts and health) and drains departed ones. Because placement is rendezvous
+//! hashing over worker names, a change moves only the prefixes of the workers that came or went.
+//!
+//! - `static`: the config's `workers` (re-applied on reload);
+//! - `dns`: a name (a headless Service) re-resolved every interval; every address becomes a worker;
+//! - `kubernetes`: list + watch of the Service's EndpointSlices; only Ready, non-terminating
+//!   endpoints; a dropped watch or a `410 Gone` re-lists, so deletions missed meanwhile are seen.
+
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::io;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use serde_json::Value;
+use tokio_util::sync::CancellationToken;
+
+use crate::config::{DiscoveryConfig, WorkerConfig};
+use crate::proxy::Upstreams;
+
+/// Applies one complete list from `source` and counts it.
+pub fn apply(up: &Upstreams, source: &str, workers: &[WorkerConfig]) {
+    match up.pool.reconcile(workers, &up.metrics) {
+        Ok((0, 0)) => {}
+        Ok((added, removed)) => {
+            tracing::info!(
+                source,
+                added,
+                removed,
+                total = workers.len(),
+                "worker set changed"
+            );
+            up.metrics
+                .discovery_updates
+                .with_label_values(&[source, "applied"])
+                .inc();
+        }
+        Err(e) => {
+            tracing::warn!(source, error = %e, "discovered worker list rejected");
+            up.metrics
+                .discovery_updates
+                .with_label_values(&[source, "rejected"])
+                .inc();
+        }
+    }
+}
+
+pub type ResolveFuture<'a> = Pin<Box<dyn Future<Output = io::Result<Vec<SocketAddr>>> + Send + 'a>>;
+
+/// Name resolution, swappable so tests control the answers.
+pub trait Resolve: Send + Sync + 'static {
+    fn resolve<'a>(&'a self, host: &'a str, port: u16) -> ResolveFuture<'a>;
+}
+
+/// The system resolver (what a pod's `/etc/resolv.conf` says).
+pub struct SystemResolver;
+
+impl Resolve for SystemResolver {
+    fn resolve<'a>(&'a self, host: &'a str, port: u16) -> ResolveFuture<'a> {
+        Box::pin(async move { Ok(tokio::net::lookup_host((host, port)).await?.collect()) })
+    }
+}
+
+/// The worker list for a set of resolved addresses: sorted, deduplicated, named `ip:port`.
+pub fn workers_from_addrs(mut addrs: Vec<SocketAddr>) -> Vec<WorkerConfig> {
+    addrs.sort();
+    addrs.dedup();
+    addrs
+        .into_iter()
+        .map(|a| WorkerConfig::from_url(format!("http://{a}")))
+        .collect()
+}
+
+/// Runs the configured discovery until `cancel` fires (returns at once for `static`).
+pub async fn run(up: Arc<Upstreams>, resolver: Arc<dyn Resolve>, cancel: CancellationToken) {
+    match up.config.discovery.clone() {
+        DiscoveryConfig::Static => {}
+        DiscoveryConfig::Dns {
+            host,
+            port,
+            interval_seconds,
+        } => {
+            let mut tick = tokio::time::interval(Duration::from_secs_f64(interval_seconds));
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tokio::select! {
+                    _ = cancel.cancelled() => return,
+                    _ = tick.tick() => {}
+                }
+                match resolver.resolve(&host, port).await {
+                    Ok(addrs) => apply(&up, "dns", &workers_from_addrs(addrs)),
+                    Err(e) => {
+                        // Keep the last known set: a resolver outage is not an empty pool.
+                        tracing::warn!(%host, error = %e, "DNS discovery failed; keeping the current workers");
+                        up.metrics
+                            .discovery_updates
+                            .with_label_values(&["dns", "error"])
+                            .inc();
+                    }
+                }
+            }
+        }
+        DiscoveryConfig::Kubernetes {
+            namespace,
+            service,
+            port_name,
+            port,
+            api_url,
+        } => {
+            let target = SliceTarget {
+                api: api_url.unwrap_or_else(|| "http://127.0.0.1:8001".into()),
+                namespace,
+                service,
+                port_name,
+                port,
+            };
+            kubernetes(&up, &target, &cancel).await;
+        }
+    }
+}
+
+/// Which EndpointSlices to watch and which port to use.
+pub struct SliceTarget {
+    pub api: String,
+    pub namespace: String,
+    pub service: String,
+    pub port_name: Option<String>,
+    pub port: Option<u16>,
+}
+
+impl SliceTarget {
+    fn url(&self, watch_from: Option<&str>) -> String {
+        let mut url = format!(
+            "{}/apis/discovery.k8s.io/v1/namespaces/{}/endpointslices?labelSelector=kubernetes.io%2Fservice-name%3D{}",
+            self.api.trim_end_matches('/'),
+            self.namespace,
+            self.service
+        );
+        if let Some(rv) = watch_from {
+            url.push_str("&watch=1&allowWatchBookmarks=true&resourceVersion=");
+            url.push_str(rv);
+        }
+        url
+    }
+
+    /// The usable endpoints of one EndpointSlice object.
+    pub fn endpoints(&self, slice: &Value) -> Vec<SocketAddr> {
+        let Some(port) = slice["ports"].as_array().and_then(|ports| {
+            ports.iter().find_map(|p| {
+                let by_name = self
+                    .port_name
+                    .as_deref()
+                    .is_some_and(|n| p["name"].as_str() == Some(n));
+                let by_number = self
+                    .port
+                    .is_some_and(|n| p["port"].as_u64() == Some(u64::from(n)));
+                (by_name || by_number).then(|| p["port"].as_u64()).flatten()
+            })
+        }) else {
+            return Vec::new();
+        };
+        let mut out = Vec::new();
+        for ep in slice["endpoints"].as_array().into_iter().flatten() {
+            let c = &ep["conditions"];
+            // A missing `ready` means ready (Kubernetes API semantics); terminating means leaving.
+            let ready = c["ready"].as_bool().unwrap_or(true);
+            let terminating = c["terminating"].as_bool().unwrap_or(false);
+            if !ready || terminating {
+                continue;
+            }
+            for a in ep["addresses"].as_array().into_iter().flatten() {
+                if let Some(ip) = a.as_str().and_then(|s| s.parse().ok()) {
+                    out.push(SocketAddr::new(ip, port as u16));
+                }
+            }
+        }
+        out
+    }
+}
+
+/// Slice name → its usable endpoints.
+type Slices = BTreeMap<String, Vec<SocketAddr>>;
+
+fn workers_of(slices: &Slices) -> Vec<WorkerConfig> {
+    workers_from_addrs(slices.values().flatten().copied().collect())
+}
+
+async fn kubernetes(up: &Upstreams, target: &SliceTarget, cancel: &CancellationToken) {
+    let mut backoff = Duration::from_millis(100);
+    loop {
+        let listed = tokio::select! {
+            _ = cancel.cancelled() => return,
+            r = list(up, target) => r,
+        };
+        let (mut slices, rv) = match listed {
+            Ok(x) => {
+                backoff = Duration::from_millis(100);
+                x
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "EndpointSlice list failed; keeping the current workers");
+                up.metrics
+                    .discovery_updates
+                    .with_label_values(&["kubernetes", "error"])
+                    .inc();
+                tokio::select! {
+                    _ = cancel.cancelled() => return,
+                    _ = tokio::time::sleep(backoff) => {}
+                }
+                backoff = (backoff * 2).min(Duration::from_secs(10));
+                continue;
+            }
+        };
+        apply(up, "kubernetes", &workers_of(&slices));
+        tokio::select! {
+            _ = cancel.cancelled() => return,
+            r = watch(up, target, &mut slices, rv) => {
+                if let Err(e) = r {
+                    tracing::info!(error = %e, "EndpointSlice watch ended; re-listing");
+                }
+            }
+        }
+    }
+}
+
+async fn get(up: &Upstreams, url: &str) -> Result<hyper::body::Incoming, String> {
+    let uri: http::Uri = url.parse().map_err(|e| format!("{url}: {e}"))?;
+    let mut req = http::Request::get(uri);
+    if let Ok(token) =
+        std::fs::read_to_string("/var/run/secrets/kubernetes.io/serviceaccount/token")
+    {
+        req = req.header(
+            http::header::AUTHORIZATION,
+            format!("Bearer {}", token.trim()),
+        );
+    }
+    let req = req
+        .body(Full::new(Bytes::new()))
+        .map_err(|e| e.to_string())?;
+    let resp = up.client.request(req).await.map_err(|e| e.to_string())?;
+    if !resp.status().is_success() {
+        return Err(format!("{url}: HTTP {}", resp.status()));
+    }
+    Ok(resp.into_body())
+}
+
+async fn list(up: &Upstreams, t: &SliceTarget) -> Result<(Slices, String), String> {
+    let body = get(up, &t.url(None)).await?;
+    let bytes = body.collect().await.map_err(|e| e.to_string())?.to_bytes();
+    let v: Value = serde_json::from_slice(&bytes).map_err(|e| e.to_string())?;
+    let rv = v["metadata"]["resourceVersion"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
+    let slices = v["items"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|s| Some((s["metadata"]["name"].as_str()?.to_string(), t.endpoints(s))))
+        .collect();
+    Ok((slices, rv))
+}
+
+/// Follows the watch stream, applying each event; returns when it ends or must re-list.
+async fn watch(
+    up: &Upstreams,
+    t: &SliceTarget,
+    slices: &mut Slices,
+    rv: String,
+) -> Result<(), String> {
+    let mut body = get(up, &t.url(Some(&rv))).await?;
+    let mut buf = Vec::new();
+    while let Some(frame) = body.frame().await {
+        let frame = frame.map_err(|e| e.to_string())?;
+        let Some(data) = frame.data_ref() else {
+            continue;
+        };
+        buf.extend_from_slice(data);
+        while let Some(nl) = buf.iter().position(|b| *b == b'\n') {
+            let line: Vec<u8> = buf.drain(..=nl).collect();
+            if line.iter().all(u8::is_ascii_whitespace) {
+                continue;
+            }
+            let ev: Value = serde_json::from_slice(&line).map_err(|e| e.to_string())?;
+            let obj = &ev["object"];
+            let name = obj["metadata"]["name"]
+                .as_str()
+                .unwrap_or_default()
+                .to_string();
+            match ev["type"].as_str() {
+                Some("ADDED") | Some("MODIFIED") => {
+                    slices.insert(name, t.endpoints(obj));
+                }
+                Some("DELETED") => {
+                    slices.remove(&name);
+                }
+                Some("BOOKMARK") => continue,
+                // ERROR (e.g. 410 Gone: our resourceVersion is too old) or anything unknown.
+                _ => return Err(format!("watch event {}", ev["type"])),
+            }
+            apply(up, "kubernetes", &workers_of(slices));
+        }
+    }
+    Err("watch stream closed".into())
+}
