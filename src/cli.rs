@@ -137,10 +137,14 @@ pub fn main() -> ExitCode {
                 workers,
                 policy,
             };
-            let config = match Config::load(config.as_deref(), overrides) {
+            let path = config;
+            let config = match Config::load(path.as_deref(), overrides.clone()) {
                 Ok(c) => c,
                 Err(e) => return usage_error(e),
             };
+            // Taken right after loading, so an edit made from now on is picked up.
+            let poll = std::time::Duration::from_secs(2);
+            let source = path.map(|p| crate::reload::Source::new(p, overrides, poll));
             if check {
                 println!(
                     "config ok: policy {}, {} worker(s)",
@@ -152,7 +156,12 @@ pub fn main() -> ExitCode {
             run(async move {
                 let listener = tokio::net::TcpListener::bind(config.listen).await?;
                 let shutdown = shutdown_token();
-                crate::server::serve(listener, config, shutdown).await
+                match source {
+                    Some(source) => {
+                        crate::server::serve_reloading(listener, config, source, shutdown).await
+                    }
+                    None => crate::server::serve(listener, config, shutdown).await,
+                }
             })
         }
         Command::Sim(args) => {

@@ -16,6 +16,7 @@ pub mod health;
 pub mod metrics;
 pub mod policy;
 pub mod proxy;
+pub mod reload;
 pub mod routes;
 pub mod routing_key;
 pub mod server;

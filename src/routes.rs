@@ -23,7 +23,10 @@ use crate::{
 #[derive(Clone)]
 pub struct AppState {
     pub upstreams: Arc<Upstreams>,
-    pub policy: Arc<dyn Policy>,
+    /// The routing policy; swapped whole on a config reload (in-flight requests keep the old one).
+    pub policy: Arc<arc_swap::ArcSwap<Box<dyn Policy>>>,
+    /// The config the current policy was built from (what a reload compares against).
+    pub policy_config: Arc<arc_swap::ArcSwap<crate::config::PolicyConfig>>,
     /// Picks the worker for paths that carry no prompt.
     pub passthrough: Arc<LeastConn>,
     /// Name resolution for `dns` discovery (replaceable in tests).
@@ -40,14 +43,15 @@ pub async fn chat_completions(State(s): State<AppState>, req: Request) -> Respon
 
 async fn routed(s: AppState, route: Route, field: PromptField, req: Request) -> Response {
     let up = &s.upstreams;
+    let policy = s.policy.load_full();
     let (parts, body) = req.into_parts();
     let result = async {
         let body = read_body(&parts.headers, body, up.config.body_limit_bytes).await?;
         let info = routing_key::extract(&body, field, &up.config.routing_key)?;
-        forward(up, s.policy.as_ref(), route, &parts, body, &info).await
+        forward(up, policy.as_ref().as_ref(), route, &parts, body, &info).await
     }
     .await;
-    respond(&s, route, s.policy.name(), result)
+    respond(&s, route, policy.name(), result)
 }
 
 /// Any other `/v1/*` path, sent as it is to the least-loaded worker.

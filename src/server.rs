@@ -25,7 +25,10 @@ impl AppState {
         let pool = Pool::from_config(&config.workers, &metrics)?;
         Ok(Self {
             resolver: Arc::new(crate::discovery::SystemResolver),
-            policy: policy::build(&config.policy),
+            policy: Arc::new(arc_swap::ArcSwap::from_pointee(policy::build(
+                &config.policy,
+            ))),
+            policy_config: Arc::new(arc_swap::ArcSwap::from_pointee(config.policy.clone())),
             passthrough: Arc::new(LeastConn::default()),
             upstreams: Arc::new(Upstreams {
                 pool,
@@ -65,6 +68,21 @@ pub async fn serve(
     serve_state(listener, state, drain, shutdown).await
 }
 
+/// Like [`serve`], and also reloads `source` on SIGHUP or when the file changes.
+pub async fn serve_reloading(
+    listener: TcpListener,
+    config: Config,
+    source: crate::reload::Source,
+    shutdown: CancellationToken,
+) -> std::io::Result<()> {
+    let drain = Duration::from_secs_f64(config.drain_seconds);
+    let state = AppState::new(config).map_err(std::io::Error::other)?;
+    let reloads = shutdown.child_token();
+    let _stop = reloads.clone().drop_guard();
+    tokio::spawn(crate::reload::run(state.clone(), source, reloads));
+    serve_state(listener, state, drain, shutdown).await
+}
+
 pub async fn serve_state(
     listener: TcpListener,
     state: AppState,
@@ -73,7 +91,7 @@ pub async fn serve_state(
 ) -> std::io::Result<()> {
     tracing::info!(
         addr = %listener.local_addr()?,
-        policy = state.policy.name(),
+        policy = state.policy.load().name(),
         workers = state.upstreams.pool.snapshot().len(),
         "kvroute gateway listening"
     );

@@ -52,11 +52,11 @@ pub trait Policy: Send + Sync + 'static {
 }
 
 /// The one place a policy is built from its config.
-pub fn build(cfg: &PolicyConfig) -> Arc<dyn Policy> {
+pub fn build(cfg: &PolicyConfig) -> Box<dyn Policy> {
     match cfg {
-        PolicyConfig::RoundRobin => Arc::new(RoundRobin::default()),
-        PolicyConfig::LeastConn => Arc::new(LeastConn::default()),
-        PolicyConfig::Prefix(p) => Arc::new(Prefix::new(p.clone())),
+        PolicyConfig::RoundRobin => Box::new(RoundRobin::default()),
+        PolicyConfig::LeastConn => Box::new(LeastConn::default()),
+        PolicyConfig::Prefix(p) => Box::new(Prefix::new(p.clone())),
     }
 }
 

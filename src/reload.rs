@@ -1,0 +1,126 @@
+//! Hot reload: on SIGHUP or when the config file changes, re-read it and swap the routing policy
+//! (with its parameters) and the static worker list, without touching requests in flight.
+//!
+//! A file that does not parse or validate is rejected and logged, and the running config stays.
+//! Flags and `KVROUTE_POLICY` keep their precedence over the file on every reload. Other keys
+//! (listen address, timeouts, limits, health, discovery) take effect at the next restart; a reload
+//! that changes them says so in the log.
+
+use std::path::PathBuf;
+use std::time::{Duration, SystemTime};
+
+use tokio_util::sync::CancellationToken;
+
+use crate::config::{Config, DiscoveryConfig, Overrides};
+use crate::routes::AppState;
+use crate::{discovery, policy};
+
+/// Where the running config came from, so it can be read again.
+#[derive(Clone, Debug)]
+pub struct Source {
+    pub path: PathBuf,
+    pub overrides: Overrides,
+    /// How often the file's modification time is checked; zero relies on SIGHUP alone.
+    pub poll: Duration,
+    /// The file's modification time when the running config was read.
+    loaded: Option<SystemTime>,
+}
+
+impl Source {
+    /// Call right after loading the config from `path`, so a change made after that is seen.
+    pub fn new(path: PathBuf, overrides: Overrides, poll: Duration) -> Self {
+        let loaded = modified(&path);
+        Self {
+            path,
+            overrides,
+            poll,
+            loaded,
+        }
+    }
+}
+
+/// Reloads until `cancel` fires.
+pub async fn run(state: AppState, source: Source, cancel: CancellationToken) {
+    #[cfg(unix)]
+    let mut hup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()).ok();
+    let mut seen = source.loaded;
+    let poll = if source.poll.is_zero() {
+        Duration::from_secs(3600)
+    } else {
+        source.poll
+    };
+    let mut tick = tokio::time::interval(poll);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        #[cfg(unix)]
+        let signalled = async {
+            match hup.as_mut() {
+                Some(h) => h.recv().await,
+                None => std::future::pending().await,
+            }
+        };
+        #[cfg(not(unix))]
+        let signalled = std::future::pending::<Option<()>>();
+        tokio::select! {
+            _ = cancel.cancelled() => return,
+            _ = signalled => {
+                tracing::info!(path = %source.path.display(), "SIGHUP: reloading config");
+            }
+            _ = tick.tick() => {
+                let now = modified(&source.path);
+                if now == seen || source.poll.is_zero() {
+                    continue;
+                }
+                seen = now;
+                tracing::info!(path = %source.path.display(), "config file changed: reloading");
+            }
+        }
+        apply(&state, &source);
+    }
+}
+
+fn modified(path: &std::path::Path) -> Option<SystemTime> {
+    std::fs::metadata(path).and_then(|m| m.modified()).ok()
+}
+
+/// Reads the file again and applies what can change live; returns whether it was applied.
+pub fn apply(state: &AppState, source: &Source) -> bool {
+    let up = &state.upstreams;
+    let new = match Config::load(Some(&source.path), source.overrides.clone()) {
+        Ok(c) => c,
+        Err(e) => {
+            tracing::error!(error = %e, "config reload rejected; keeping the running config");
+            up.metrics
+                .config_reloads
+                .with_label_values(&["rejected"])
+                .inc();
+            return false;
+        }
+    };
+    let old = &up.config;
+    let restart_only = Config {
+        policy: old.policy.clone(),
+        workers: old.workers.clone(),
+        ..new.clone()
+    };
+    if &restart_only != old {
+        tracing::warn!("the reloaded config changes keys other than policy and workers; those take effect at the next restart");
+    }
+    if new.policy != **state.policy_config.load() {
+        state
+            .policy
+            .store(std::sync::Arc::new(policy::build(&new.policy)));
+        state
+            .policy_config
+            .store(std::sync::Arc::new(new.policy.clone()));
+        tracing::info!(policy = new.policy.name(), "routing policy swapped");
+    }
+    if new.discovery == DiscoveryConfig::Static {
+        discovery::apply(up, "reload", &new.workers);
+    }
+    up.metrics
+        .config_reloads
+        .with_label_values(&["applied"])
+        .inc();
+    true
+}

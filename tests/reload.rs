@@ -1,0 +1,181 @@
+//! Hot reload under load: policy and worker list change without dropping a request; a bad file
+//! is rejected and the running config stays.
+
+mod common;
+
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::{request, wait_metric};
+use kvroute::config::{Config, Overrides};
+use kvroute::sim::{self, SimConfig};
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+
+fn yaml(policy: &str, workers: &[String]) -> String {
+    let list: Vec<String> = workers.iter().map(|w| format!("  - url: {w}\n")).collect();
+    format!(
+        "policy:\n  kind: {policy}\nhealth:\n  interval_seconds: 0\nworkers:\n{}",
+        list.concat()
+    )
+}
+
+async fn worker_of(gw: std::net::SocketAddr, prompt: &str) -> String {
+    let body = format!(r#"{{"prompt": "{prompt}", "max_tokens": 2}}"#);
+    let r = request(gw, "POST", "/v1/completions", body.as_bytes()).await;
+    assert_eq!(r.status, 200);
+    r.header("x-kvroute-worker").unwrap().to_string()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn policy_and_workers_reload_under_load_without_dropping_a_request() {
+    let cancel = CancellationToken::new();
+    let mut tasks = JoinSet::new();
+    let sim_cfg = SimConfig {
+        workers: 2,
+        port: 0,
+        time_scale: 20.0,
+        ..SimConfig::default()
+    };
+    let addrs = sim::spawn(&sim_cfg, sim_cfg.bind().await.unwrap(), &cancel, &mut tasks).unwrap();
+    let urls: Vec<String> = addrs.iter().map(|a| format!("http://{a}")).collect();
+
+    let dir = std::env::temp_dir().join(format!("kvroute-reload-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("kvroute.yaml");
+    std::fs::write(&path, yaml("round_robin", &urls)).unwrap();
+    let config = Config::load(Some(&path), Overrides::default()).unwrap();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let gw = listener.local_addr().unwrap();
+    let source = kvroute::reload::Source::new(
+        path.clone(),
+        Overrides::default(),
+        Duration::from_millis(20),
+    );
+    tokio::spawn(kvroute::server::serve_reloading(
+        listener,
+        config,
+        source,
+        cancel.clone(),
+    ));
+
+    // Round-robin: the same prompt alternates.
+    let a = worker_of(gw, "same prompt").await;
+    let b = worker_of(gw, "same prompt").await;
+    assert_ne!(a, b);
+
+    // Load: 6 clients streaming back to back, each response checked whole.
+    let stop = Arc::new(AtomicBool::new(false));
+    let done = Arc::new(AtomicUsize::new(0));
+    let mut load = JoinSet::new();
+    for c in 0..6 {
+        let (stop, done) = (stop.clone(), done.clone());
+        load.spawn(async move {
+            let mut bad = Vec::new();
+            while !stop.load(Ordering::SeqCst) {
+                let body =
+                    format!(r#"{{"prompt": "client {c}", "max_tokens": 16, "stream": true}}"#);
+                let r = request(gw, "POST", "/v1/completions", body.as_bytes()).await;
+                let text = String::from_utf8_lossy(&r.body).to_string();
+                if r.status != 200 || !text.trim_end().ends_with("data: [DONE]") {
+                    bad.push((r.status, text));
+                }
+                done.fetch_add(1, Ordering::SeqCst);
+            }
+            bad
+        });
+    }
+    let wait_done = |n: usize| {
+        let done = done.clone();
+        async move {
+            let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+            while done.load(Ordering::SeqCst) < n {
+                assert!(tokio::time::Instant::now() < deadline, "load stalled");
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        }
+    };
+    wait_done(12).await;
+
+    let applied = "kvroute_config_reloads_total{result=\"applied\"}";
+    let limit = Duration::from_secs(5);
+    std::fs::write(&path, yaml("prefix", &urls)).unwrap();
+    assert_eq!(wait_metric(gw, applied, 1.0, limit).await, Some(1.0));
+    let n = done.load(Ordering::SeqCst);
+    wait_done(n + 12).await;
+
+    // A broken file is rejected; the prefix policy stays.
+    std::fs::write(&path, "policy: {kind: nonsense}\n").unwrap();
+    let rejected = "kvroute_config_reloads_total{result=\"rejected\"}";
+    assert_eq!(wait_metric(gw, rejected, 1.0, limit).await, Some(1.0));
+    let n = done.load(Ordering::SeqCst);
+    wait_done(n + 12).await;
+
+    // Shrinking the static list to one worker moves everything there.
+    std::fs::write(&path, yaml("prefix", &urls[..1])).unwrap();
+    assert_eq!(wait_metric(gw, applied, 2.0, limit).await, Some(2.0));
+    let n = done.load(Ordering::SeqCst);
+    wait_done(n + 12).await;
+
+    stop.store(true, Ordering::SeqCst);
+    let bad: Vec<_> = load.join_all().await.into_iter().flatten().collect();
+    assert!(bad.is_empty(), "requests failed across reloads: {bad:?}");
+    assert!(done.load(Ordering::SeqCst) >= 48);
+
+    let only = addrs[0].to_string();
+    for p in ["x", "y", "z", "same prompt"] {
+        assert_eq!(worker_of(gw, p).await, only);
+    }
+    let _ = std::fs::remove_dir_all(dir);
+    cancel.cancel();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_reloading_to_prefix_the_same_prompt_sticks_to_one_worker() {
+    let cancel = CancellationToken::new();
+    let mut tasks = JoinSet::new();
+    let sim_cfg = SimConfig {
+        workers: 2,
+        port: 0,
+        time_scale: 20.0,
+        ..SimConfig::default()
+    };
+    let addrs = sim::spawn(&sim_cfg, sim_cfg.bind().await.unwrap(), &cancel, &mut tasks).unwrap();
+    let urls: Vec<String> = addrs.iter().map(|a| format!("http://{a}")).collect();
+    let dir = std::env::temp_dir().join(format!("kvroute-reload2-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("kvroute.yaml");
+    std::fs::write(&path, yaml("round_robin", &urls)).unwrap();
+    let config = Config::load(Some(&path), Overrides::default()).unwrap();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let gw = listener.local_addr().unwrap();
+    let source = kvroute::reload::Source::new(
+        path.clone(),
+        Overrides::default(),
+        Duration::from_millis(20),
+    );
+    tokio::spawn(kvroute::server::serve_reloading(
+        listener,
+        config,
+        source,
+        cancel.clone(),
+    ));
+    std::fs::write(&path, yaml("prefix", &urls)).unwrap();
+    let applied = "kvroute_config_reloads_total{result=\"applied\"}";
+    assert_eq!(
+        wait_metric(gw, applied, 1.0, Duration::from_secs(5)).await,
+        Some(1.0)
+    );
+    let first = worker_of(gw, "a long shared system prompt").await;
+    for _ in 0..5 {
+        assert_eq!(worker_of(gw, "a long shared system prompt").await, first);
+    }
+    let m = common::metrics_text(gw).await;
+    assert!(
+        m.contains("kvroute_routing_decisions_total{outcome=\"preferred\",policy=\"prefix\"} 6"),
+        "{m}"
+    );
+    let _ = std::fs::remove_dir_all(dir);
+    cancel.cancel();
+}
