@@ -42,6 +42,11 @@ enum Command {
     },
     /// Run simulated vLLM workers; prints one URL a line once they accept connections.
     Sim(SimArgs),
+    /// Exit 0 if URL answers 2xx within 3 s (for container health checks without a shell or curl).
+    Healthcheck {
+        #[arg(long, default_value = "http://127.0.0.1:8080/health")]
+        url: String,
+    },
     /// Measure: load generation, policy comparison and sweeps.
     #[command(subcommand)]
     Bench(crate::bench::cli::BenchCommand),
@@ -185,6 +190,22 @@ pub fn main() -> ExitCode {
                 Ok(())
             })
         }
+        Command::Healthcheck { url } => run(async move {
+            let client = crate::proxy::http_client(&Config::default());
+            let uri: http::Uri = url.parse().map_err(io)?;
+            let req = http::Request::get(uri)
+                .body(http_body_util::Full::new(bytes::Bytes::new()))
+                .map_err(io)?;
+            let resp = tokio::time::timeout(std::time::Duration::from_secs(3), client.request(req))
+                .await
+                .map_err(io)?
+                .map_err(io)?;
+            if resp.status().is_success() {
+                Ok(())
+            } else {
+                Err(io(format!("{url}: HTTP {}", resp.status())))
+            }
+        }),
         Command::Bench(cmd) => run(async move { crate::bench::cli::run(cmd).await.map_err(io) }),
         Command::Demo {
             sim: args,

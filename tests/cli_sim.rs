@@ -121,3 +121,27 @@ async fn sim_reads_a_config_file_and_flags_override_it() {
     assert_eq!(faulty.status, 500, "faults from the file, on worker 1 only");
     let _ = std::fs::remove_dir_all(dir);
 }
+
+#[tokio::test]
+async fn healthcheck_exits_zero_only_for_a_healthy_url() {
+    let (_child, mut lines) = spawn(&["sim", "--workers", "1", "--port", "0"]);
+    let url = lines.next().unwrap();
+    let check = |u: String| {
+        Command::new(env!("CARGO_BIN_EXE_kvroute"))
+            .args(["healthcheck", "--url", &u])
+            .output()
+            .unwrap()
+            .status
+    };
+    assert!(check(format!("{url}/health")).success());
+    assert!(
+        !check(format!("{url}/no-such-path")).success(),
+        "404 is not healthy"
+    );
+    // A port nothing listens on: bind one, then close it.
+    let closed = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    assert!(!check(format!("http://{closed}/health")).success());
+}
