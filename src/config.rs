@@ -49,6 +49,8 @@ pub struct Config {
     pub health: HealthConfig,
     /// Where the worker list comes from: this file (`static`), DNS, or the Kubernetes API.
     pub discovery: DiscoveryConfig,
+    /// A weighted split of traffic between policies; when set, it replaces `policy`.
+    pub ab: Option<AbConfig>,
 }
 
 impl Default for Config {
@@ -66,6 +68,7 @@ impl Default for Config {
             drain_seconds: 30.0,
             health: HealthConfig::default(),
             discovery: DiscoveryConfig::default(),
+            ab: None,
         }
     }
 }
@@ -161,6 +164,42 @@ pub enum DiscoveryConfig {
         #[serde(default)]
         api_url: Option<String>,
     },
+}
+
+/// What decides routing, and what a reload swaps live.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RoutingConfig {
+    pub policy: PolicyConfig,
+    pub ab: Option<AbConfig>,
+}
+
+impl Config {
+    pub fn routing(&self) -> RoutingConfig {
+        RoutingConfig {
+            policy: self.policy.clone(),
+            ab: self.ab.clone(),
+        }
+    }
+}
+
+/// A/B test of routing logic: each request goes to one arm, sticky per client (by
+/// `sticky_header` when the request has it, else by its prompt's first block), in proportion to
+/// the weights. Every metric carries the arm's name in its `arm` label.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AbConfig {
+    pub arms: Vec<ArmConfig>,
+    #[serde(default)]
+    pub sticky_header: Option<String>,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ArmConfig {
+    /// Label value on metrics: letters, digits, `-` and `_`, at most 32.
+    pub name: String,
+    pub weight: f64,
+    pub policy: PolicyConfig,
 }
 
 fn default_interval() -> f64 {
@@ -329,7 +368,9 @@ impl Config {
             self.workers = o.workers.into_iter().map(WorkerConfig::from_url).collect();
         }
         if let Some(name) = o.policy {
+            // One policy named on the command line or in KVROUTE_POLICY ends any A/B split.
             self.policy = self.policy.with_name(&name)?;
+            self.ab = None;
         }
         Ok(self)
     }
@@ -402,6 +443,41 @@ impl Config {
             || !h.path.starts_with('/')
         {
             return bad("health: interval_seconds >= 0, timeout_seconds > 0, thresholds >= 1, path starting with /".into());
+        }
+        if let Some(ab) = &self.ab {
+            if ab.arms.len() < 2 {
+                return bad("ab.arms needs at least two arms".into());
+            }
+            let mut seen = std::collections::HashSet::new();
+            for a in &ab.arms {
+                let ok_name = !a.name.is_empty()
+                    && a.name.len() <= 32
+                    && a.name
+                        .chars()
+                        .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_');
+                if !ok_name || !seen.insert(a.name.as_str()) {
+                    return bad(format!(
+                        "ab arm name {:?} must be unique, [A-Za-z0-9_-], at most 32 characters",
+                        a.name
+                    ));
+                }
+                if !(a.weight.is_finite() && a.weight > 0.0) {
+                    return bad(format!("ab arm {:?}: weight must be positive", a.name));
+                }
+                if let PolicyConfig::Prefix(p) = &a.policy {
+                    if p.key_blocks == 0
+                        || p.key_blocks > self.routing_key.max_blocks
+                        || !(p.load_factor.is_finite() && p.load_factor >= 1.0)
+                    {
+                        return bad(format!("ab arm {:?}: invalid prefix parameters", a.name));
+                    }
+                }
+            }
+            if let Some(h) = &ab.sticky_header {
+                if http::HeaderName::try_from(h.as_str()).is_err() {
+                    return bad(format!("ab.sticky_header {h:?} is not a header name"));
+                }
+            }
         }
         match &self.discovery {
             DiscoveryConfig::Static => {}

@@ -16,9 +16,9 @@ const LATENCY_BUCKETS: &[f64] = &[
 #[derive(Clone)]
 pub struct Metrics {
     registry: Registry,
-    /// `route`, `policy`, `worker` ("none" when no worker was picked), `status`.
+    /// `route`, `policy`, `arm`, `worker` ("none" when no worker was picked), `status`.
     pub requests: IntCounterVec,
-    /// `policy`, `outcome` (preferred, spilled, least_conn_fallback).
+    /// `policy`, `arm`, `outcome` (preferred, spilled, least_conn_fallback).
     pub routing_decisions: IntCounterVec,
     /// `worker`.
     pub worker_inflight: IntGaugeVec,
@@ -32,9 +32,9 @@ pub struct Metrics {
     pub workers: prometheus::IntGauge,
     /// `result` (applied, rejected): config reloads.
     pub config_reloads: IntCounterVec,
-    /// `policy`, `worker`: from receiving the request to the worker's response headers.
+    /// `policy`, `arm`, `worker`: from receiving the request to the worker's response headers.
     pub ttfb: HistogramVec,
-    /// `policy`, `worker`: from receiving the request to the end of the response body.
+    /// `policy`, `arm`, `worker`: from receiving the request to the end of the response body.
     pub duration: HistogramVec,
     /// `worker`, `kind` (connect, timeout, idle_timeout, body).
     pub upstream_errors: IntCounterVec,
@@ -58,7 +58,7 @@ impl Metrics {
         let histogram = |name: &str, help: &str| {
             let h = HistogramVec::new(
                 HistogramOpts::new(name, help).buckets(LATENCY_BUCKETS.to_vec()),
-                &["policy", "worker"],
+                &["policy", "arm", "worker"],
             )
             .expect("static metric definition");
             registry
@@ -114,13 +114,13 @@ impl Metrics {
             ),
             requests: counter(
                 "kvroute_requests_total",
-                "Requests answered, by route, policy, worker and HTTP status.",
-                &["route", "policy", "worker", "status"],
+                "Requests answered, by route, policy, A/B arm, worker and HTTP status.",
+                &["route", "policy", "arm", "worker", "status"],
             ),
             routing_decisions: counter(
                 "kvroute_routing_decisions_total",
-                "Routing decisions, by policy and outcome (preferred, spilled, least_conn_fallback).",
-                &["policy", "outcome"],
+                "Routing decisions, by policy, A/B arm and outcome (preferred, spilled, least_conn_fallback).",
+                &["policy", "arm", "outcome"],
             ),
             worker_inflight,
             ttfb: histogram(

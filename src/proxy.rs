@@ -31,7 +31,7 @@ use crate::{
     config::Config,
     error::ApiError,
     metrics::Metrics,
-    policy::Policy,
+    policy::arms::{Arm, ARM_HEADER},
     routing_key::RequestInfo,
     workers::{eligible, InflightGuard, Pool},
 };
@@ -80,7 +80,7 @@ impl Route {
 /// connection was refused (nothing reached the worker), and returns the streaming response.
 pub async fn forward(
     up: &Upstreams,
-    policy: &dyn Policy,
+    arm: &Arm,
     route: Route,
     parts: &http::request::Parts,
     body: Bytes,
@@ -100,13 +100,14 @@ pub async fn forward(
         {
             return Err(ApiError::Saturated);
         }
+        let policy = arm.policy.as_ref();
         let Some(selection) = policy.select(&workers, info) else {
             return Err(last_error);
         };
         if route != Route::Passthrough {
             up.metrics
                 .routing_decisions
-                .with_label_values(&[policy.name(), selection.outcome.as_str()])
+                .with_label_values(&[policy.name(), &arm.name, selection.outcome.as_str()])
                 .inc();
         }
         let worker = &workers[selection.index];
@@ -114,6 +115,7 @@ pub async fn forward(
             slot: worker.acquire(),
             metrics: up.metrics.clone(),
             policy: policy.name(),
+            arm: arm.name.clone(),
             started,
             phase: Phase::Waiting,
         };
@@ -247,6 +249,7 @@ struct Tracker {
     slot: InflightGuard,
     metrics: Metrics,
     policy: &'static str,
+    arm: std::sync::Arc<str>,
     started: Instant,
     phase: Phase,
 }
@@ -277,13 +280,20 @@ impl Tracker {
     ) -> Response {
         let (parts, incoming) = resp.into_parts();
         let worker = self.worker().to_owned();
+        let arm = self.arm.clone();
         self.metrics
             .ttfb
-            .with_label_values(&[self.policy, &worker])
+            .with_label_values(&[self.policy, &self.arm, &worker])
             .observe(self.started.elapsed().as_secs_f64());
         self.metrics
             .requests
-            .with_label_values(&[route.as_str(), self.policy, &worker, parts.status.as_str()])
+            .with_label_values(&[
+                route.as_str(),
+                self.policy,
+                &self.arm,
+                &worker,
+                parts.status.as_str(),
+            ])
             .inc();
         self.phase = if incoming.is_end_stream() {
             Phase::Finished
@@ -300,6 +310,9 @@ impl Tracker {
         copy_headers(&parts.headers, out.headers_mut(), &[]);
         if let Ok(v) = HeaderValue::from_str(&worker) {
             out.headers_mut().insert(WORKER_HEADER, v);
+        }
+        if let Ok(v) = HeaderValue::from_str(&arm) {
+            out.headers_mut().insert(ARM_HEADER, v);
         }
         out
     }
@@ -325,7 +338,7 @@ impl Drop for Tracker {
         }
         self.metrics
             .duration
-            .with_label_values(&[self.policy, self.worker()])
+            .with_label_values(&[self.policy, &self.arm, self.worker()])
             .observe(self.started.elapsed().as_secs_f64());
     }
 }

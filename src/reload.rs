@@ -12,8 +12,9 @@ use std::time::{Duration, SystemTime};
 use tokio_util::sync::CancellationToken;
 
 use crate::config::{Config, DiscoveryConfig, Overrides};
+use crate::discovery;
+use crate::policy::arms::Arms;
 use crate::routes::AppState;
-use crate::{discovery, policy};
 
 /// Where the running config came from, so it can be read again.
 #[derive(Clone, Debug)]
@@ -100,20 +101,19 @@ pub fn apply(state: &AppState, source: &Source) -> bool {
     let old = &up.config;
     let restart_only = Config {
         policy: old.policy.clone(),
+        ab: old.ab.clone(),
         workers: old.workers.clone(),
         ..new.clone()
     };
     if &restart_only != old {
-        tracing::warn!("the reloaded config changes keys other than policy and workers; those take effect at the next restart");
+        tracing::warn!("the reloaded config changes keys other than policy, ab and workers; those take effect at the next restart");
     }
-    if new.policy != **state.policy_config.load() {
-        state
-            .policy
-            .store(std::sync::Arc::new(policy::build(&new.policy)));
-        state
-            .policy_config
-            .store(std::sync::Arc::new(new.policy.clone()));
-        tracing::info!(policy = new.policy.name(), "routing policy swapped");
+    let routing = new.routing();
+    if routing != **state.routing_config.load() {
+        let arms = Arms::new(&routing.policy, routing.ab.as_ref());
+        tracing::info!(routing = arms.describe(), "routing swapped");
+        state.arms.store(std::sync::Arc::new(arms));
+        state.routing_config.store(std::sync::Arc::new(routing));
     }
     if new.discovery == DiscoveryConfig::Static {
         discovery::apply(up, "reload", &new.workers);

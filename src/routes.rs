@@ -13,8 +13,9 @@ use bytes::Bytes;
 use http_body_util::{BodyExt, LengthLimitError, Limited};
 
 use crate::{
+    config::RoutingConfig,
     error::{error_response, ApiError},
-    policy::{LeastConn, Policy},
+    policy::arms::{Arm, Arms},
     proxy::{forward, Route, Upstreams},
     routing_key::{self, PromptField, RequestInfo},
 };
@@ -23,12 +24,13 @@ use crate::{
 #[derive(Clone)]
 pub struct AppState {
     pub upstreams: Arc<Upstreams>,
-    /// The routing policy; swapped whole on a config reload (in-flight requests keep the old one).
-    pub policy: Arc<arc_swap::ArcSwap<Box<dyn Policy>>>,
-    /// The config the current policy was built from (what a reload compares against).
-    pub policy_config: Arc<arc_swap::ArcSwap<crate::config::PolicyConfig>>,
+    /// The routing arms (one, unless an A/B split is configured); swapped whole on a config
+    /// reload, while requests in flight keep the arms they started with.
+    pub arms: Arc<arc_swap::ArcSwap<Arms>>,
+    /// The config the current arms were built from (what a reload compares against).
+    pub routing_config: Arc<arc_swap::ArcSwap<RoutingConfig>>,
     /// Picks the worker for paths that carry no prompt.
-    pub passthrough: Arc<LeastConn>,
+    pub passthrough: Arc<Arm>,
     /// Name resolution for `dns` discovery (replaceable in tests).
     pub resolver: Arc<dyn crate::discovery::Resolve>,
 }
@@ -43,15 +45,20 @@ pub async fn chat_completions(State(s): State<AppState>, req: Request) -> Respon
 
 async fn routed(s: AppState, route: Route, field: PromptField, req: Request) -> Response {
     let up = &s.upstreams;
-    let policy = s.policy.load_full();
+    let arms = s.arms.load_full();
     let (parts, body) = req.into_parts();
-    let result = async {
+    let keyed = async {
         let body = read_body(&parts.headers, body, up.config.body_limit_bytes).await?;
         let info = routing_key::extract(&body, field, &up.config.routing_key)?;
-        forward(up, policy.as_ref().as_ref(), route, &parts, body, &info).await
-    }
-    .await;
-    respond(&s, route, policy.name(), result)
+        Ok::<_, ApiError>((body, info))
+    };
+    let (body, info) = match keyed.await {
+        Ok(x) => x,
+        Err(e) => return respond(&s, route, arms.unpicked_labels(), Err(e)),
+    };
+    let arm = arms.pick(&parts.headers, &info);
+    let result = forward(up, arm, route, &parts, body, &info).await;
+    respond(&s, route, (arm.policy.name(), &arm.name), result)
 }
 
 /// Any other `/v1/*` path, sent as it is to the least-loaded worker.
@@ -62,7 +69,7 @@ pub async fn passthrough(State(s): State<AppState>, req: Request) -> Response {
         let body = read_body(&parts.headers, body, up.config.body_limit_bytes).await?;
         forward(
             up,
-            s.passthrough.as_ref(),
+            &s.passthrough,
             Route::Passthrough,
             &parts,
             body,
@@ -71,14 +78,15 @@ pub async fn passthrough(State(s): State<AppState>, req: Request) -> Response {
         .await
     }
     .await;
-    respond(&s, Route::Passthrough, s.passthrough.name(), result)
+    let labels = (s.passthrough.policy.name(), &*s.passthrough.name);
+    respond(&s, Route::Passthrough, labels, result)
 }
 
 /// Counts gateway-made errors (proxied responses are counted by the proxy) and renders them.
 fn respond(
     s: &AppState,
     route: Route,
-    policy: &str,
+    (policy, arm): (&str, &str),
     result: Result<Response, ApiError>,
 ) -> Response {
     match result {
@@ -88,7 +96,7 @@ fn respond(
             s.upstreams
                 .metrics
                 .requests
-                .with_label_values(&[route.as_str(), policy, "none", status.as_str()])
+                .with_label_values(&[route.as_str(), policy, arm, "none", status.as_str()])
                 .inc();
             if status.is_server_error() {
                 tracing::warn!(route = route.as_str(), error = %e, "request failed");

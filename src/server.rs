@@ -13,7 +13,10 @@ use tower_http::trace::TraceLayer;
 use crate::{
     config::Config,
     metrics::Metrics,
-    policy::{self, LeastConn},
+    policy::{
+        arms::{Arm, Arms},
+        LeastConn,
+    },
     proxy::{http_client, Upstreams},
     routes::{self, AppState},
     workers::Pool,
@@ -25,11 +28,12 @@ impl AppState {
         let pool = Pool::from_config(&config.workers, &metrics)?;
         Ok(Self {
             resolver: Arc::new(crate::discovery::SystemResolver),
-            policy: Arc::new(arc_swap::ArcSwap::from_pointee(policy::build(
+            arms: Arc::new(arc_swap::ArcSwap::from_pointee(Arms::new(
                 &config.policy,
+                config.ab.as_ref(),
             ))),
-            policy_config: Arc::new(arc_swap::ArcSwap::from_pointee(config.policy.clone())),
-            passthrough: Arc::new(LeastConn::default()),
+            routing_config: Arc::new(arc_swap::ArcSwap::from_pointee(config.routing())),
+            passthrough: Arc::new(Arm::new("passthrough", Box::new(LeastConn::default()))),
             upstreams: Arc::new(Upstreams {
                 pool,
                 client: http_client(&config),
@@ -91,7 +95,7 @@ pub async fn serve_state(
 ) -> std::io::Result<()> {
     tracing::info!(
         addr = %listener.local_addr()?,
-        policy = state.policy.load().name(),
+        routing = state.arms.load().describe(),
         workers = state.upstreams.pool.snapshot().len(),
         "kvroute gateway listening"
     );

@@ -181,7 +181,7 @@ async fn finished_requests_are_not_counted_as_disconnects() {
         Some(0.0)
     );
     assert!(!m.contains("kvroute_client_disconnects_total{"), "{m}");
-    assert_eq!(metric(&m, "kvroute_requests_total{policy=\"prefix\",route=\"completions\",status=\"200\",worker=\"w0\"}"), Some(2.0));
+    assert_eq!(metric(&m, "kvroute_requests_total{arm=\"prefix\",policy=\"prefix\",route=\"completions\",status=\"200\",worker=\"w0\"}"), Some(2.0));
 }
 
 async fn served_by(addr: std::net::SocketAddr, path: &str, v: serde_json::Value) -> String {
@@ -242,7 +242,7 @@ async fn prefix_is_sticky_per_key_and_spreads_across_keys() {
     assert_eq!(
         metric(
             &m,
-            "kvroute_routing_decisions_total{outcome=\"preferred\",policy=\"prefix\"}"
+            "kvroute_routing_decisions_total{arm=\"prefix\",outcome=\"preferred\",policy=\"prefix\"}"
         ),
         Some(90.0)
     );
@@ -549,7 +549,7 @@ async fn metrics_exposition_lists_every_metric() {
     assert_eq!(
         metric(
             &text,
-            "kvroute_time_to_first_byte_seconds_count{policy=\"prefix\",worker=\"w0\"}"
+            "kvroute_time_to_first_byte_seconds_count{arm=\"prefix\",policy=\"prefix\",worker=\"w0\"}"
         ),
         Some(1.0)
     );

@@ -173,7 +173,7 @@ async fn after_reloading_to_prefix_the_same_prompt_sticks_to_one_worker() {
     }
     let m = common::metrics_text(gw).await;
     assert!(
-        m.contains("kvroute_routing_decisions_total{outcome=\"preferred\",policy=\"prefix\"} 6"),
+        m.contains("kvroute_routing_decisions_total{arm=\"prefix\",outcome=\"preferred\",policy=\"prefix\"} 6"),
         "{m}"
     );
     let _ = std::fs::remove_dir_all(dir);

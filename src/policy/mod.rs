@@ -7,6 +7,7 @@ use std::sync::Arc;
 
 use crate::{config::PolicyConfig, routing_key::RequestInfo, workers::Worker};
 
+pub mod arms;
 mod least_conn;
 mod prefix;
 mod round_robin;

@@ -248,9 +248,24 @@ impl RawResponse {
 
 /// Opens a connection and sends one request; the caller reads from the stream.
 pub async fn send(addr: SocketAddr, method: &str, path: &str, body: &[u8]) -> TcpStream {
+    send_with(addr, method, path, &[], body).await
+}
+
+/// [`send`] with extra request headers.
+pub async fn send_with(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &[u8],
+) -> TcpStream {
     let mut s = TcpStream::connect(addr).await.unwrap();
+    let extra: String = headers
+        .iter()
+        .map(|(k, v)| format!("{k}: {v}\r\n"))
+        .collect();
     let head = format!(
-        "{method} {path} HTTP/1.1\r\nhost: {addr}\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
+        "{method} {path} HTTP/1.1\r\nhost: {addr}\r\ncontent-type: application/json\r\ncontent-length: {}\r\n{extra}connection: close\r\n\r\n",
         body.len()
     );
     s.write_all(head.as_bytes()).await.unwrap();
@@ -280,7 +295,18 @@ pub async fn read_until(s: &mut TcpStream, needle: &[u8], limit: Duration) -> Ve
 
 /// One whole request and response (with `connection: close`, so EOF ends the body).
 pub async fn request(addr: SocketAddr, method: &str, path: &str, body: &[u8]) -> RawResponse {
-    let mut s = send(addr, method, path, body).await;
+    request_with(addr, method, path, &[], body).await
+}
+
+/// [`request`] with extra request headers.
+pub async fn request_with(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &[u8],
+) -> RawResponse {
+    let mut s = send_with(addr, method, path, headers, body).await;
     let mut raw = Vec::new();
     tokio::time::timeout(Duration::from_secs(20), s.read_to_end(&mut raw))
         .await
