@@ -160,6 +160,8 @@ pub fn main() -> ExitCode {
             }
             run(async move {
                 let listener = tokio::net::TcpListener::bind(config.listen).await?;
+                // One line on stdout once the socket accepts connections (useful with port 0).
+                println!("kvroute listening on http://{}", listener.local_addr()?);
                 let shutdown = shutdown_token();
                 match source {
                     Some(source) => {

@@ -145,3 +145,45 @@ async fn healthcheck_exits_zero_only_for_a_healthy_url() {
         .unwrap();
     assert!(!check(format!("http://{closed}/health")).success());
 }
+
+#[tokio::test]
+async fn serve_reloads_its_config_on_sighup() {
+    let (_sim, mut lines) = spawn(&["sim", "--workers", "2", "--port", "0", "--time-scale", "50"]);
+    let workers: Vec<String> = lines.by_ref().take(2).collect();
+    let dir = std::env::temp_dir().join(format!("kvroute-hup-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("kvroute.yaml");
+    let write = |policy: &str| {
+        let list: String = workers.iter().map(|w| format!("  - url: {w}\n")).collect();
+        std::fs::write(
+            &path,
+            format!("listen: 127.0.0.1:0\npolicy:\n  kind: {policy}\nworkers:\n{list}"),
+        )
+        .unwrap();
+    };
+    write("round_robin");
+    let (gw, mut out) = spawn(&["serve", "--config", path.to_str().unwrap()]);
+    let first = out.next().expect("the listening line");
+    let addr = addr_of(first.rsplit(' ').next().unwrap());
+    // New content, old modification time: only the signal can trigger this reload.
+    let before = std::fs::metadata(&path).unwrap().modified().unwrap();
+    write("prefix");
+    std::fs::File::options()
+        .write(true)
+        .open(&path)
+        .unwrap()
+        .set_modified(before)
+        .unwrap();
+    let status = Command::new("kill")
+        .args(["-HUP", &gw.0.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let applied = "kvroute_config_reloads_total{result=\"applied\"}";
+    let got = common::wait_metric(addr, applied, 1.0, std::time::Duration::from_secs(5)).await;
+    assert_eq!(got, Some(1.0));
+    let body = br#"{"prompt": "x", "max_tokens": 1}"#;
+    let r = common::request(addr, "POST", "/v1/completions", body).await;
+    assert_eq!(r.header("x-kvroute-arm"), Some("prefix"));
+    let _ = std::fs::remove_dir_all(dir);
+}
