@@ -28,8 +28,25 @@ async fn worker_of(gw: std::net::SocketAddr, prompt: &str) -> String {
     r.header("x-kvroute-worker").unwrap().to_string()
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn policy_and_workers_reload_under_load_without_dropping_a_request() {
+/// Two simulated workers and a reloading gateway whose config file starts with `round_robin`.
+struct Setup {
+    gw: std::net::SocketAddr,
+    addrs: Vec<std::net::SocketAddr>,
+    urls: Vec<String>,
+    path: std::path::PathBuf,
+    dir: std::path::PathBuf,
+    cancel: CancellationToken,
+    _tasks: JoinSet<()>,
+}
+
+impl Drop for Setup {
+    fn drop(&mut self) {
+        self.cancel.cancel();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+async fn setup(tag: &str) -> Setup {
     let cancel = CancellationToken::new();
     let mut tasks = JoinSet::new();
     let sim_cfg = SimConfig {
@@ -40,25 +57,36 @@ async fn policy_and_workers_reload_under_load_without_dropping_a_request() {
     };
     let addrs = sim::spawn(&sim_cfg, sim_cfg.bind().await.unwrap(), &cancel, &mut tasks).unwrap();
     let urls: Vec<String> = addrs.iter().map(|a| format!("http://{a}")).collect();
-
-    let dir = std::env::temp_dir().join(format!("kvroute-reload-{}", std::process::id()));
+    let dir = std::env::temp_dir().join(format!("kvroute-{tag}-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join("kvroute.yaml");
     std::fs::write(&path, yaml("round_robin", &urls)).unwrap();
     let config = Config::load(Some(&path), Overrides::default()).unwrap();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let gw = listener.local_addr().unwrap();
-    let source = kvroute::reload::Source::new(
-        path.clone(),
-        Overrides::default(),
-        Duration::from_millis(20),
-    );
+    let poll = Duration::from_millis(20);
+    let source = kvroute::reload::Source::new(path.clone(), Overrides::default(), poll);
     tokio::spawn(kvroute::server::serve_reloading(
         listener,
         config,
         source,
         cancel.clone(),
     ));
+    Setup {
+        gw,
+        addrs,
+        urls,
+        path,
+        dir,
+        cancel,
+        _tasks: tasks,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn policy_and_workers_reload_under_load_without_dropping_a_request() {
+    let s = setup("reload").await;
+    let (gw, addrs, urls, path) = (s.gw, &s.addrs, &s.urls, &s.path);
 
     // Round-robin: the same prompt alternates.
     let a = worker_of(gw, "same prompt").await;
@@ -127,40 +155,12 @@ async fn policy_and_workers_reload_under_load_without_dropping_a_request() {
     for p in ["x", "y", "z", "same prompt"] {
         assert_eq!(worker_of(gw, p).await, only);
     }
-    let _ = std::fs::remove_dir_all(dir);
-    cancel.cancel();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn after_reloading_to_prefix_the_same_prompt_sticks_to_one_worker() {
-    let cancel = CancellationToken::new();
-    let mut tasks = JoinSet::new();
-    let sim_cfg = SimConfig {
-        workers: 2,
-        port: 0,
-        time_scale: 20.0,
-        ..SimConfig::default()
-    };
-    let addrs = sim::spawn(&sim_cfg, sim_cfg.bind().await.unwrap(), &cancel, &mut tasks).unwrap();
-    let urls: Vec<String> = addrs.iter().map(|a| format!("http://{a}")).collect();
-    let dir = std::env::temp_dir().join(format!("kvroute-reload2-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join("kvroute.yaml");
-    std::fs::write(&path, yaml("round_robin", &urls)).unwrap();
-    let config = Config::load(Some(&path), Overrides::default()).unwrap();
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let gw = listener.local_addr().unwrap();
-    let source = kvroute::reload::Source::new(
-        path.clone(),
-        Overrides::default(),
-        Duration::from_millis(20),
-    );
-    tokio::spawn(kvroute::server::serve_reloading(
-        listener,
-        config,
-        source,
-        cancel.clone(),
-    ));
+    let s = setup("reload2").await;
+    let (gw, urls, path) = (s.gw, &s.urls, &s.path);
     std::fs::write(&path, yaml("prefix", &urls)).unwrap();
     let applied = "kvroute_config_reloads_total{result=\"applied\"}";
     assert_eq!(
@@ -176,6 +176,4 @@ async fn after_reloading_to_prefix_the_same_prompt_sticks_to_one_worker() {
         m.contains("kvroute_routing_decisions_total{arm=\"prefix\",outcome=\"preferred\",policy=\"prefix\"} 6"),
         "{m}"
     );
-    let _ = std::fs::remove_dir_all(dir);
-    cancel.cancel();
 }
