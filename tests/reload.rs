@@ -128,20 +128,20 @@ async fn policy_and_workers_reload_under_load_without_dropping_a_request() {
 
     let applied = "kvroute_config_reloads_total{result=\"applied\"}";
     let limit = Duration::from_secs(5);
-    std::fs::write(&path, yaml("prefix", &urls)).unwrap();
+    std::fs::write(path, yaml("prefix", urls)).unwrap();
     assert_eq!(wait_metric(gw, applied, 1.0, limit).await, Some(1.0));
     let n = done.load(Ordering::SeqCst);
     wait_done(n + 12).await;
 
     // A broken file is rejected; the prefix policy stays.
-    std::fs::write(&path, "policy: {kind: nonsense}\n").unwrap();
+    std::fs::write(path, "policy: {kind: nonsense}\n").unwrap();
     let rejected = "kvroute_config_reloads_total{result=\"rejected\"}";
     assert_eq!(wait_metric(gw, rejected, 1.0, limit).await, Some(1.0));
     let n = done.load(Ordering::SeqCst);
     wait_done(n + 12).await;
 
     // Shrinking the static list to one worker moves everything there.
-    std::fs::write(&path, yaml("prefix", &urls[..1])).unwrap();
+    std::fs::write(path, yaml("prefix", &urls[..1])).unwrap();
     assert_eq!(wait_metric(gw, applied, 2.0, limit).await, Some(2.0));
     let n = done.load(Ordering::SeqCst);
     wait_done(n + 12).await;
@@ -161,7 +161,7 @@ async fn policy_and_workers_reload_under_load_without_dropping_a_request() {
 async fn after_reloading_to_prefix_the_same_prompt_sticks_to_one_worker() {
     let s = setup("reload2").await;
     let (gw, urls, path) = (s.gw, &s.urls, &s.path);
-    std::fs::write(&path, yaml("prefix", &urls)).unwrap();
+    std::fs::write(path, yaml("prefix", urls)).unwrap();
     let applied = "kvroute_config_reloads_total{result=\"applied\"}";
     assert_eq!(
         wait_metric(gw, applied, 1.0, Duration::from_secs(5)).await,
