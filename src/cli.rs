@@ -160,12 +160,17 @@ pub fn main() -> ExitCode {
             }
             run(async move {
                 let listener = tokio::net::TcpListener::bind(config.listen).await?;
-                // One line on stdout once the socket accepts connections (useful with port 0).
-                println!("kvroute listening on http://{}", listener.local_addr()?);
+                let hup = source
+                    .as_ref()
+                    .and_then(|_| crate::reload::install_hangup());
                 let shutdown = shutdown_token();
+                // One line on stdout once the socket accepts connections and the signal handlers
+                // are in place (useful with port 0).
+                println!("kvroute listening on http://{}", listener.local_addr()?);
                 match source {
                     Some(source) => {
-                        crate::server::serve_reloading(listener, config, source, shutdown).await
+                        crate::server::serve_reloading(listener, config, source, hup, shutdown)
+                            .await
                     }
                     None => crate::server::serve(listener, config, shutdown).await,
                 }

@@ -40,10 +40,32 @@ impl Source {
     }
 }
 
-/// Reloads until `cancel` fires.
-pub async fn run(state: AppState, source: Source, cancel: CancellationToken) {
+/// A registered SIGHUP handler. Install it before announcing the server: until it exists, SIGHUP
+/// has its default action and ends the process.
+#[cfg(unix)]
+pub type Hangup = tokio::signal::unix::Signal;
+#[cfg(not(unix))]
+pub type Hangup = ();
+
+/// Registers the SIGHUP handler (must run inside the Tokio runtime).
+pub fn install_hangup() -> Option<Hangup> {
     #[cfg(unix)]
-    let mut hup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()).ok();
+    {
+        tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())
+            .map_err(|e| tracing::warn!("cannot listen for SIGHUP: {e}"))
+            .ok()
+    }
+    #[cfg(not(unix))]
+    None
+}
+
+/// Reloads on `hup` or a changed file until `cancel` fires.
+pub async fn run(
+    state: AppState,
+    source: Source,
+    mut hup: Option<Hangup>,
+    cancel: CancellationToken,
+) {
     let mut seen = source.loaded;
     let poll = if source.poll.is_zero() {
         Duration::from_secs(3600)
@@ -61,7 +83,10 @@ pub async fn run(state: AppState, source: Source, cancel: CancellationToken) {
             }
         };
         #[cfg(not(unix))]
-        let signalled = std::future::pending::<Option<()>>();
+        let signalled = {
+            let _ = &mut hup;
+            std::future::pending::<Option<()>>()
+        };
         tokio::select! {
             _ = cancel.cancelled() => return,
             _ = signalled => {

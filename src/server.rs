@@ -72,18 +72,19 @@ pub async fn serve(
     serve_state(listener, state, drain, shutdown).await
 }
 
-/// Like [`serve`], and also reloads `source` on SIGHUP or when the file changes.
+/// Like [`serve`], and also reloads `source` when the file changes or `hup` fires.
 pub async fn serve_reloading(
     listener: TcpListener,
     config: Config,
     source: crate::reload::Source,
+    hup: Option<crate::reload::Hangup>,
     shutdown: CancellationToken,
 ) -> std::io::Result<()> {
     let drain = Duration::from_secs_f64(config.drain_seconds);
     let state = AppState::new(config).map_err(std::io::Error::other)?;
     let reloads = shutdown.child_token();
     let _stop = reloads.clone().drop_guard();
-    tokio::spawn(crate::reload::run(state.clone(), source, reloads));
+    tokio::spawn(crate::reload::run(state.clone(), source, hup, reloads));
     serve_state(listener, state, drain, shutdown).await
 }
 

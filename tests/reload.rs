@@ -70,6 +70,7 @@ async fn setup(tag: &str) -> Setup {
         listener,
         config,
         source,
+        None,
         cancel.clone(),
     ));
     Setup {
