@@ -160,9 +160,17 @@ pub enum DiscoveryConfig {
         port_name: Option<String>,
         #[serde(default)]
         port: Option<u16>,
-        /// API server base URL; in a pod, taken from the service-account environment when unset.
+        /// API server base URL. Unset: `https://$KUBERNETES_SERVICE_HOST:$KUBERNETES_SERVICE_PORT`
+        /// in a pod, else `http://127.0.0.1:8001` (`kubectl proxy`).
         #[serde(default)]
         api_url: Option<String>,
+        /// CA bundle that signs the API server's certificate (https only).
+        #[serde(default = "default_ca_file")]
+        ca_file: String,
+        /// Bearer token, re-read on every list and watch (projected tokens rotate); skipped when
+        /// the file does not exist.
+        #[serde(default = "default_token_file")]
+        token_file: String,
     },
 }
 
@@ -204,6 +212,14 @@ pub struct ArmConfig {
 
 fn default_interval() -> f64 {
     5.0
+}
+
+fn default_ca_file() -> String {
+    "/var/run/secrets/kubernetes.io/serviceaccount/ca.crt".into()
+}
+
+fn default_token_file() -> String {
+    "/var/run/secrets/kubernetes.io/serviceaccount/token".into()
 }
 
 fn default_namespace() -> String {

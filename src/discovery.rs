@@ -9,6 +9,7 @@
 //! - `dns`: a name (a headless Service) re-resolved every interval; every address becomes a worker;
 //! - `kubernetes`: list + watch of the Service's EndpointSlices; only Ready, non-terminating
 //!   endpoints; a dropped watch or a `410 Gone` re-lists, so deletions missed meanwhile are seen.
+//!   In a pod it talks HTTPS to the API server with the service account's CA and token.
 
 use std::collections::BTreeMap;
 use std::future::Future;
@@ -20,6 +21,9 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
+use hyper_rustls::HttpsConnector;
+use hyper_util::client::legacy::{connect::HttpConnector, Client};
+use hyper_util::rt::TokioExecutor;
 use serde_json::Value;
 use tokio_util::sync::CancellationToken;
 
@@ -114,17 +118,121 @@ pub async fn run(up: Arc<Upstreams>, resolver: Arc<dyn Resolve>, cancel: Cancell
             port_name,
             port,
             api_url,
+            ca_file,
+            token_file,
         } => {
+            let api = match KubeApi::new(api_url, &ca_file, token_file) {
+                Ok(api) => api,
+                Err(e) => {
+                    tracing::error!(error = %e, "kubernetes discovery cannot start");
+                    up.metrics
+                        .discovery_updates
+                        .with_label_values(&["kubernetes", "error"])
+                        .inc();
+                    return;
+                }
+            };
             let target = SliceTarget {
-                api: api_url.unwrap_or_else(|| "http://127.0.0.1:8001".into()),
+                api: api.base.clone(),
                 namespace,
                 service,
                 port_name,
                 port,
             };
-            kubernetes(&up, &target, &cancel).await;
+            kubernetes(&up, &api, &target, &cancel).await;
         }
     }
+}
+
+type TlsClient = Client<HttpsConnector<HttpConnector>, Full<Bytes>>;
+
+/// The Kubernetes API: HTTPS with the configured CA (or plain HTTP to a `kubectl proxy`), with
+/// the service account's bearer token.
+pub struct KubeApi {
+    base: String,
+    client: TlsClient,
+    token_file: String,
+}
+
+impl KubeApi {
+    pub fn new(api_url: Option<String>, ca_file: &str, token_file: String) -> Result<Self, String> {
+        let base = api_url.unwrap_or_else(|| {
+            match (
+                std::env::var("KUBERNETES_SERVICE_HOST"),
+                std::env::var("KUBERNETES_SERVICE_PORT"),
+            ) {
+                (Ok(h), Ok(p)) if h.contains(':') => format!("https://[{h}]:{p}"),
+                (Ok(h), Ok(p)) => format!("https://{h}:{p}"),
+                _ => "http://127.0.0.1:8001".into(),
+            }
+        });
+        let mut roots = rustls::RootCertStore::empty();
+        if base.starts_with("https://") {
+            use rustls::pki_types::{pem::PemObject, CertificateDer};
+            let certs = CertificateDer::pem_file_iter(ca_file)
+                .map_err(|e| format!("CA bundle {ca_file}: {e}"))?;
+            for cert in certs {
+                let cert = cert.map_err(|e| format!("CA bundle {ca_file}: {e}"))?;
+                roots
+                    .add(cert)
+                    .map_err(|e| format!("CA bundle {ca_file}: {e}"))?;
+            }
+        }
+        let tls = rustls::ClientConfig::builder_with_provider(Arc::new(
+            rustls::crypto::ring::default_provider(),
+        ))
+        .with_safe_default_protocol_versions()
+        .map_err(|e| e.to_string())?
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+        let mut http = HttpConnector::new();
+        http.enforce_http(false);
+        http.set_connect_timeout(Some(Duration::from_secs(5)));
+        let connector = hyper_rustls::HttpsConnectorBuilder::new()
+            .with_tls_config(tls)
+            .https_or_http()
+            .enable_http1()
+            .wrap_connector(http);
+        Ok(Self {
+            base,
+            client: Client::builder(TokioExecutor::new()).build(connector),
+            token_file,
+        })
+    }
+
+    async fn get(&self, url: &str) -> Result<hyper::body::Incoming, String> {
+        let uri: http::Uri = url.parse().map_err(|e| format!("{url}: {e}"))?;
+        let mut req = http::Request::get(uri);
+        if let Ok(token) = std::fs::read_to_string(&self.token_file) {
+            req = req.header(
+                http::header::AUTHORIZATION,
+                format!("Bearer {}", token.trim()),
+            );
+        }
+        let req = req
+            .body(Full::new(Bytes::new()))
+            .map_err(|e| e.to_string())?;
+        let resp = self
+            .client
+            .request(req)
+            .await
+            .map_err(|e| error_chain(&e))?;
+        if !resp.status().is_success() {
+            return Err(format!("{url}: HTTP {}", resp.status()));
+        }
+        Ok(resp.into_body())
+    }
+}
+
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    while let Some(inner) = cur {
+        s.push_str(": ");
+        s.push_str(&inner.to_string());
+        cur = inner.source();
+    }
+    s
 }
 
 /// Which EndpointSlices to watch and which port to use.
@@ -193,12 +301,17 @@ fn workers_of(slices: &Slices) -> Vec<WorkerConfig> {
     workers_from_addrs(slices.values().flatten().copied().collect())
 }
 
-async fn kubernetes(up: &Upstreams, target: &SliceTarget, cancel: &CancellationToken) {
+async fn kubernetes(
+    up: &Upstreams,
+    api: &KubeApi,
+    target: &SliceTarget,
+    cancel: &CancellationToken,
+) {
     let mut backoff = Duration::from_millis(100);
     loop {
         let listed = tokio::select! {
             _ = cancel.cancelled() => return,
-            r = list(up, target) => r,
+            r = list(api, target) => r,
         };
         let (mut slices, rv) = match listed {
             Ok(x) => {
@@ -222,7 +335,7 @@ async fn kubernetes(up: &Upstreams, target: &SliceTarget, cancel: &CancellationT
         apply(up, "kubernetes", &workers_of(&slices));
         tokio::select! {
             _ = cancel.cancelled() => return,
-            r = watch(up, target, &mut slices, rv) => {
+            r = watch(up, api, target, &mut slices, rv) => {
                 if let Err(e) = r {
                     tracing::info!(error = %e, "EndpointSlice watch ended; re-listing");
                 }
@@ -231,29 +344,8 @@ async fn kubernetes(up: &Upstreams, target: &SliceTarget, cancel: &CancellationT
     }
 }
 
-async fn get(up: &Upstreams, url: &str) -> Result<hyper::body::Incoming, String> {
-    let uri: http::Uri = url.parse().map_err(|e| format!("{url}: {e}"))?;
-    let mut req = http::Request::get(uri);
-    if let Ok(token) =
-        std::fs::read_to_string("/var/run/secrets/kubernetes.io/serviceaccount/token")
-    {
-        req = req.header(
-            http::header::AUTHORIZATION,
-            format!("Bearer {}", token.trim()),
-        );
-    }
-    let req = req
-        .body(Full::new(Bytes::new()))
-        .map_err(|e| e.to_string())?;
-    let resp = up.client.request(req).await.map_err(|e| e.to_string())?;
-    if !resp.status().is_success() {
-        return Err(format!("{url}: HTTP {}", resp.status()));
-    }
-    Ok(resp.into_body())
-}
-
-async fn list(up: &Upstreams, t: &SliceTarget) -> Result<(Slices, String), String> {
-    let body = get(up, &t.url(None)).await?;
+async fn list(api: &KubeApi, t: &SliceTarget) -> Result<(Slices, String), String> {
+    let body = api.get(&t.url(None)).await?;
     let bytes = body.collect().await.map_err(|e| e.to_string())?.to_bytes();
     let v: Value = serde_json::from_slice(&bytes).map_err(|e| e.to_string())?;
     let rv = v["metadata"]["resourceVersion"]
@@ -272,11 +364,12 @@ async fn list(up: &Upstreams, t: &SliceTarget) -> Result<(Slices, String), Strin
 /// Follows the watch stream, applying each event; returns when it ends or must re-list.
 async fn watch(
     up: &Upstreams,
+    api: &KubeApi,
     t: &SliceTarget,
     slices: &mut Slices,
     rv: String,
 ) -> Result<(), String> {
-    let mut body = get(up, &t.url(Some(&rv))).await?;
+    let mut body = api.get(&t.url(Some(&rv))).await?;
     let mut buf = Vec::new();
     while let Some(frame) = body.frame().await {
         let frame = frame.map_err(|e| e.to_string())?;

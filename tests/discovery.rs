@@ -110,12 +110,18 @@ struct FakeApi {
     rv: std::sync::atomic::AtomicU64,
     watch: Mutex<Option<mpsc::UnboundedSender<Value>>>,
     lists: std::sync::atomic::AtomicU64,
+    authorization: Mutex<Option<String>>,
 }
 
 async fn endpointslices(
     State(api): State<Arc<FakeApi>>,
     Query(q): Query<BTreeMap<String, String>>,
+    headers: axum::http::HeaderMap,
 ) -> axum::response::Response {
+    *api.authorization.lock().await = headers
+        .get("authorization")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_string);
     assert_eq!(q["labelSelector"], "kubernetes.io/service-name=vllm");
     let rv = api.rv.load(std::sync::atomic::Ordering::SeqCst).to_string();
     if q.get("watch").map(String::as_str) == Some("1") {
@@ -183,9 +189,139 @@ async fn watch_sender(api: &FakeApi) -> mpsc::UnboundedSender<Value> {
     }
 }
 
+/// The fake API's router.
+fn fake_api(api: Arc<FakeApi>) -> Router {
+    Router::new()
+        .route(
+            "/apis/discovery.k8s.io/v1/namespaces/ml/endpointslices",
+            get(endpointslices),
+        )
+        .with_state(api)
+}
+
+/// Serves the fake API over HTTPS with a fresh self-signed certificate; returns the URL and the
+/// certificate's PEM (the CA bundle a client must trust).
+async fn serve_tls(app: Router) -> (String, String) {
+    let certified = rcgen::generate_simple_self_signed(vec!["127.0.0.1".to_string()]).unwrap();
+    let pem = certified.cert.pem();
+    let key = rustls::pki_types::PrivatePkcs8KeyDer::from(certified.signing_key.serialize_der());
+    let server = rustls::ServerConfig::builder_with_provider(Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .unwrap()
+    .with_no_client_auth()
+    .with_single_cert(vec![certified.cert.der().clone()], key.into())
+    .unwrap();
+    let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(server));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("https://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move {
+        loop {
+            let Ok((tcp, _)) = listener.accept().await else {
+                return;
+            };
+            let (acceptor, app) = (acceptor.clone(), app.clone());
+            tokio::spawn(async move {
+                let Ok(tls) = acceptor.accept(tcp).await else {
+                    return;
+                };
+                let svc = hyper_util::service::TowerToHyperService::new(app);
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(hyper_util::rt::TokioIo::new(tls), svc)
+                    .await;
+            });
+        }
+    });
+    (url, pem)
+}
+
+fn kube_config(api_url: String, ca_file: String, token_file: String) -> Config {
+    config(DiscoveryConfig::Kubernetes {
+        namespace: "ml".into(),
+        service: "vllm".into(),
+        port_name: Some("http".into()),
+        port: None,
+        api_url: Some(api_url),
+        ca_file,
+        token_file,
+    })
+}
+
 #[tokio::test]
 async fn kubernetes_discovery_uses_ready_endpoints_and_relists_after_a_dropped_watch() {
     let api = Arc::new(FakeApi::default());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let api_url = format!("http://{}", listener.local_addr().unwrap());
+    let app = fake_api(api.clone());
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    let cfg = kube_config(
+        api_url,
+        "/nonexistent/ca.crt".into(),
+        "/nonexistent/token".into(),
+    );
+    scenario(api, cfg).await;
+}
+
+#[tokio::test]
+async fn kubernetes_discovery_speaks_tls_with_the_ca_bundle_and_sends_the_token() {
+    let api = Arc::new(FakeApi::default());
+    let (api_url, pem) = serve_tls(fake_api(api.clone())).await;
+    let dir = std::env::temp_dir().join(format!("kvroute-kube-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (ca, token) = (dir.join("ca.crt"), dir.join("token"));
+    std::fs::write(&ca, pem).unwrap();
+    std::fs::write(&token, "sa-token-123\n").unwrap();
+    let cfg = kube_config(
+        api_url,
+        ca.to_string_lossy().into_owned(),
+        token.to_string_lossy().into_owned(),
+    );
+    scenario(api.clone(), cfg).await;
+    assert_eq!(
+        api.authorization.lock().await.as_deref(),
+        Some("Bearer sa-token-123")
+    );
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[tokio::test]
+async fn kubernetes_discovery_refuses_a_server_its_ca_did_not_sign() {
+    let api = Arc::new(FakeApi::default());
+    let (api_url, _pem) = serve_tls(fake_api(api.clone())).await;
+    let (_other_url, other_pem) = serve_tls(fake_api(Arc::new(FakeApi::default()))).await;
+    let dir = std::env::temp_dir().join(format!("kvroute-kube-bad-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let ca = dir.join("ca.crt");
+    std::fs::write(&ca, other_pem).unwrap();
+    let state = AppState::new(kube_config(
+        api_url,
+        ca.to_string_lossy().into_owned(),
+        "/nonexistent/token".into(),
+    ))
+    .unwrap();
+    let up = state.upstreams.clone();
+    let cancel = CancellationToken::new();
+    tokio::spawn(discovery::run(
+        up.clone(),
+        state.resolver.clone(),
+        cancel.clone(),
+    ));
+    let errors = "kvroute_discovery_updates_total{result=\"error\",source=\"kubernetes\"}";
+    eventually("a failed TLS list", || up.metrics.render().contains(errors)).await;
+    assert_eq!(
+        api.lists.load(std::sync::atomic::Ordering::SeqCst),
+        0,
+        "no request got through"
+    );
+    assert!(names(&up).is_empty());
+    cancel.cancel();
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// Initial list, NotReady, a new slice, a dropped watch with a deletion while it was down, a 410,
+/// and a terminating endpoint; the worker set is checked after each.
+async fn scenario(api: Arc<FakeApi>, cfg: Config) {
     api.slices.lock().await.insert(
         "vllm-a".into(),
         slice(
@@ -198,24 +334,7 @@ async fn kubernetes_discovery_uses_ready_endpoints_and_relists_after_a_dropped_w
             ],
         ),
     );
-    let app = Router::new()
-        .route(
-            "/apis/discovery.k8s.io/v1/namespaces/ml/endpointslices",
-            get(endpointslices),
-        )
-        .with_state(api.clone());
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let api_url = format!("http://{}", listener.local_addr().unwrap());
-    tokio::spawn(async move { axum::serve(listener, app).await });
-
-    let state = AppState::new(config(DiscoveryConfig::Kubernetes {
-        namespace: "ml".into(),
-        service: "vllm".into(),
-        port_name: Some("http".into()),
-        port: None,
-        api_url: Some(api_url),
-    }))
-    .unwrap();
+    let state = AppState::new(cfg).unwrap();
     let up = state.upstreams.clone();
     let cancel = CancellationToken::new();
     tokio::spawn(discovery::run(
