@@ -1,11 +1,20 @@
 //! Gateway configuration: the serde structs, their `Default` (the only home of defaults), and validation.
 //!
-//! Every default lives in a `Default` impl below. The CLI only overrides fields that were given;
+//! Every default lives in a `Default` impl here or in the `operations` and `routing` files (or a serde
+//! `default` function beside its field). The CLI only overrides fields that were given;
 //! the README's config reference is written from these impls.
 
 use std::{net::SocketAddr, path::Path, time::Duration};
 
 use serde::{Deserialize, Serialize};
+
+mod operations;
+mod routing;
+
+pub use operations::{DiscoveryConfig, HealthConfig};
+pub use routing::{
+    AbConfig, ArmConfig, PolicyConfig, PrefixParams, RoutingConfig, RoutingKeyConfig,
+};
 
 /// Environment variable that overrides the routing policy, so an A/B switch is one value in a Deployment.
 pub const POLICY_ENV: &str = "KVROUTE_POLICY";
@@ -105,205 +114,6 @@ impl WorkerConfig {
             name: None,
             models: Vec::new(),
             draining: false,
-        }
-    }
-}
-
-/// Health checking. Active checks GET `path` on every worker each `interval_seconds` (0 turns
-/// them off); a worker is marked down after `unhealthy_threshold` failures in a row and up again
-/// after `healthy_threshold` successes. Passively, `passive_failures` 5xx answers in a row eject
-/// a worker for `eject_seconds` (a refused connection ejects it at once).
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct HealthConfig {
-    pub interval_seconds: f64,
-    pub timeout_seconds: f64,
-    pub path: String,
-    pub unhealthy_threshold: u32,
-    pub healthy_threshold: u32,
-    pub passive_failures: u32,
-}
-
-impl Default for HealthConfig {
-    fn default() -> Self {
-        Self {
-            interval_seconds: 5.0,
-            timeout_seconds: 2.0,
-            path: "/health".into(),
-            unhealthy_threshold: 3,
-            healthy_threshold: 2,
-            passive_failures: 3,
-        }
-    }
-}
-
-/// Worker discovery. `static` uses `workers`; `dns` re-resolves `host` (e.g. a headless Service)
-/// every `interval_seconds` and uses every address on `port`; `kubernetes` watches the
-/// EndpointSlices of `service` in `namespace` and uses the Ready, non-terminating endpoints on
-/// `port_name` (or `port`).
-#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
-#[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
-pub enum DiscoveryConfig {
-    #[default]
-    Static,
-    Dns {
-        host: String,
-        port: u16,
-        #[serde(default = "default_interval")]
-        interval_seconds: f64,
-    },
-    Kubernetes {
-        #[serde(default = "default_namespace")]
-        namespace: String,
-        service: String,
-        #[serde(default)]
-        port_name: Option<String>,
-        #[serde(default)]
-        port: Option<u16>,
-        /// API server base URL. Unset: `https://$KUBERNETES_SERVICE_HOST:$KUBERNETES_SERVICE_PORT`
-        /// in a pod, else `http://127.0.0.1:8001` (`kubectl proxy`).
-        #[serde(default)]
-        api_url: Option<String>,
-        /// CA bundle that signs the API server's certificate (https only).
-        #[serde(default = "default_ca_file")]
-        ca_file: String,
-        /// Bearer token, re-read on every list and watch (projected tokens rotate); skipped when
-        /// the file does not exist.
-        #[serde(default = "default_token_file")]
-        token_file: String,
-    },
-}
-
-/// What decides routing, and what a reload swaps live.
-#[derive(Clone, Debug, PartialEq)]
-pub struct RoutingConfig {
-    pub policy: PolicyConfig,
-    pub ab: Option<AbConfig>,
-}
-
-impl Config {
-    pub fn routing(&self) -> RoutingConfig {
-        RoutingConfig {
-            policy: self.policy.clone(),
-            ab: self.ab.clone(),
-        }
-    }
-}
-
-/// A/B test of routing logic: each request goes to one arm, sticky per client (by
-/// `sticky_header` when the request has it, else by its prompt's first block), in proportion to
-/// the weights. Every metric carries the arm's name in its `arm` label.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct AbConfig {
-    pub arms: Vec<ArmConfig>,
-    #[serde(default)]
-    pub sticky_header: Option<String>,
-}
-
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct ArmConfig {
-    /// Label value on metrics: letters, digits, `-` and `_`, at most 32.
-    pub name: String,
-    pub weight: f64,
-    pub policy: PolicyConfig,
-}
-
-fn default_interval() -> f64 {
-    5.0
-}
-
-fn default_ca_file() -> String {
-    "/var/run/secrets/kubernetes.io/serviceaccount/ca.crt".into()
-}
-
-fn default_token_file() -> String {
-    "/var/run/secrets/kubernetes.io/serviceaccount/token".into()
-}
-
-fn default_namespace() -> String {
-    "default".into()
-}
-
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
-pub enum PolicyConfig {
-    RoundRobin,
-    LeastConn,
-    Prefix(PrefixParams),
-}
-
-impl Default for PolicyConfig {
-    fn default() -> Self {
-        PolicyConfig::Prefix(PrefixParams::default())
-    }
-}
-
-impl PolicyConfig {
-    pub const NAMES: [&'static str; 3] = ["round_robin", "least_conn", "prefix"];
-
-    pub fn name(&self) -> &'static str {
-        match self {
-            PolicyConfig::RoundRobin => "round_robin",
-            PolicyConfig::LeastConn => "least_conn",
-            PolicyConfig::Prefix(_) => "prefix",
-        }
-    }
-
-    /// The policy called `name`, keeping `self`'s parameters when it is already that policy.
-    pub fn with_name(self, name: &str) -> Result<Self, ConfigError> {
-        if self.name() == name {
-            return Ok(self);
-        }
-        match name {
-            "round_robin" => Ok(PolicyConfig::RoundRobin),
-            "least_conn" => Ok(PolicyConfig::LeastConn),
-            "prefix" => Ok(PolicyConfig::Prefix(PrefixParams::default())),
-            other => Err(ConfigError::Invalid(format!(
-                "unknown policy {other:?}; expected one of {}",
-                Self::NAMES.join(", ")
-            ))),
-        }
-    }
-}
-
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct PrefixParams {
-    /// How many leading blocks of the routing key choose the worker.
-    pub key_blocks: usize,
-    /// Bounded load: a worker is over its bound when its in-flight count would exceed
-    /// `load_factor` × the pool's mean (counting the new request).
-    pub load_factor: f64,
-    /// How many further candidates in hash order are tried before falling back to least-connections.
-    pub spill_candidates: usize,
-}
-
-impl Default for PrefixParams {
-    fn default() -> Self {
-        Self {
-            key_blocks: 4,
-            load_factor: 1.5,
-            spill_candidates: 1,
-        }
-    }
-}
-
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct RoutingKeyConfig {
-    /// Size of one hashed block of the canonical prompt, in bytes.
-    pub block_bytes: usize,
-    /// Blocks hashed at most; bytes past `block_bytes × max_blocks` are never read.
-    pub max_blocks: usize,
-}
-
-impl Default for RoutingKeyConfig {
-    fn default() -> Self {
-        Self {
-            block_bytes: 256,
-            max_blocks: 16,
         }
     }
 }

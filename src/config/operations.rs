@@ -1,0 +1,84 @@
+//! Operating the pool: health checking and worker discovery settings.
+
+use serde::{Deserialize, Serialize};
+
+/// Health checking. Active checks GET `path` on every worker each `interval_seconds` (0 turns
+/// them off); a worker is marked down after `unhealthy_threshold` failures in a row and up again
+/// after `healthy_threshold` successes. Passively, `passive_failures` 5xx answers in a row eject
+/// a worker for `eject_seconds` (a refused connection ejects it at once).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct HealthConfig {
+    pub interval_seconds: f64,
+    pub timeout_seconds: f64,
+    pub path: String,
+    pub unhealthy_threshold: u32,
+    pub healthy_threshold: u32,
+    pub passive_failures: u32,
+}
+
+impl Default for HealthConfig {
+    fn default() -> Self {
+        Self {
+            interval_seconds: 5.0,
+            timeout_seconds: 2.0,
+            path: "/health".into(),
+            unhealthy_threshold: 3,
+            healthy_threshold: 2,
+            passive_failures: 3,
+        }
+    }
+}
+
+/// Worker discovery. `static` uses `workers`; `dns` re-resolves `host` (e.g. a headless Service)
+/// every `interval_seconds` and uses every address on `port`; `kubernetes` watches the
+/// EndpointSlices of `service` in `namespace` and uses the Ready, non-terminating endpoints on
+/// `port_name` (or `port`).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
+pub enum DiscoveryConfig {
+    #[default]
+    Static,
+    Dns {
+        host: String,
+        port: u16,
+        #[serde(default = "default_interval")]
+        interval_seconds: f64,
+    },
+    Kubernetes {
+        #[serde(default = "default_namespace")]
+        namespace: String,
+        service: String,
+        #[serde(default)]
+        port_name: Option<String>,
+        #[serde(default)]
+        port: Option<u16>,
+        /// API server base URL. Unset: `https://$KUBERNETES_SERVICE_HOST:$KUBERNETES_SERVICE_PORT`
+        /// in a pod, else `http://127.0.0.1:8001` (`kubectl proxy`).
+        #[serde(default)]
+        api_url: Option<String>,
+        /// CA bundle that signs the API server's certificate (https only).
+        #[serde(default = "default_ca_file")]
+        ca_file: String,
+        /// Bearer token, re-read on every list and watch (projected tokens rotate); skipped when
+        /// the file does not exist.
+        #[serde(default = "default_token_file")]
+        token_file: String,
+    },
+}
+
+fn default_interval() -> f64 {
+    5.0
+}
+
+fn default_ca_file() -> String {
+    "/var/run/secrets/kubernetes.io/serviceaccount/ca.crt".into()
+}
+
+fn default_token_file() -> String {
+    "/var/run/secrets/kubernetes.io/serviceaccount/token".into()
+}
+
+fn default_namespace() -> String {
+    "default".into()
+}

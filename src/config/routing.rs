@@ -1,0 +1,123 @@
+//! Routing settings: the policy and its parameters, the routing key, and A/B arms.
+
+use serde::{Deserialize, Serialize};
+
+use super::{Config, ConfigError};
+
+/// What decides routing, and what a reload swaps live.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RoutingConfig {
+    pub policy: PolicyConfig,
+    pub ab: Option<AbConfig>,
+}
+
+impl Config {
+    pub fn routing(&self) -> RoutingConfig {
+        RoutingConfig {
+            policy: self.policy.clone(),
+            ab: self.ab.clone(),
+        }
+    }
+}
+
+/// A/B test of routing logic: each request goes to one arm, sticky per client (by
+/// `sticky_header` when the request has it, else by its prompt's first block), in proportion to
+/// the weights. Every metric carries the arm's name in its `arm` label.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AbConfig {
+    pub arms: Vec<ArmConfig>,
+    #[serde(default)]
+    pub sticky_header: Option<String>,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ArmConfig {
+    /// Label value on metrics: letters, digits, `-` and `_`, at most 32.
+    pub name: String,
+    pub weight: f64,
+    pub policy: PolicyConfig,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
+pub enum PolicyConfig {
+    RoundRobin,
+    LeastConn,
+    Prefix(PrefixParams),
+}
+
+impl Default for PolicyConfig {
+    fn default() -> Self {
+        PolicyConfig::Prefix(PrefixParams::default())
+    }
+}
+
+impl PolicyConfig {
+    pub const NAMES: [&'static str; 3] = ["round_robin", "least_conn", "prefix"];
+
+    pub fn name(&self) -> &'static str {
+        match self {
+            PolicyConfig::RoundRobin => "round_robin",
+            PolicyConfig::LeastConn => "least_conn",
+            PolicyConfig::Prefix(_) => "prefix",
+        }
+    }
+
+    /// The policy called `name`, keeping `self`'s parameters when it is already that policy.
+    pub fn with_name(self, name: &str) -> Result<Self, ConfigError> {
+        if self.name() == name {
+            return Ok(self);
+        }
+        match name {
+            "round_robin" => Ok(PolicyConfig::RoundRobin),
+            "least_conn" => Ok(PolicyConfig::LeastConn),
+            "prefix" => Ok(PolicyConfig::Prefix(PrefixParams::default())),
+            other => Err(ConfigError::Invalid(format!(
+                "unknown policy {other:?}; expected one of {}",
+                Self::NAMES.join(", ")
+            ))),
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct PrefixParams {
+    /// How many leading blocks of the routing key choose the worker.
+    pub key_blocks: usize,
+    /// Bounded load: a worker is over its bound when its in-flight count would exceed
+    /// `load_factor` × the pool's mean (counting the new request).
+    pub load_factor: f64,
+    /// How many further candidates in hash order are tried before falling back to least-connections.
+    pub spill_candidates: usize,
+}
+
+impl Default for PrefixParams {
+    fn default() -> Self {
+        Self {
+            key_blocks: 4,
+            load_factor: 1.5,
+            spill_candidates: 1,
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RoutingKeyConfig {
+    /// Size of one hashed block of the canonical prompt, in bytes.
+    pub block_bytes: usize,
+    /// Blocks hashed at most; bytes past `block_bytes × max_blocks` are never read.
+    pub max_blocks: usize,
+}
+
+impl Default for RoutingKeyConfig {
+    fn default() -> Self {
+        Self {
+            block_bytes: 256,
+            max_blocks: 16,
+        }
+    }
+}
