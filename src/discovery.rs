@@ -28,7 +28,7 @@ use serde_json::Value;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::{DiscoveryConfig, WorkerConfig};
-use crate::proxy::Upstreams;
+use crate::proxy::{error_chain, Upstreams};
 
 /// Applies one complete list from `source` and counts it.
 pub fn apply(up: &Upstreams, source: &str, workers: &[WorkerConfig]) {
@@ -222,17 +222,6 @@ impl KubeApi {
         }
         Ok(resp.into_body())
     }
-}
-
-fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut cur = e.source();
-    while let Some(inner) = cur {
-        s.push_str(": ");
-        s.push_str(&inner.to_string());
-        cur = inner.source();
-    }
-    s
 }
 
 /// Which EndpointSlices to watch and which port to use.

@@ -163,7 +163,8 @@ pub async fn forward(
     Err(last_error)
 }
 
-fn error_chain(e: &dyn std::error::Error) -> String {
+/// An error and its sources, joined: hyper's top-level messages alone say little.
+pub(crate) fn error_chain(e: &dyn std::error::Error) -> String {
     let mut s = e.to_string();
     let mut cur = e.source();
     while let Some(inner) = cur {

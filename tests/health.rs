@@ -60,6 +60,16 @@ async fn worker(name: &str) -> (Arc<Switches>, WorkerConfig) {
     (sw, cfg)
 }
 
+/// `config` with the round-robin policy, so each worker's share of requests is predictable.
+fn round_robin(config: Config) -> Config {
+    config
+        .with_overrides(kvroute::config::Overrides {
+            policy: Some("round_robin".into()),
+            ..Default::default()
+        })
+        .unwrap()
+}
+
 async fn completions(gw: SocketAddr, n: usize) {
     for i in 0..n {
         let body = format!(r#"{{"prompt": "request {i}", "max_tokens": 1}}"#);
@@ -71,7 +81,7 @@ async fn completions(gw: SocketAddr, n: usize) {
 async fn a_failing_worker_is_taken_out_within_the_threshold_and_comes_back() {
     let (a, wa) = worker("a").await;
     let (b, wb) = worker("b").await;
-    let config = Config {
+    let config = round_robin(Config {
         workers: vec![wa, wb],
         health: HealthConfig {
             interval_seconds: 0.05,
@@ -80,12 +90,7 @@ async fn a_failing_worker_is_taken_out_within_the_threshold_and_comes_back() {
             ..HealthConfig::default()
         },
         ..Config::default()
-    }
-    .with_overrides(kvroute::config::Overrides {
-        policy: Some("round_robin".into()),
-        ..Default::default()
-    })
-    .unwrap();
+    });
     let gw = gateway(config).await;
     let healthy_b = "kvroute_worker_healthy{worker=\"b\"}";
     let limit = Duration::from_secs(5);
@@ -119,7 +124,7 @@ async fn repeated_5xx_answers_eject_a_worker_passively() {
     let (a, wa) = worker("a").await;
     let (b, wb) = worker("b").await;
     b.fail_requests.store(true, Ordering::SeqCst);
-    let config = Config {
+    let config = round_robin(Config {
         workers: vec![wa, wb],
         health: HealthConfig {
             interval_seconds: 0.0,
@@ -128,12 +133,7 @@ async fn repeated_5xx_answers_eject_a_worker_passively() {
         },
         eject_seconds: 600.0,
         ..Config::default()
-    }
-    .with_overrides(kvroute::config::Overrides {
-        policy: Some("round_robin".into()),
-        ..Default::default()
-    })
-    .unwrap();
+    });
     let gw = gateway(config).await;
     completions(gw.addr, 20).await;
     assert_eq!(

@@ -111,12 +111,7 @@ pub struct LoadArgs {
 impl LoadArgs {
     fn spec(&self, url: String) -> Result<LoadSpec, BenchError> {
         let workload = match &self.workload_file {
-            Some(p) => {
-                let text = std::fs::read_to_string(p)
-                    .map_err(|e| BenchError::Setup(format!("{}: {e}", p.display())))?;
-                serde_saphyr::from_str(&text)
-                    .map_err(|e| BenchError::Setup(format!("{}: {e}", p.display())))?
-            }
+            Some(p) => crate::config::read_yaml(p).map_err(|e| BenchError::Setup(e.to_string()))?,
             None => Workload::by_name(&self.workload).ok_or_else(|| {
                 BenchError::Setup(format!(
                     "unknown workload `{}` (known: {})",

@@ -185,9 +185,7 @@ pub async fn compare(
             ));
         }
         runs.push(run);
-        drop(pool);
-        // Let the torn-down pool's sockets close before the next one starts.
-        tokio::task::yield_now().await;
+        drop(pool); // tear this pool down before the next arm's starts
     }
     Ok((runs, limit))
 }

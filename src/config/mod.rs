@@ -166,14 +166,7 @@ impl Config {
 
     /// Reads a YAML file without validating it. Unknown keys are errors.
     pub fn parse_file(path: &Path) -> Result<Self, ConfigError> {
-        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
-            path: path.display().to_string(),
-            source,
-        })?;
-        serde_saphyr::from_str(&text).map_err(|e| ConfigError::Parse {
-            path: path.display().to_string(),
-            message: e.to_string(),
-        })
+        read_yaml(path)
     }
 
     /// Parses and validates YAML text.
@@ -331,6 +324,19 @@ impl Config {
         }
         Ok(())
     }
+}
+
+/// Reads and deserialises one YAML file (gateway, simulator and workload files alike), naming the
+/// file in every error; unknown keys are rejected by the target types.
+pub fn read_yaml<T: serde::de::DeserializeOwned>(path: &Path) -> Result<T, ConfigError> {
+    let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+        path: path.display().to_string(),
+        source,
+    })?;
+    serde_saphyr::from_str(&text).map_err(|e| ConfigError::Parse {
+        path: path.display().to_string(),
+        message: e.to_string(),
+    })
 }
 
 /// The name a worker goes by: its configured name, else the URL's authority.

@@ -237,9 +237,11 @@ impl Engine {
             let max_len = self.params.max_model_len;
             let s = &mut self.running[i];
             s.computed += n;
+            // Register the blocks this step filled (earlier ones are registered already).
+            let full_before = (s.computed - n) / BLOCK_TOKENS;
             extend_hashes(&mut s.hashes, &s.tokens[..s.computed]);
-            for (j, h) in s.hashes.iter().enumerate().take(s.computed / BLOCK_TOKENS) {
-                self.kv.register(s.blocks[j], *h);
+            for j in full_before..s.computed / BLOCK_TOKENS {
+                self.kv.register(s.blocks[j], s.hashes[j]);
             }
             if s.computed < s.tokens.len() {
                 continue; // a prompt chunk; more to prefill

@@ -47,10 +47,6 @@ impl KvCache {
         }
     }
 
-    pub fn num_blocks(&self) -> usize {
-        self.blocks.len()
-    }
-
     /// Blocks that an allocation may take (free or cached but unreferenced).
     pub fn num_available(&self) -> usize {
         self.evictable.len()

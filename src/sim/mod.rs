@@ -83,13 +83,8 @@ impl Default for SimConfig {
 
 #[derive(Debug, thiserror::Error)]
 pub enum SimError {
-    #[error("cannot read {path}: {source}")]
-    Read {
-        path: String,
-        source: std::io::Error,
-    },
-    #[error("{path}: {message}")]
-    Parse { path: String, message: String },
+    #[error(transparent)]
+    File(#[from] crate::config::ConfigError),
     #[error("invalid simulator config: {0}")]
     Invalid(String),
     #[error("cannot listen on {addr}: {source}")]
@@ -101,14 +96,7 @@ pub enum SimError {
 
 impl SimConfig {
     pub fn from_file(path: &Path) -> Result<Self, SimError> {
-        let text = std::fs::read_to_string(path).map_err(|source| SimError::Read {
-            path: path.display().to_string(),
-            source,
-        })?;
-        serde_saphyr::from_str(&text).map_err(|e| SimError::Parse {
-            path: path.display().to_string(),
-            message: e.to_string(),
-        })
+        Ok(crate::config::read_yaml(path)?)
     }
 
     pub fn engine_params(&self) -> Result<EngineParams, SimError> {
