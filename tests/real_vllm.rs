@@ -1,0 +1,400 @@
+//! kvroute in front of real vLLM servers (CPU build, random weights): relay, abort, prefix-cache
+//! hits, model listing, error pass-through and `kvroute bench` against the real thing.
+//!
+//! Skipped (each test returns at once) unless `KVROUTE_VLLM_URLS` names the workers, as
+//! `tests/vllm/pool.sh --workers 2 -- cargo test --test real_vllm` does. The tests share the
+//! workers' counters, so they take turns (`SERIAL`).
+
+mod common;
+
+use std::{net::SocketAddr, time::Duration};
+
+use common::{gateway, read_until, request, send, Gateway};
+use kvroute::config::{Config, Overrides, WorkerConfig};
+use serde_json::{json, Value};
+
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+struct Pool {
+    urls: Vec<String>,
+    model: String,
+}
+
+impl Pool {
+    fn from_env() -> Option<Self> {
+        let urls: Vec<String> = std::env::var("KVROUTE_VLLM_URLS")
+            .unwrap_or_default()
+            .split(',')
+            .filter(|s| !s.is_empty())
+            .map(str::to_owned)
+            .collect();
+        if urls.is_empty() {
+            eprintln!("skipped: KVROUTE_VLLM_URLS is unset (tests/vllm/pool.sh sets it)");
+            return None;
+        }
+        let model = std::env::var("KVROUTE_VLLM_MODEL").unwrap_or_else(|_| "tiny-llama".into());
+        Some(Self { urls, model })
+    }
+
+    fn addr(&self, i: usize) -> SocketAddr {
+        self.urls[i]
+            .trim_start_matches("http://")
+            .parse()
+            .expect("worker URLs are http://IP:PORT")
+    }
+
+    /// A gateway in front of the workers `which`, running `policy`.
+    async fn gateway(&self, which: &[usize], policy: &str) -> Gateway {
+        let config = Config {
+            workers: which
+                .iter()
+                .map(|&i| WorkerConfig::from_url(self.urls[i].clone()))
+                .collect(),
+            ..Config::default()
+        }
+        .with_overrides(Overrides {
+            policy: Some(policy.into()),
+            ..Default::default()
+        })
+        .unwrap();
+        gateway(config).await
+    }
+
+    /// Empties every worker's prefix cache (vLLM serves `/reset_prefix_cache` with
+    /// `VLLM_SERVER_DEV_MODE=1`, which the pool script sets).
+    async fn reset_caches(&self) {
+        for i in 0..self.urls.len() {
+            let r = request(self.addr(i), "POST", "/reset_prefix_cache", b"").await;
+            assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+        }
+    }
+
+    /// Sum of one counter over every worker's `/metrics` (all label sets).
+    async fn counter(&self, name: &str) -> f64 {
+        let mut total = 0.0;
+        for i in 0..self.urls.len() {
+            total += sum_series(&worker_metrics(self.addr(i)).await, name);
+        }
+        total
+    }
+}
+
+async fn worker_metrics(addr: SocketAddr) -> String {
+    String::from_utf8(request(addr, "GET", "/metrics", b"").await.body).unwrap()
+}
+
+fn sum_series(text: &str, name: &str) -> f64 {
+    text.lines()
+        .filter(|l| {
+            l.starts_with(name) && matches!(l.as_bytes().get(name.len()), Some(b'{' | b' '))
+        })
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// Words from a fixed list, chosen by a seeded generator: distinct seeds give prompts that differ
+/// from their first token.
+fn words(seed: u64, n: usize) -> String {
+    const W: &[&str] = &[
+        "time", "year", "people", "way", "day", "man", "thing", "woman", "life", "child", "world",
+        "school", "state", "family", "student", "group", "country", "problem", "hand", "part",
+        "place", "case", "week", "company", "system", "program", "question", "work", "number",
+        "night", "point", "home", "water", "room", "mother", "area", "money", "story", "fact",
+        "month", "lot", "right", "study", "book", "eye", "job", "word", "business", "issue",
+    ];
+    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    (0..n)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            W[(x % W.len() as u64) as usize]
+        })
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// `id` and `created` of the first JSON event of an SSE body.
+fn stream_identity(body: &str) -> (String, String) {
+    let first = body
+        .split("\n\n")
+        .find_map(|e| e.strip_prefix("data: {"))
+        .map(|rest| format!("{{{rest}"))
+        .expect("a JSON event");
+    let v: Value = serde_json::from_str(&first).unwrap();
+    (
+        v["id"].as_str().unwrap().to_owned(),
+        v["created"].to_string(),
+    )
+}
+
+#[tokio::test]
+async fn relays_real_vllm_streams_byte_for_byte() {
+    let Some(pool) = Pool::from_env() else { return };
+    let _turn = SERIAL.lock().await;
+    let gw = pool.gateway(&[0], "round_robin").await;
+    let cases = [
+        (
+            "/v1/completions",
+            json!({"model": pool.model, "prompt": "The history of the river", "max_tokens": 12,
+                   "temperature": 0, "ignore_eos": true, "stream": true,
+                   "stream_options": {"include_usage": true}}),
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"model": pool.model, "messages": [{"role": "user", "content": "Tell me a story"}],
+                   "max_tokens": 12, "temperature": 0, "ignore_eos": true, "stream": true,
+                   "stream_options": {"include_usage": true}}),
+        ),
+    ];
+    for (path, body) in cases {
+        let body = body.to_string();
+        let direct = request(pool.addr(0), "POST", path, body.as_bytes()).await;
+        let via = request(gw.addr, "POST", path, body.as_bytes()).await;
+        assert_eq!(direct.status, 200, "{path}");
+        assert_eq!(via.status, 200, "{path}");
+        assert_eq!(via.header("content-type"), direct.header("content-type"));
+        let direct = String::from_utf8(direct.body).unwrap();
+        let via = String::from_utf8(via.body).unwrap();
+        assert!(direct.ends_with("data: [DONE]\n\n"), "{direct}");
+        // Every byte must match except the per-request id and creation time vLLM stamps.
+        let (d_id, d_created) = stream_identity(&direct);
+        let (v_id, v_created) = stream_identity(&via);
+        let via = via.replace(&v_id, &d_id).replace(
+            &format!("\"created\":{v_created}"),
+            &format!("\"created\":{d_created}"),
+        );
+        assert_eq!(via, direct, "{path}: the relayed stream differs");
+        assert!(direct.matches("data: ").count() >= 13, "{direct}");
+    }
+}
+
+#[tokio::test]
+async fn client_disconnect_through_kvroute_aborts_the_request_in_vllm() {
+    let Some(pool) = Pool::from_env() else { return };
+    let _turn = SERIAL.lock().await;
+    let gw = pool.gateway(&[1 % pool.urls.len()], "round_robin").await;
+    let worker = pool.addr(1 % pool.urls.len());
+    let generated_before = sum_series(
+        &worker_metrics(worker).await,
+        "vllm:generation_tokens_total",
+    );
+    let body = json!({"model": pool.model, "prompt": "Once upon a time", "max_tokens": 3000,
+                      "ignore_eos": true, "stream": true});
+    let mut s = send(
+        gw.addr,
+        "POST",
+        "/v1/completions",
+        body.to_string().as_bytes(),
+    )
+    .await;
+    let got = read_until(&mut s, b"data: {", Duration::from_secs(60)).await;
+    assert!(
+        String::from_utf8_lossy(&got).contains("data: {"),
+        "no first event"
+    );
+    let running = sum_series(&worker_metrics(worker).await, "vllm:num_requests_running");
+    assert_eq!(running, 1.0, "the request runs in vLLM while streaming");
+    drop(s);
+
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let text = worker_metrics(worker).await;
+        if sum_series(&text, "vllm:num_requests_running") == 0.0 {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "vLLM still runs the request"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // Aborted, not finished: far fewer tokens than the 3000 asked for, and no more afterwards.
+    let generated = sum_series(
+        &worker_metrics(worker).await,
+        "vllm:generation_tokens_total",
+    ) - generated_before;
+    eprintln!("tokens generated before the abort took effect: {generated}");
+    assert!(
+        generated < 3000.0,
+        "generated {generated} tokens after the client left"
+    );
+    let text = common::metrics_text(gw.addr).await;
+    let aborts = text
+        .lines()
+        .filter(|l| l.starts_with("kvroute_upstream_aborts_total"))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum::<f64>();
+    assert_eq!(aborts, 1.0, "{text}");
+}
+
+/// Each prompt is sent twice in a row: the second finds the first's KV blocks only on the worker
+/// that served the first.
+async fn cached_tokens_of_repeats(pool: &Pool, policy: &str, seed: u64) -> (Vec<u64>, f64) {
+    let gw = pool
+        .gateway(&(0..pool.urls.len()).collect::<Vec<_>>(), policy)
+        .await;
+    pool.reset_caches().await;
+    let hits_before = pool.counter("vllm:prefix_cache_hits_total").await;
+    let mut second = Vec::new();
+    for k in 0..4 {
+        let prefix = words(seed * 100 + k, 600);
+        for turn in 0..2 {
+            let body = json!({"model": pool.model, "prompt": format!("{prefix} question {turn}"),
+                              "max_tokens": 1});
+            let r = request(
+                gw.addr,
+                "POST",
+                "/v1/completions",
+                body.to_string().as_bytes(),
+            )
+            .await;
+            assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+            let cached = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+                .as_u64()
+                .unwrap_or(0);
+            if turn == 1 {
+                second.push(cached);
+            }
+        }
+    }
+    let hits = pool.counter("vllm:prefix_cache_hits_total").await - hits_before;
+    (second, hits)
+}
+
+#[tokio::test]
+async fn prefix_routing_gets_real_cache_hits_where_round_robin_does_not() {
+    let Some(pool) = Pool::from_env() else { return };
+    if pool.urls.len() < 2 {
+        eprintln!("skipped: needs 2 workers");
+        return;
+    }
+    let _turn = SERIAL.lock().await;
+    let (rr, rr_hits) = cached_tokens_of_repeats(&pool, "round_robin", 1).await;
+    let (px, px_hits) = cached_tokens_of_repeats(&pool, "prefix", 2).await;
+    eprintln!("cached tokens of repeats: round_robin {rr:?} ({rr_hits} hits), prefix {px:?} ({px_hits} hits)");
+    // 600 words are ~600 tokens: 18 full 32-token blocks at least.
+    assert!(
+        px.iter().all(|&c| c >= 18 * 32),
+        "prefix: cached tokens {px:?}"
+    );
+    assert!(px_hits >= 4.0 * 18.0 * 32.0, "prefix: {px_hits} hit tokens");
+    assert!(
+        rr.iter().all(|&c| c == 0),
+        "round_robin: cached tokens {rr:?}"
+    );
+    assert_eq!(rr_hits, 0.0, "round_robin hit tokens");
+}
+
+#[tokio::test]
+async fn models_are_merged_from_real_workers() {
+    let Some(pool) = Pool::from_env() else { return };
+    let _turn = SERIAL.lock().await;
+    let gw = pool
+        .gateway(&(0..pool.urls.len()).collect::<Vec<_>>(), "prefix")
+        .await;
+    let direct = request(pool.addr(0), "GET", "/v1/models", b"").await.json();
+    let merged = request(gw.addr, "GET", "/v1/models", b"").await.json();
+    let data = merged["data"].as_array().unwrap();
+    assert_eq!(data.len(), 1, "one model served by every worker: {merged}");
+    assert_eq!(data[0]["id"], pool.model.as_str());
+    for field in ["object", "owned_by", "root", "max_model_len"] {
+        assert_eq!(data[0][field], direct["data"][0][field], "{field}");
+    }
+}
+
+#[tokio::test]
+async fn errors_from_vllm_reach_the_client_unchanged() {
+    let Some(pool) = Pool::from_env() else { return };
+    let _turn = SERIAL.lock().await;
+    let gw = pool.gateway(&[0], "prefix").await;
+    let cases = [
+        json!({"model": "no-such-model", "prompt": "hello", "max_tokens": 4}),
+        json!({"model": pool.model, "prompt": "hello", "max_tokens": -5}),
+        json!({"model": pool.model, "prompt": words(7, 5000), "max_tokens": 4}),
+        json!({"model": pool.model, "prompt": "hello", "max_tokens": 4, "temperature": "hot"}),
+    ];
+    for body in cases {
+        let body = body.to_string();
+        let direct = request(pool.addr(0), "POST", "/v1/completions", body.as_bytes()).await;
+        let via = request(gw.addr, "POST", "/v1/completions", body.as_bytes()).await;
+        assert!(direct.status >= 400, "vLLM accepted {body:.80}");
+        assert_eq!(via.status, direct.status, "{body:.80}");
+        assert_eq!(
+            String::from_utf8_lossy(&via.body),
+            String::from_utf8_lossy(&direct.body),
+            "{body:.80}"
+        );
+        assert_eq!(via.json()["error"]["code"], direct.json()["error"]["code"]);
+    }
+}
+
+#[tokio::test]
+async fn bench_run_works_unchanged_against_real_workers() {
+    let Some(pool) = Pool::from_env() else { return };
+    let _turn = SERIAL.lock().await;
+    let gw = pool
+        .gateway(&(0..pool.urls.len()).collect::<Vec<_>>(), "prefix")
+        .await;
+    let dir = tempdir();
+    let workload = dir.join("small.yaml");
+    std::fs::write(
+        &workload,
+        "kind: prefix-repetition\nprefixes: 4\nprefix_tokens: 256\nunique_tokens: 32\noutput_tokens: 8\n",
+    )
+    .unwrap();
+    let json_out = dir.join("run.json");
+    let mut args = vec![
+        "bench".to_string(),
+        "run".into(),
+        "--url".into(),
+        format!("http://{}", gw.addr),
+        "--workload-file".into(),
+        workload.display().to_string(),
+        "--concurrency".into(),
+        "4".into(),
+        "--warmup".into(),
+        "1".into(),
+        "--duration".into(),
+        "4".into(),
+        "--json".into(),
+        json_out.display().to_string(),
+    ];
+    for u in &pool.urls {
+        args.extend(["--worker-metrics".to_string(), u.clone()]);
+    }
+    let out = tokio::task::spawn_blocking(move || {
+        std::process::Command::new(env!("CARGO_BIN_EXE_kvroute"))
+            .args(&args)
+            .output()
+    })
+    .await
+    .unwrap()
+    .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let runs: Value = serde_json::from_slice(&std::fs::read(&json_out).unwrap()).unwrap();
+    let run = &runs[0];
+    assert!(run["summary"]["requests"].as_u64().unwrap() > 0, "{run}");
+    assert_eq!(run["summary"]["errors"].as_u64(), Some(0), "{run}");
+    let workers = &run["workers"];
+    assert!(
+        workers["prefix_queries"].as_f64().unwrap() > 0.0,
+        "{workers}"
+    );
+    assert!(workers["prefix_hits"].as_f64().unwrap() > 0.0, "{workers}");
+    assert!(
+        workers["generation_tokens"].as_f64().unwrap() > 0.0,
+        "{workers}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+fn tempdir() -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("kvroute-real-vllm-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}

