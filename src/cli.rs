@@ -80,6 +80,9 @@ struct SimArgs {
     /// Run modelled time this many times faster than the wall clock.
     #[arg(long)]
     time_scale: Option<f64>,
+    /// Tokens per KV block (vLLM's --block-size); the KV capacity in tokens is kept.
+    #[arg(long)]
+    block_size: Option<usize>,
     /// Keep generating after a client disconnects (models a server that does not abort).
     #[arg(long)]
     no_abort_on_disconnect: bool,
@@ -117,6 +120,7 @@ impl SimArgs {
         c.port = self.port.unwrap_or(c.port);
         c.preset = self.preset.unwrap_or(c.preset);
         c.time_scale = self.time_scale.unwrap_or(c.time_scale);
+        c.block_size = self.block_size.or(c.block_size);
         c.abort_on_disconnect &= !self.no_abort_on_disconnect;
         c.faults.error_rate = self.error_rate.unwrap_or(c.faults.error_rate);
         c.faults.added_latency_ms = self.added_latency_ms.unwrap_or(c.faults.added_latency_ms);

@@ -1,6 +1,8 @@
 //! `kvroute bench` end to end over loopback: the generator's intended-time latency against a real
 //! (simulated) worker, and a short policy comparison on a small pool.
 
+mod common;
+
 use std::time::Duration;
 
 use kvroute::bench::{self, loadgen::LoadSpec, workload::Workload};
@@ -12,6 +14,7 @@ fn small_engine(blocks: usize) -> EngineParams {
         model: "tiny".into(),
         max_model_len: 2048,
         num_gpu_blocks: blocks,
+        block_size: 16,
         max_num_seqs: 64,
         max_num_batched_tokens: 2048,
         cost: CostModel {
@@ -35,6 +38,7 @@ fn spec(workload: Workload) -> LoadSpec {
         duration: Duration::from_millis(2000),
         cancel: None,
         request_timeout: Duration::from_secs(30),
+        max_requests: None,
     }
 }
 
@@ -92,9 +96,15 @@ async fn compare_shows_prefix_routing_beating_round_robin_when_caches_cannot_hol
         output_tokens: 8,
     });
     let policies = ["round_robin".to_string(), "prefix".to_string()];
-    let (runs, limit) = bench::compare(&sim, &policies, &load, (1e9, 1e9))
-        .await
-        .unwrap();
+    let (runs, limit) = bench::compare(
+        &bench::Target::Sim(Box::new(sim.clone())),
+        &policies,
+        &load,
+        (1e9, 1e9),
+        sim.time_scale,
+    )
+    .await
+    .unwrap();
     assert_eq!(runs.len(), 2);
     let hit = |i: usize| runs[i].workers.as_ref().unwrap().hit_rate();
     for r in &runs {
@@ -165,9 +175,15 @@ async fn compare_takes_config_files_and_sweep_finds_throughput_rising_with_concu
         })
     };
     let file = concat!(env!("CARGO_MANIFEST_DIR"), "/config/least_conn.yaml").to_string();
-    let (runs, _) = bench::compare(&sim, &[file], &load, (1e9, 1e9))
-        .await
-        .unwrap();
+    let (runs, _) = bench::compare(
+        &bench::Target::Sim(Box::new(sim.clone())),
+        &[file],
+        &load,
+        (1e9, 1e9),
+        sim.time_scale,
+    )
+    .await
+    .unwrap();
     assert_eq!(runs[0].label, "least_conn", "labelled by the file's stem");
     assert_eq!(runs[0].summary.errors, 0);
     assert!(runs[0].summary.requests > 10);
@@ -186,4 +202,92 @@ async fn compare_takes_config_files_and_sweep_finds_throughput_rising_with_concu
         "{}",
         bench::report::table(&runs)
     );
+}
+
+/// A running pool (here simulated, as tests/real_vllm.rs does with real vLLM): each arm starts on
+/// emptied caches, runs exactly the requested number of requests, and the limit uses the pool's
+/// own capacity and block size from `vllm:cache_config_info`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn compare_on_a_running_pool_empties_its_caches_before_each_arm() {
+    let sim = SimConfig {
+        workers: 2,
+        port: 0,
+        engine: Some(small_engine(2048)),
+        block_size: Some(32),
+        time_scale: 4.0,
+        ..SimConfig::default()
+    };
+    let cancel = tokio_util::sync::CancellationToken::new();
+    let _stop = cancel.clone().drop_guard();
+    let mut tasks = tokio::task::JoinSet::new();
+    let urls: Vec<String> =
+        kvroute::sim::spawn(&sim, sim.bind().await.unwrap(), &cancel, &mut tasks)
+            .unwrap()
+            .iter()
+            .map(|a| format!("http://{a}"))
+            .collect();
+    assert_eq!(bench::loadgen::cache_capacity(&urls).await, (2048, 32));
+    let load = LoadSpec {
+        warmup: Duration::ZERO,
+        duration: Duration::from_secs(60),
+        max_requests: Some(40),
+        concurrency: 1, // sequential, so the hit counts are exact run to run
+        ..spec(Workload::PrefixRepetition {
+            prefixes: 4,
+            prefix_tokens: 383,
+            unique_tokens: 16,
+            output_tokens: 4,
+        })
+    };
+    // The same arm twice on the same workers: without the reset the second would start warm.
+    let arms = ["prefix".to_string(), "prefix".to_string()];
+    let (runs, limit) = bench::compare(
+        &bench::Target::Existing(urls.clone()),
+        &arms,
+        &load,
+        (1e9, 1e9),
+        sim.time_scale,
+    )
+    .await
+    .unwrap();
+    let hits: Vec<f64> = runs
+        .iter()
+        .map(|r| r.workers.as_ref().unwrap().prefix_hits)
+        .collect();
+    for r in &runs {
+        assert_eq!(r.summary.requests, 40, "{:?}", r.summary);
+        assert_eq!(r.summary.errors, 0);
+    }
+    assert!(hits[0] > 0.0, "{hits:?}");
+    assert_eq!(
+        hits[0], hits[1],
+        "the second arm started on the first one's cache"
+    );
+    assert!(limit.is_some_and(|l| l > 0.5), "{limit:?}");
+}
+
+/// The simulator refuses to empty its cache while a request holds blocks, as vLLM does.
+#[tokio::test]
+async fn reset_prefix_cache_is_refused_while_a_request_runs() {
+    let sim = SimConfig {
+        workers: 1,
+        port: 0,
+        engine: Some(small_engine(2048)),
+        ..SimConfig::default()
+    };
+    let pool = bench::start_pool(&sim, "round_robin").await.unwrap();
+    let worker = pool.workers[0].clone();
+    let addr: std::net::SocketAddr = worker.trim_start_matches("http://").parse().unwrap();
+    let body = serde_json::json!({"model": "tiny", "prompt": "a b c", "max_tokens": 500,
+                                  "ignore_eos": true, "stream": true});
+    let mut running =
+        common::send(addr, "POST", "/v1/completions", body.to_string().as_bytes()).await;
+    let first = common::read_until(&mut running, b"data: {", Duration::from_secs(10)).await;
+    assert!(String::from_utf8_lossy(&first).contains("data: {"));
+    let busy = common::request(addr, "POST", "/reset_prefix_cache", b"").await;
+    assert_eq!(busy.json(), serde_json::json!({"success": false}));
+    drop(running); // the client leaves; the simulator aborts the request and frees its blocks
+    bench::loadgen::reset_prefix_caches(&[worker])
+        .await
+        .unwrap();
 }

@@ -398,3 +398,178 @@ fn tempdir() -> std::path::PathBuf {
     std::fs::create_dir_all(&dir).unwrap();
     dir
 }
+
+/// The shape of a JSON value: objects keep their keys (sorted) with the shapes of their values,
+/// arrays the shape of their first element, scalars only their type.
+fn shape(v: &Value) -> Value {
+    match v {
+        Value::Object(m) => Value::Object(m.iter().map(|(k, v)| (k.clone(), shape(v))).collect()),
+        Value::Array(a) => Value::Array(a.first().map(shape).into_iter().collect()),
+        Value::Null => json!("null"),
+        Value::Bool(_) => json!("bool"),
+        Value::Number(_) => json!("number"),
+        Value::String(_) => json!("string"),
+    }
+}
+
+/// Shapes of the JSON events of an SSE body, in order, and whether it ended with `[DONE]`.
+fn event_shapes(body: &[u8]) -> (Vec<Value>, bool) {
+    let text = String::from_utf8_lossy(body);
+    let events: Vec<&str> = text
+        .split("\n\n")
+        .filter_map(|e| e.strip_prefix("data: "))
+        .collect();
+    let shapes = events
+        .iter()
+        .filter(|e| **e != "[DONE]")
+        .map(|e| shape(&serde_json::from_str(e).unwrap()))
+        .collect();
+    (shapes, events.last() == Some(&"[DONE]"))
+}
+
+/// Metric names (without `_bucket`/`_sum`/`_count`/`_created`) with their label names.
+fn metric_labels(text: &str) -> std::collections::BTreeMap<String, Vec<String>> {
+    let mut out = std::collections::BTreeMap::new();
+    for line in text
+        .lines()
+        .filter(|l| !l.starts_with('#') && !l.is_empty())
+    {
+        let (name, labels) = match line.split_once('{') {
+            Some((n, rest)) => (n, rest.split_once('}').map_or("", |(l, _)| l)),
+            None => (line.split(' ').next().unwrap_or(""), ""),
+        };
+        let base = ["_bucket", "_sum", "_count", "_created"]
+            .iter()
+            .find_map(|s| name.strip_suffix(s))
+            .unwrap_or(name);
+        let mut names: Vec<String> = labels
+            .split("\",")
+            .filter_map(|kv| {
+                kv.split_once('=')
+                    .map(|(k, _)| k.trim_matches(',').to_owned())
+            })
+            .filter(|k| k != "le")
+            .collect();
+        names.sort();
+        out.entry(base.to_owned()).or_insert(names);
+    }
+    out
+}
+
+#[tokio::test]
+async fn simulator_answers_in_real_vllms_shapes() {
+    let Some(pool) = Pool::from_env() else { return };
+    let _turn = SERIAL.lock().await;
+    let sim_cfg = kvroute::sim::SimConfig {
+        workers: 1,
+        port: 0,
+        time_scale: 100.0,
+        ..Default::default()
+    };
+    let cancel = tokio_util::sync::CancellationToken::new();
+    let _stop = cancel.clone().drop_guard();
+    let mut tasks = tokio::task::JoinSet::new();
+    let sim = kvroute::sim::spawn(&sim_cfg, sim_cfg.bind().await.unwrap(), &cancel, &mut tasks)
+        .unwrap()[0];
+    let sim_model = request(sim, "GET", "/v1/models", b"").await.json()["data"][0]["id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let real = pool.addr(0);
+    let body = |model: &str, chat: bool, stream: bool| {
+        let mut b = json!({"model": model, "max_tokens": 3, "ignore_eos": true, "stream": stream});
+        if chat {
+            b["messages"] = json!([{"role": "user", "content": "hello there"}]);
+        } else {
+            b["prompt"] = json!("hello there");
+        }
+        if stream {
+            b["stream_options"] = json!({"include_usage": true});
+        }
+        b.to_string()
+    };
+    let mut differences = Vec::new();
+    for (path, chat) in [("/v1/completions", false), ("/v1/chat/completions", true)] {
+        for stream in [false, true] {
+            let r = request(
+                real,
+                "POST",
+                path,
+                body(&pool.model, chat, stream).as_bytes(),
+            )
+            .await;
+            let s = request(sim, "POST", path, body(&sim_model, chat, stream).as_bytes()).await;
+            assert_eq!((r.status, s.status), (200, 200), "{path} stream={stream}");
+            if stream {
+                let (re, rd) = event_shapes(&r.body);
+                let (se, sd) = event_shapes(&s.body);
+                assert!(rd && sd, "{path}: both end with [DONE]");
+                if re != se {
+                    differences.push(format!("{path} stream events:\nvLLM {re:#?}\nsim  {se:#?}"));
+                }
+            } else if shape(&r.json()) != shape(&s.json()) {
+                differences.push(format!(
+                    "{path}:\nvLLM {:#}\nsim  {:#}",
+                    shape(&r.json()),
+                    shape(&s.json())
+                ));
+            }
+        }
+    }
+    // Errors: same status, shape, type and param; messages equal once the model names agree.
+    let errors = |model: &str| {
+        vec![
+            (
+                "/v1/completions",
+                json!({"model": "nope", "prompt": "hi", "max_tokens": 2}).to_string(),
+            ),
+            (
+                "/v1/completions",
+                json!({"model": model, "prompt": "hi", "max_tokens": -5}).to_string(),
+            ),
+            (
+                "/v1/completions",
+                json!({"model": model, "prompt": "hi", "max_tokens": 999_999}).to_string(),
+            ),
+            (
+                "/v1/completions",
+                json!({"model": model, "max_tokens": 2}).to_string(),
+            ),
+            ("/v1/completions", "{bad".to_string()),
+            ("/v1/nothing", String::new()),
+        ]
+    };
+    let sim_len =
+        request(sim, "GET", "/v1/models", b"").await.json()["data"][0]["max_model_len"].to_string();
+    for ((path, rb), (_, sb)) in errors(&pool.model).into_iter().zip(errors(&sim_model)) {
+        let r = request(real, "POST", path, rb.as_bytes()).await;
+        let s = request(sim, "POST", path, sb.as_bytes()).await;
+        assert_eq!(r.status, s.status, "{path} {rb}");
+        let (rj, sj) = (r.json(), s.json());
+        assert_eq!(shape(&rj), shape(&sj), "{path} {rb}");
+        for field in ["type", "param", "code"] {
+            assert_eq!(rj["error"][field], sj["error"][field], "{field} of {rb}");
+        }
+        if rb.starts_with("{\"") {
+            let msg = sj["error"]["message"]
+                .as_str()
+                .unwrap()
+                .replace(&sim_model, &pool.model)
+                .replace(&format!("max_model_len={sim_len}"), "max_model_len=4096");
+            assert_eq!(rj["error"]["message"].as_str().unwrap(), msg, "{rb}");
+        }
+    }
+    // Metrics: every vLLM-named series of the simulator exists in vLLM with the same labels.
+    let real_metrics = metric_labels(&worker_metrics(real).await);
+    let sim_metrics = metric_labels(&worker_metrics(sim).await);
+    for (name, labels) in sim_metrics.iter().filter(|(n, _)| n.starts_with("vllm:")) {
+        match real_metrics.get(name) {
+            None => differences.push(format!("{name}: not exported by vLLM")),
+            Some(real_labels) if name != "vllm:cache_config_info" && real_labels != labels => {
+                differences.push(format!("{name}: labels {labels:?}, vLLM {real_labels:?}"))
+            }
+            Some(_) => {}
+        }
+    }
+    assert!(differences.is_empty(), "{}", differences.join("\n\n"));
+}

@@ -90,8 +90,12 @@ async fn completion_has_vllm_shape_and_fixed_length_with_ignore_eos() {
             "created",
             "model",
             "choices",
+            "service_tier",
+            "system_fingerprint",
             "usage",
-            "kv_transfer_params"
+            "kv_transfer_params",
+            "ec_transfer_params",
+            "metrics"
         ]
     );
     assert!(v["id"].as_str().unwrap().starts_with("cmpl-"));
@@ -106,7 +110,10 @@ async fn completion_has_vllm_shape_and_fixed_length_with_ignore_eos() {
             "logprobs",
             "finish_reason",
             "stop_reason",
-            "prompt_logprobs"
+            "token_ids",
+            "prompt_logprobs",
+            "prompt_token_ids",
+            "routed_experts"
         ]
     );
     assert_eq!(c["finish_reason"], "length");
@@ -197,9 +204,15 @@ async fn bad_requests_get_vllm_statuses_and_error_bodies() {
     let cases: &[(&str, Value, u16, &str)] = &[
         (
             "/v1/completions",
-            json!({"prompt": "x", "max_tokens": 40000}),
+            json!({"prompt": "x y z", "max_tokens": 32767}),
             400,
             "maximum context length is 32768",
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "x", "max_tokens": 40000}),
+            400,
+            "max_tokens=40000 cannot be greater than max_model_len=32768",
         ),
         (
             "/v1/completions",
@@ -276,7 +289,7 @@ async fn a_repeated_prompt_reports_cached_tokens_in_usage_and_metrics() {
     assert_eq!(first["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
     assert_eq!(cached, (prompt_tokens - 1) / 16 * 16);
     let m = metrics_text(s.addrs[0]).await;
-    let label = format!("{{model_name=\"{MODEL}\"}}");
+    let label = format!("{{engine=\"0\",model_name=\"{MODEL}\"}}");
     assert_eq!(
         metric(&m, &format!("vllm:prefix_cache_hits_total{label}")),
         Some(cached as f64)
@@ -332,7 +345,7 @@ async fn tokenize_detokenize_models_health_and_load() {
 async fn a_closed_connection_leaves_the_batch_and_frees_its_blocks() {
     let s = one().await;
     let a = s.addrs[0];
-    let label = format!("{{model_name=\"{MODEL}\"}}");
+    let label = format!("{{engine=\"0\",model_name=\"{MODEL}\"}}");
     let body = json!({"prompt": "tell me a long story", "stream": true, "max_tokens": 5000, "ignore_eos": true});
     let mut conn = send(a, "POST", "/v1/completions", body.to_string().as_bytes()).await;
     let got = read_until(&mut conn, b"\"text\"", Duration::from_secs(10)).await;
@@ -374,7 +387,7 @@ async fn without_abort_on_disconnect_the_waste_is_counted() {
     })
     .await;
     let a = s.addrs[0];
-    let label = format!("{{model_name=\"{MODEL}\"}}");
+    let label = format!("{{engine=\"0\",model_name=\"{MODEL}\"}}");
     let body = json!({"prompt": "x", "stream": true, "max_tokens": 300, "ignore_eos": true});
     let mut conn = send(a, "POST", "/v1/completions", body.to_string().as_bytes()).await;
     read_until(&mut conn, b"\"text\"", Duration::from_secs(10)).await;

@@ -9,6 +9,7 @@ fn params(blocks: usize, max_num_seqs: usize) -> EngineParams {
         model: "m".into(),
         max_model_len: 4096,
         num_gpu_blocks: blocks,
+        block_size: 16,
         max_num_seqs,
         max_num_batched_tokens: 2048,
         cost: CostModel {

@@ -24,7 +24,8 @@ pub enum BenchCommand {
         #[command(flatten)]
         load: LoadArgs,
     },
-    /// Fresh simulated workers and one gateway per policy; the same seeded load through each.
+    /// One gateway per policy, each on fresh simulated workers (or on the running workers of
+    /// --pool, their prefix caches emptied first); the same seeded load through each.
     Compare {
         /// Arms to compare, comma-separated: policy names or gateway config files (their worker
         /// lists are replaced by the pool's); the first is the baseline of the ratios.
@@ -36,6 +37,14 @@ pub enum BenchCommand {
         /// Simulator preset (`kvroute sim --list-presets`).
         #[arg(long, default_value = crate::sim::presets::DEFAULT_PRESET)]
         preset: String,
+        /// Tokens per KV block of the simulated workers (vLLM's --block-size).
+        #[arg(long)]
+        block_size: Option<usize>,
+        /// Run the arms on these running workers instead (base URLs, comma-separated; e.g. the
+        /// real vLLM pool of tests/vllm/pool.sh): no simulator is started, and each arm begins
+        /// with `POST /reset_prefix_cache` on every worker.
+        #[arg(long, value_delimiter = ',')]
+        pool: Vec<String>,
         #[command(flatten)]
         load: LoadArgs,
     },
@@ -78,6 +87,10 @@ pub struct LoadArgs {
     duration: f64,
     #[arg(long, default_value_t = 1)]
     seed: u64,
+    /// Stop after this many requests: every target gets the same stream, request for request
+    /// (use a window long enough to hold them).
+    #[arg(long)]
+    requests: Option<u64>,
     /// Model name; the first of the target's /v1/models when unset.
     #[arg(long)]
     model: Option<String>,
@@ -143,6 +156,7 @@ impl LoadArgs {
                 after_tokens: self.cancel_after,
             }),
             request_timeout: Duration::from_secs_f64(self.request_timeout),
+            max_requests: self.requests,
         })
     }
 
@@ -197,23 +211,36 @@ pub async fn run(cmd: BenchCommand) -> Result<(), BenchError> {
             policies,
             workers,
             preset,
+            block_size,
+            pool,
             load,
         } => {
             let time_scale = load.time_scale;
-            let sim = SimConfig {
-                workers,
-                preset,
-                time_scale,
-                ..SimConfig::default()
-            };
-            sim.validate()?;
             let spec = load.spec(String::new())?;
             print!("{}", describe(&spec));
-            println!(
-                "pool: {workers} simulated worker(s), preset {}, time scale {time_scale}; fresh per policy\n",
-                sim.preset
-            );
-            let (runs, limit) = super::compare(&sim, &policies, &spec, load.slo()).await?;
+            let target = if pool.is_empty() {
+                let sim = SimConfig {
+                    workers,
+                    preset,
+                    block_size,
+                    time_scale,
+                    ..SimConfig::default()
+                };
+                sim.validate()?;
+                println!(
+                    "pool: {workers} simulated worker(s), preset {}, time scale {time_scale}; fresh per policy\n",
+                    sim.preset
+                );
+                super::Target::Sim(Box::new(sim))
+            } else {
+                println!(
+                    "pool: {} running worker(s), prefix caches reset before each policy\n",
+                    pool.len()
+                );
+                super::Target::Existing(pool)
+            };
+            let (runs, limit) =
+                super::compare(&target, &policies, &spec, load.slo(), time_scale).await?;
             println!("{}", report::table(&runs));
             print!("{}", super::limit_line(limit, &runs));
             load.write(&runs, || report::ttft_cdf_svg(&runs))

@@ -47,6 +47,9 @@ pub struct LoadSpec {
     pub duration: Duration,
     pub cancel: Option<Cancel>,
     pub request_timeout: Duration,
+    /// Send at most this many requests (then stop, even inside the window): the same stream,
+    /// request for request, whatever the target's speed.
+    pub max_requests: Option<u64>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -97,6 +100,9 @@ pub async fn run(spec: &LoadSpec) -> Result<Vec<Sample>, LoadError> {
                             break;
                         }
                         let i = sh.next.fetch_add(1, Ordering::Relaxed);
+                        if sh.spec.max_requests.is_some_and(|n| i >= n) {
+                            break;
+                        }
                         out.push(sh.one(i, intended.as_secs_f64()).await);
                     }
                     out
@@ -110,7 +116,7 @@ pub async fn run(spec: &LoadSpec) -> Result<Vec<Sample>, LoadError> {
             loop {
                 // Exponential inter-arrival times from the seeded stream: a Poisson process.
                 t += -(1.0 - unit(splitmix(spec.seed ^ 0xa771 ^ i))).ln() / rate;
-                if Duration::from_secs_f64(t) >= end {
+                if Duration::from_secs_f64(t) >= end || spec.max_requests.is_some_and(|n| i >= n) {
                     break;
                 }
                 tokio::time::sleep_until(shared.start + Duration::from_secs_f64(t)).await;
@@ -352,4 +358,83 @@ pub async fn scrape(workers: &[String]) -> WorkerCounters {
         }
     }
     c
+}
+
+/// Empties every worker's prefix cache with `POST /reset_prefix_cache` (vLLM serves it with
+/// `VLLM_SERVER_DEV_MODE=1`; the simulator always does), so an arm starts cold.
+pub async fn reset_prefix_caches(workers: &[String]) -> Result<(), String> {
+    let client = client();
+    for w in workers {
+        let url = format!("{}/reset_prefix_cache", w.trim_end_matches('/'));
+        // Refused (`success: false`) while blocks are held, e.g. by requests still finishing.
+        for attempt in 0.. {
+            let req = http::Request::post(&url)
+                .body(Full::new(Bytes::new()))
+                .map_err(|e| format!("{url}: {e}"))?;
+            let resp = client
+                .request(req)
+                .await
+                .map_err(|e| format!("{url}: {e}"))?;
+            let status = resp.status();
+            let body = resp
+                .into_body()
+                .collect()
+                .await
+                .map_err(|e| format!("{url}: {e}"))?
+                .to_bytes();
+            if !status.is_success() {
+                return Err(format!(
+                    "{url} answered {status} (a vLLM worker serves it only with VLLM_SERVER_DEV_MODE=1)"
+                ));
+            }
+            let ok = serde_json::from_slice::<Value>(&body)
+                .is_ok_and(|v| v["success"].as_bool() != Some(false));
+            if ok {
+                break;
+            }
+            if attempt == 50 {
+                return Err(format!("{url}: the cache stayed in use for 10 s"));
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+    Ok(())
+}
+
+/// The pool's KV capacity, `(blocks summed over workers, tokens per block)`, from the
+/// `num_gpu_blocks` and `block_size` labels of each worker's `vllm:cache_config_info`; `(0, 0)`
+/// when no worker exports it.
+pub async fn cache_capacity(workers: &[String]) -> (usize, usize) {
+    let client = client();
+    let (mut blocks, mut block_size) = (0, 0);
+    for w in workers {
+        let Ok(uri) = format!("{}/metrics", w.trim_end_matches('/')).parse::<http::Uri>() else {
+            continue;
+        };
+        let Ok(resp) = client.get(uri).await else {
+            continue;
+        };
+        let Ok(body) = resp.into_body().collect().await else {
+            continue;
+        };
+        let text = String::from_utf8_lossy(&body.to_bytes()).into_owned();
+        let Some(line) = text
+            .lines()
+            .find(|l| l.starts_with("vllm:cache_config_info{"))
+        else {
+            continue;
+        };
+        let label = |name: &str| -> Option<usize> {
+            let start = line
+                .find(&format!(",{name}=\""))
+                .or_else(|| line.find(&format!("{{{name}=\"")))?;
+            let rest = &line[start + name.len() + 3..];
+            rest[..rest.find('"')?].parse().ok()
+        };
+        if let (Some(n), Some(b)) = (label("num_gpu_blocks"), label("block_size")) {
+            blocks += n;
+            block_size = b;
+        }
+    }
+    (blocks, block_size)
 }

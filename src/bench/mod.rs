@@ -71,7 +71,12 @@ pub async fn run_once(
         None => None,
     };
     let warmup = spec.warmup.as_secs_f64() * time_scale;
-    let duration = spec.duration.as_secs_f64() * time_scale;
+    let mut duration = spec.duration.as_secs_f64() * time_scale;
+    if spec.max_requests.is_some() {
+        // The stream ended before the window did: rates are over the time it took.
+        let last = samples.iter().map(|s| s.done).fold(warmup, f64::max);
+        duration = duration.min(last - warmup).max(f64::EPSILON);
+    }
     let summary = summarize(&samples, warmup, duration, slo);
     let ttfts = samples
         .iter()
@@ -103,6 +108,16 @@ impl Drop for Pool {
     }
 }
 
+/// The workers a comparison runs on: a fresh simulated pool per arm, or a pool that already
+/// runs (real vLLM, say) whose prefix caches are emptied before each arm.
+#[derive(Clone, Debug)]
+pub enum Target {
+    Sim(Box<SimConfig>),
+    /// Base URLs of running workers that serve `POST /reset_prefix_cache` (vLLM does with
+    /// `VLLM_SERVER_DEV_MODE=1`; the simulator always does).
+    Existing(Vec<String>),
+}
+
 /// Starts a pool whose gateway runs `arm`: a policy name, or a gateway config file (`.yaml`/`.yml`)
 /// whose worker list is replaced by the pool's.
 pub async fn start_pool(sim_cfg: &SimConfig, arm: &str) -> Result<Pool, BenchError> {
@@ -114,6 +129,26 @@ pub async fn start_pool(sim_cfg: &SimConfig, arm: &str) -> Result<Pool, BenchErr
     let mut tasks = JoinSet::new();
     let addrs = sim::spawn(&cfg, cfg.bind().await?, &cancel, &mut tasks)?;
     let workers: Vec<String> = addrs.iter().map(|a| format!("http://{a}")).collect();
+    start_gateway(workers, arm, cfg.host, cancel, tasks).await
+}
+
+/// A gateway running `arm` in front of running workers whose prefix caches are emptied first.
+pub async fn start_on_existing(workers: &[String], arm: &str) -> Result<Pool, BenchError> {
+    loadgen::reset_prefix_caches(workers)
+        .await
+        .map_err(BenchError::Setup)?;
+    let host = std::net::Ipv4Addr::LOCALHOST.into();
+    let cancel = CancellationToken::new();
+    start_gateway(workers.to_vec(), arm, host, cancel, JoinSet::new()).await
+}
+
+async fn start_gateway(
+    workers: Vec<String>,
+    arm: &str,
+    host: std::net::IpAddr,
+    cancel: CancellationToken,
+    mut tasks: JoinSet<()>,
+) -> Result<Pool, BenchError> {
     let is_file = arm.ends_with(".yaml") || arm.ends_with(".yml");
     let base = if is_file {
         Config::parse_file(std::path::Path::new(arm))
@@ -130,7 +165,7 @@ pub async fn start_pool(sim_cfg: &SimConfig, arm: &str) -> Result<Pool, BenchErr
         })
         .and_then(|c| c.validate().map(|()| c))
         .map_err(|e| BenchError::Setup(e.to_string()))?;
-    let listener = TcpListener::bind((cfg.host, 0))
+    let listener = TcpListener::bind((host, 0))
         .await
         .map_err(|e| BenchError::Setup(e.to_string()))?;
     let gateway = format!(
@@ -153,36 +188,49 @@ pub async fn start_pool(sim_cfg: &SimConfig, arm: &str) -> Result<Pool, BenchErr
     })
 }
 
-/// The same seeded workload through one fresh pool per arm (policy name or config file), in turn.
+/// The same seeded workload through one gateway per arm (policy name or config file), in turn,
+/// each on a fresh simulated pool or on the existing pool with its caches emptied.
 pub async fn compare(
-    sim_cfg: &SimConfig,
+    target: &Target,
     policies: &[String],
     spec: &LoadSpec,
     slo: (f64, f64),
+    time_scale: f64,
 ) -> Result<(Vec<Run>, Option<f64>), BenchError> {
     let mut runs = Vec::new();
     let mut limit = None;
     for policy in policies {
-        let pool = start_pool(sim_cfg, policy).await?;
+        let pool = match target {
+            Target::Sim(sim_cfg) => start_pool(sim_cfg, policy).await?,
+            Target::Existing(urls) => start_on_existing(urls, policy).await?,
+        };
         let spec = LoadSpec {
             url: pool.gateway.clone(),
             ..spec.clone()
         };
-        let k = sim_cfg.time_scale;
+        let k = time_scale;
         let label = std::path::Path::new(policy)
             .file_stem()
             .map_or(policy.clone(), |s| s.to_string_lossy().into_owned());
         let (run, samples) = run_once(&label, &spec, &pool.workers, slo, k).await?;
         if limit.is_none() {
-            let blocks = sim_cfg.engine_params()?.num_gpu_blocks * sim_cfg.workers;
+            let (blocks, block_size) = match target {
+                Target::Sim(sim_cfg) => {
+                    let p = sim_cfg.engine_params()?;
+                    (p.num_gpu_blocks * sim_cfg.workers, p.block_size)
+                }
+                Target::Existing(urls) => loadgen::cache_capacity(urls).await,
+            };
             let warmup = spec.warmup.mul_f64(k);
-            limit = Some(limit_hit_rate(
-                &spec.workload,
-                spec.seed,
-                &samples,
-                warmup,
-                blocks,
-            ));
+            limit = (blocks > 0 && block_size > 0).then(|| {
+                limit_hit_rate(
+                    &spec.workload,
+                    spec.seed,
+                    &samples,
+                    warmup,
+                    (blocks, block_size),
+                )
+            });
         }
         runs.push(run);
         drop(pool); // tear this pool down before the next arm's starts
@@ -237,7 +285,7 @@ pub fn limit_hit_rate(
     seed: u64,
     samples: &[Sample],
     warmup: Duration,
-    total_blocks: usize,
+    (total_blocks, block_size): (usize, usize),
 ) -> f64 {
     let warm = warmup.as_secs_f64();
     let mut order: Vec<&Sample> = samples.iter().collect();
@@ -246,7 +294,7 @@ pub fn limit_hit_rate(
             .total_cmp(&b.intended)
             .then(a.index.cmp(&b.index))
     });
-    let mut cache = kv::KvCache::new(total_blocks);
+    let mut cache = kv::KvCache::new(total_blocks, block_size);
     let (mut queries, mut hits) = (0usize, 0usize);
     for s in order {
         let req = w.request(seed, s.index);
@@ -260,15 +308,15 @@ pub fn limit_hit_rate(
         let mut tokens = vec![sim_request::BOS];
         tokens.extend(tokenizer::tokenize(&text));
         let mut hashes = Vec::new();
-        kv::extend_hashes(&mut hashes, &tokens);
-        let usable = (tokens.len() - 1) / kv::BLOCK_TOKENS;
+        cache.extend_hashes(&mut hashes, &tokens);
+        let usable = (tokens.len() - 1) / block_size;
         let hit = cache.match_prefix(&hashes[..usable.min(hashes.len())]);
         if s.intended >= warm {
             queries += tokens.len();
-            hits += hit.len() * kv::BLOCK_TOKENS;
+            hits += hit.len() * block_size;
         }
         cache.touch(&hit);
-        let need = tokens.len().div_ceil(kv::BLOCK_TOKENS) - hit.len();
+        let need = tokens.len().div_ceil(block_size) - hit.len();
         let Some(new) = cache.allocate(need) else {
             cache.free(&hit);
             continue;

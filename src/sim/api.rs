@@ -28,6 +28,9 @@ use super::worker::EngineHandle;
 use super::{tokenizer, Faults};
 use crate::error::error_response;
 
+/// What the simulator puts where vLLM names its version and build.
+const SYSTEM_FINGERPRINT: &str = "kvroute-sim";
+
 pub struct WorkerState {
     pub engine: EngineHandle,
     pub metrics: Arc<SimMetrics>,
@@ -71,6 +74,7 @@ pub fn router(state: Arc<WorkerState>) -> Router {
         .route("/detokenize", post(detokenize))
         .route("/health", get(health))
         .route("/load", get(load))
+        .route("/reset_prefix_cache", post(reset_prefix_cache))
         .route("/metrics", get(metrics))
         .fallback(not_found)
         .with_state(state)
@@ -83,14 +87,27 @@ fn bad_request(msg: &str) -> Response {
 fn reject(r: Reject) -> Response {
     match r {
         Reject::BadRequest(m) => bad_request(&m),
+        Reject::Param { message, param } => error_response(
+            StatusCode::BAD_REQUEST,
+            "BadRequestError",
+            &message,
+            Some(param),
+        ),
+        Reject::Json { message, param } => error_response(
+            StatusCode::BAD_REQUEST,
+            "Bad Request",
+            &message,
+            Some(&param),
+        ),
         Reject::ModelNotFound(m) => {
             error_response(StatusCode::NOT_FOUND, "NotFoundError", &m, Some("model"))
         }
     }
 }
 
+/// An unknown path, answered as vLLM's web framework does.
 async fn not_found() -> Response {
-    error_response(StatusCode::NOT_FOUND, "NotFoundError", "Not Found", None)
+    (StatusCode::NOT_FOUND, Json(json!({"detail": "Not Found"}))).into_response()
 }
 
 async fn health(State(s): State<Arc<WorkerState>>) -> Response {
@@ -102,6 +119,10 @@ async fn health(State(s): State<Arc<WorkerState>>) -> Response {
 
 async fn load(State(s): State<Arc<WorkerState>>) -> Json<Value> {
     Json(json!({"server_load": s.in_flight.load(Ordering::Relaxed)}))
+}
+
+async fn reset_prefix_cache(State(s): State<Arc<WorkerState>>) -> Json<Value> {
+    Json(json!({"success": s.engine.reset_prefix_cache().await}))
 }
 
 async fn metrics(State(s): State<Arc<WorkerState>>) -> Response {
@@ -240,9 +261,9 @@ async fn generate(State(s): State<Arc<WorkerState>>, body: Bytes, chat: bool) ->
     };
     let reply = Reply {
         id: format!(
-            "{}-{:032x}",
+            "{}-{:016x}",
             if chat { "chatcmpl" } else { "cmpl" },
-            u128::from(splitmix(s.seed ^ n)) << 64 | u128::from(splitmix(n))
+            splitmix(s.seed ^ n) ^ splitmix(n)
         ),
         created: unix_now(),
         model: s.model.clone(),
@@ -269,13 +290,30 @@ struct Reply {
 }
 
 impl Reply {
+    /// Usage as vLLM 0.32 streams it: chat adds `created_cache_tokens`.
     fn usage(&self, completion: usize, cached: usize) -> Value {
+        let mut details = json!({"cached_tokens": cached});
+        if self.chat {
+            details["created_cache_tokens"] = json!(0);
+        }
         json!({
             "prompt_tokens": self.prompt_tokens,
             "total_tokens": self.prompt_tokens + completion,
             "completion_tokens": completion,
-            "prompt_tokens_details": {"cached_tokens": cached}
+            "prompt_tokens_details": details
         })
+    }
+
+    /// Usage as vLLM 0.32 puts it in a whole (non-streamed) answer.
+    fn full_usage(&self, completion: usize, cached: usize) -> Value {
+        let mut u = self.usage(completion, cached);
+        let d = &mut u["prompt_tokens_details"];
+        if !self.chat {
+            d["created_cache_tokens"] = Value::Null;
+        }
+        d["multimodal_tokens"] = Value::Null;
+        u["completion_tokens_details"] = Value::Null;
+        u
     }
 
     fn chunk(
@@ -285,7 +323,10 @@ impl Reply {
         finish: Option<(&str, Value)>,
         usage: Option<Value>,
     ) -> Bytes {
+        let finished = finish.is_some();
         let (reason, stop) = finish.map_or((Value::Null, Value::Null), |(r, s)| (json!(r), s));
+        // Field sets as vLLM 0.32 streams them: a chat chunk carries `stop_reason` only when it
+        // finishes, and the role chunk no `token_ids` but the request's `prompt_*` fields.
         let choice = if self.chat {
             let mut delta = serde_json::Map::new();
             if role {
@@ -294,9 +335,18 @@ impl Reply {
             if let Some(t) = text {
                 delta.insert("content".into(), json!(t));
             }
-            json!({"index": 0, "delta": delta, "logprobs": null, "finish_reason": reason, "stop_reason": stop})
+            let mut c =
+                json!({"index": 0, "delta": delta, "logprobs": null, "finish_reason": reason});
+            if finished {
+                c["stop_reason"] = stop;
+            }
+            if !role {
+                c["token_ids"] = Value::Null;
+            }
+            c
         } else {
-            json!({"index": 0, "text": text.unwrap_or(""), "logprobs": null, "finish_reason": reason, "stop_reason": stop})
+            json!({"index": 0, "text": text.unwrap_or(""), "logprobs": null, "finish_reason": reason,
+                "stop_reason": stop, "prompt_token_ids": null, "token_ids": null})
         };
         let mut obj = json!({
             "id": self.id,
@@ -305,6 +355,10 @@ impl Reply {
             "model": self.model,
             "choices": [choice],
         });
+        if self.chat && role {
+            obj["prompt_token_ids"] = Value::Null;
+            obj["prompt_text"] = Value::Null;
+        }
         if let Some(u) = usage {
             obj["usage"] = u;
         }
@@ -319,6 +373,7 @@ impl Reply {
             "model": self.model,
             "choices": [],
             "usage": usage,
+            "system_fingerprint": SYSTEM_FINGERPRINT,
         }))
     }
 }
@@ -441,14 +496,17 @@ async fn complete_response(reply: Reply, mut events: mpsc::UnboundedReceiver<Eve
                 ..
             } => {
                 let stop = stop.map_or(Value::Null, Value::from);
+                // Field sets as in vLLM 0.32's answers.
                 let choice = if reply.chat {
                     json!({"index": 0, "message": {"role": "assistant", "content": text,
                         "refusal": null, "annotations": null, "audio": null, "function_call": null,
-                        "tool_calls": [], "reasoning_content": null},
-                        "logprobs": null, "finish_reason": reason.as_str(), "stop_reason": stop})
+                        "reasoning": null},
+                        "logprobs": null, "finish_reason": reason.as_str(), "stop_reason": stop,
+                        "token_ids": null, "routed_experts": null})
                 } else {
                     json!({"index": 0, "text": text, "logprobs": null,
-                        "finish_reason": reason.as_str(), "stop_reason": stop, "prompt_logprobs": null})
+                        "finish_reason": reason.as_str(), "stop_reason": stop, "token_ids": null,
+                        "prompt_logprobs": null, "prompt_token_ids": null, "routed_experts": null})
                 };
                 let mut obj = json!({
                     "id": reply.id,
@@ -456,14 +514,18 @@ async fn complete_response(reply: Reply, mut events: mpsc::UnboundedReceiver<Eve
                     "created": reply.created,
                     "model": reply.model,
                     "choices": [choice],
-                    "usage": reply.usage(completion_tokens, cached_tokens),
-                    "kv_transfer_params": null,
+                    "service_tier": null,
+                    "system_fingerprint": SYSTEM_FINGERPRINT,
+                    "usage": reply.full_usage(completion_tokens, cached_tokens),
                 });
                 if reply.chat {
                     obj["prompt_logprobs"] = Value::Null;
-                    obj["service_tier"] = Value::Null;
-                    obj["system_fingerprint"] = Value::Null;
+                    obj["prompt_token_ids"] = Value::Null;
+                    obj["prompt_text"] = Value::Null;
                 }
+                obj["kv_transfer_params"] = Value::Null;
+                obj["ec_transfer_params"] = Value::Null;
+                obj["metrics"] = Value::Null;
                 return Json(obj).into_response();
             }
         }

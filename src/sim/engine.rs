@@ -11,7 +11,7 @@
 
 use std::collections::VecDeque;
 
-use super::kv::{extend_hashes, KvCache, BLOCK_TOKENS};
+use super::kv::KvCache;
 use super::presets::EngineParams;
 use super::tokenizer;
 
@@ -127,13 +127,18 @@ pub struct Engine {
 impl Engine {
     pub fn new(params: EngineParams) -> Self {
         Self {
-            kv: KvCache::new(params.num_gpu_blocks),
+            kv: KvCache::new(params.num_gpu_blocks, params.block_size),
             params,
             waiting: VecDeque::new(),
             running: Vec::new(),
             next_id: 1,
             counters: Counters::default(),
         }
+    }
+
+    /// Forgets every cached prefix; refused while a request holds blocks (as in vLLM).
+    pub fn reset_prefix_cache(&mut self) -> bool {
+        self.running.is_empty() && self.kv.reset_prefix_cache()
     }
 
     pub fn params(&self) -> &EngineParams {
@@ -238,9 +243,11 @@ impl Engine {
             let s = &mut self.running[i];
             s.computed += n;
             // Register the blocks this step filled (earlier ones are registered already).
-            let full_before = (s.computed - n) / BLOCK_TOKENS;
-            extend_hashes(&mut s.hashes, &s.tokens[..s.computed]);
-            for j in full_before..s.computed / BLOCK_TOKENS {
+            let block = self.kv.block_size();
+            let full_before = (s.computed - n) / block;
+            self.kv
+                .extend_hashes(&mut s.hashes, &s.tokens[..s.computed]);
+            for j in full_before..s.computed / block {
                 self.kv.register(s.blocks[j], s.hashes[j]);
             }
             if s.computed < s.tokens.len() {
@@ -315,6 +322,8 @@ impl Engine {
     /// Picks this step's work: `(index into running, tokens to compute)`.
     fn schedule(&mut self, now: f64) -> Vec<(usize, usize)> {
         let mut budget = self.params.max_num_batched_tokens;
+        let block = self.kv.block_size();
+        let blocks_for = |tokens: usize| tokens.div_ceil(block);
         let mut scheduled: Vec<(usize, usize)> = Vec::new();
         let mut preempted = false;
         let mut i = 0;
@@ -348,27 +357,27 @@ impl Engine {
                 break;
             };
             {
-                extend_hashes(&mut s.hashes, &s.tokens);
+                self.kv.extend_hashes(&mut s.hashes, &s.tokens);
                 // Always compute at least the last token, as vLLM does on a full hit.
-                let usable = (s.tokens.len() - 1) / BLOCK_TOKENS;
+                let usable = (s.tokens.len() - 1) / block;
                 let hit = self
                     .kv
                     .match_prefix(&s.hashes[..usable.min(s.hashes.len())]);
-                let n = (s.tokens.len() - hit.len() * BLOCK_TOKENS).min(budget);
-                let need = blocks_for(hit.len() * BLOCK_TOKENS + n) - hit.len();
+                let n = (s.tokens.len() - hit.len() * block).min(budget);
+                let need = blocks_for(hit.len() * block + n) - hit.len();
                 self.kv.touch(&hit);
                 let Some(new) = self.kv.allocate(need) else {
                     self.kv.free(&hit);
                     break;
                 };
                 if s.cached_tokens.is_none() {
-                    let cached = hit.len() * BLOCK_TOKENS;
+                    let cached = hit.len() * block;
                     s.cached_tokens = Some(cached);
                     self.counters.prefix_queries += s.tokens.len() as u64;
                     self.counters.prefix_hits += cached as u64;
                     self.counters.prompt_tokens += s.req.prompt.len() as u64;
                 }
-                s.computed = hit.len() * BLOCK_TOKENS;
+                s.computed = hit.len() * block;
                 s.blocks = hit;
                 s.blocks.extend(new);
                 s.first_scheduled.get_or_insert(now);
@@ -389,10 +398,6 @@ impl Engine {
         self.counters.preemptions += 1;
         self.waiting.push_front(s);
     }
-}
-
-fn blocks_for(tokens: usize) -> usize {
-    tokens.div_ceil(BLOCK_TOKENS)
 }
 
 /// Short words, each one token under the simulator's tokenizer (leading space + ≤3 letters).

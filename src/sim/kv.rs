@@ -1,4 +1,4 @@
-//! The paged KV cache: fixed blocks of 16 tokens, prefix reuse by chained block hash, LRU eviction.
+//! The paged KV cache: fixed blocks of `block_size` tokens (16 by default), prefix reuse by chained block hash, LRU eviction.
 //!
 //! Modelled on vLLM's block pool with automatic prefix caching: a full block is registered under
 //! the hash of its tokens chained with the previous block's hash, so equal hashes mean equal
@@ -12,7 +12,7 @@
 use std::collections::{BTreeMap, HashMap};
 
 /// Tokens per KV block, vLLM's default `--block-size` on CUDA.
-pub const BLOCK_TOKENS: usize = 16;
+pub const DEFAULT_BLOCK_SIZE: usize = 16;
 
 #[derive(Clone, Copy, Debug, Default)]
 struct Block {
@@ -29,10 +29,11 @@ pub struct KvCache {
     evictable: BTreeMap<u64, u32>,
     cached: HashMap<u64, u32>,
     clock: u64,
+    block_size: usize,
 }
 
 impl KvCache {
-    pub fn new(num_blocks: usize) -> Self {
+    pub fn new(num_blocks: usize, block_size: usize) -> Self {
         let mut blocks = vec![Block::default(); num_blocks];
         let mut evictable = BTreeMap::new();
         for (i, b) in blocks.iter_mut().enumerate() {
@@ -44,7 +45,30 @@ impl KvCache {
             evictable,
             cached: HashMap::new(),
             clock: num_blocks as u64,
+            block_size,
         }
+    }
+
+    /// Drops every cached hash; `false` (and nothing changed) while any block is referenced.
+    pub fn reset_prefix_cache(&mut self) -> bool {
+        if self.evictable.len() != self.blocks.len() {
+            return false;
+        }
+        self.cached.clear();
+        for b in &mut self.blocks {
+            b.hash = None;
+        }
+        true
+    }
+
+    /// Tokens per block.
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+
+    /// Chained hashes of every full block of `tokens`, continuing from those already in `hashes`.
+    pub fn extend_hashes(&self, hashes: &mut Vec<u64>, tokens: &[u32]) {
+        extend_hashes(hashes, tokens, self.block_size);
     }
 
     /// Blocks that an allocation may take (free or cached but unreferenced).
@@ -137,15 +161,13 @@ pub fn block_hash(parent: u64, tokens: &[u32]) -> u64 {
     h
 }
 
-/// Chained hashes of every full block of `tokens`, continuing from `done` hashes already known.
-pub fn extend_hashes(hashes: &mut Vec<u64>, tokens: &[u32]) {
-    let full = tokens.len() / BLOCK_TOKENS;
+/// Chained hashes of every full `block`-token block of `tokens`, continuing from those already
+/// in `hashes`.
+pub fn extend_hashes(hashes: &mut Vec<u64>, tokens: &[u32], block: usize) {
+    let full = tokens.len() / block;
     for j in hashes.len()..full {
         let parent = j.checked_sub(1).map_or(0, |p| hashes[p]);
-        hashes.push(block_hash(
-            parent,
-            &tokens[j * BLOCK_TOKENS..(j + 1) * BLOCK_TOKENS],
-        ));
+        hashes.push(block_hash(parent, &tokens[j * block..(j + 1) * block]));
     }
 }
 
@@ -155,13 +177,13 @@ mod tests {
 
     fn hashes(tokens: &[u32]) -> Vec<u64> {
         let mut h = Vec::new();
-        extend_hashes(&mut h, tokens);
+        extend_hashes(&mut h, tokens, DEFAULT_BLOCK_SIZE);
         h
     }
 
     #[test]
     fn a_freed_prefix_is_found_again_until_evicted() {
-        let mut kv = KvCache::new(4);
+        let mut kv = KvCache::new(4, DEFAULT_BLOCK_SIZE);
         let prompt: Vec<u32> = (0..40).collect();
         let h = hashes(&prompt);
         assert_eq!(h.len(), 2);
@@ -194,7 +216,7 @@ mod tests {
 
     #[test]
     fn touched_blocks_are_not_evictable() {
-        let mut kv = KvCache::new(2);
+        let mut kv = KvCache::new(2, DEFAULT_BLOCK_SIZE);
         let ids = kv.allocate(2).unwrap();
         kv.register(ids[0], 7);
         kv.free(&ids);

@@ -1,4 +1,4 @@
-//! The simulated worker's `/metrics`: vLLM's metric names and `model_name` label, plus the waste
+//! The simulated worker's `/metrics`: vLLM's metric names and `engine`/`model_name` labels, plus the waste
 //! counter vLLM lacks.
 //!
 //! Engine counters are mirrored into Prometheus counters after every step (by delta), gauges are
@@ -11,7 +11,6 @@ use prometheus::{
 };
 
 use super::engine::{Counters, Timings};
-use super::kv::BLOCK_TOKENS;
 use super::presets::EngineParams;
 
 const TTFT_BUCKETS: &[f64] = &[
@@ -49,7 +48,12 @@ impl SimMetrics {
     pub fn new(params: &EngineParams) -> Self {
         let registry = Registry::new();
         let model = params.model.as_str();
-        let opts = |name: &str, help: &str| Opts::new(name, help).const_label("model_name", model);
+        // vLLM (V1) labels every engine series with the engine index and the served model.
+        let opts = |name: &str, help: &str| {
+            Opts::new(name, help)
+                .const_label("engine", "0")
+                .const_label("model_name", model)
+        };
         macro_rules! reg {
             ($m:expr) => {{
                 let m = $m.expect("static metric definition");
@@ -62,6 +66,7 @@ impl SimMetrics {
         let hist = |name: &str, help: &str, buckets: &[f64]| {
             let h = Histogram::with_opts(
                 HistogramOpts::new(name, help)
+                    .const_label("engine", "0")
                     .const_label("model_name", model)
                     .buckets(buckets.to_vec()),
             )
@@ -76,7 +81,7 @@ impl SimMetrics {
                 "vllm:cache_config_info",
                 "Information of the LLMEngine CacheConfig",
             )
-            .const_label("block_size", BLOCK_TOKENS.to_string())
+            .const_label("block_size", params.block_size.to_string())
             .const_label("num_gpu_blocks", params.num_gpu_blocks.to_string())
             .const_label("enable_prefix_caching", "True")
             .const_label("cache_dtype", "auto"),

@@ -53,6 +53,9 @@ pub struct SimConfig {
     pub preset: String,
     /// Overrides the preset's engine wholesale when set.
     pub engine: Option<EngineParams>,
+    /// Tokens per KV block instead of the engine's (as vLLM's `--block-size`); the KV capacity in
+    /// tokens stays the same, so the block count scales inversely.
+    pub block_size: Option<usize>,
     /// Modelled time runs this many times faster than the wall clock.
     pub time_scale: f64,
     /// As vLLM: drop a request from the batch when its connection closes.
@@ -72,6 +75,7 @@ impl Default for SimConfig {
             port: 8001,
             preset: presets::DEFAULT_PRESET.into(),
             engine: None,
+            block_size: None,
             time_scale: 1.0,
             abort_on_disconnect: true,
             faults: Faults::default(),
@@ -112,12 +116,18 @@ impl SimConfig {
                 })?
                 .params)(),
         };
-        if p.num_gpu_blocks * kv::BLOCK_TOKENS < p.max_model_len {
+        let mut p = p;
+        if let Some(b) = self.block_size.filter(|&b| b > 0) {
+            p.num_gpu_blocks = p.num_gpu_blocks * p.block_size / b;
+            p.block_size = b;
+        }
+        if p.block_size == 0 || self.block_size == Some(0) {
+            return Err(SimError::Invalid("block_size must be positive".into()));
+        }
+        if p.num_gpu_blocks * p.block_size < p.max_model_len {
             return Err(SimError::Invalid(format!(
                 "{} KV blocks of {} tokens cannot hold one max_model_len={} sequence",
-                p.num_gpu_blocks,
-                kv::BLOCK_TOKENS,
-                p.max_model_len
+                p.num_gpu_blocks, p.block_size, p.max_model_len
             )));
         }
         if p.max_num_seqs == 0 || p.max_num_batched_tokens == 0 {

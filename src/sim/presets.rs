@@ -30,6 +30,10 @@ impl CostModel {
     }
 }
 
+fn default_block_size() -> usize {
+    super::kv::DEFAULT_BLOCK_SIZE
+}
+
 /// One simulated worker's engine: its model, limits and costs.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -37,8 +41,11 @@ pub struct EngineParams {
     /// The served model name, as `--served-model-name` would set it.
     pub model: String,
     pub max_model_len: usize,
-    /// KV capacity in 16-token blocks (vLLM's `num_gpu_blocks`).
+    /// KV capacity in blocks of `block_size` tokens (vLLM's `num_gpu_blocks`).
     pub num_gpu_blocks: usize,
+    /// Tokens per KV block (vLLM's `--block-size`; 16 on CUDA, a multiple of 32 on its CPU build).
+    #[serde(default = "default_block_size")]
+    pub block_size: usize,
     pub max_num_seqs: usize,
     /// Token budget of one step; prompts longer than what is left are prefilled in chunks.
     pub max_num_batched_tokens: usize,
@@ -65,6 +72,7 @@ pub const PRESETS: &[Preset] = &[
             max_model_len: 32768,
             // ~5.0 GB / (57 KB × 16 tokens)
             num_gpu_blocks: 5400,
+            block_size: super::kv::DEFAULT_BLOCK_SIZE,
             max_num_seqs: 256,
             max_num_batched_tokens: 2048,
             cost: CostModel {
@@ -86,6 +94,7 @@ pub const PRESETS: &[Preset] = &[
             max_model_len: 32768,
             // ~5.6 GB / (128 KB × 16 tokens)
             num_gpu_blocks: 2700,
+            block_size: super::kv::DEFAULT_BLOCK_SIZE,
             max_num_seqs: 256,
             max_num_batched_tokens: 2048,
             cost: CostModel {
@@ -107,6 +116,7 @@ pub const PRESETS: &[Preset] = &[
             model: "Qwen/Qwen2.5-14B-Instruct".into(),
             max_model_len: 32768,
             num_gpu_blocks: 3800,
+            block_size: super::kv::DEFAULT_BLOCK_SIZE,
             max_num_seqs: 256,
             max_num_batched_tokens: 2048,
             cost: CostModel {

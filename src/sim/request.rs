@@ -18,7 +18,32 @@ pub const BOS: u32 = 1;
 #[derive(Debug)]
 pub enum Reject {
     BadRequest(String),
+    /// A bad value of one request field; vLLM names it in `param` and at the message's end.
+    Param {
+        message: String,
+        param: &'static str,
+    },
+    /// The body is not JSON of the request's shape: message and `body.<offset>` as vLLM's
+    /// request validation puts them.
+    Json {
+        message: String,
+        param: String,
+    },
     ModelNotFound(String),
+}
+
+impl Reject {
+    /// vLLM 0.32's wording: `<why> (parameter=<name>, value=<value>)`.
+    fn param(
+        param: &'static str,
+        why: impl std::fmt::Display,
+        value: impl std::fmt::Display,
+    ) -> Self {
+        Self::Param {
+            message: format!("{why} (parameter={param}, value={value})"),
+            param,
+        }
+    }
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -66,7 +91,24 @@ pub struct Parsed {
 }
 
 pub fn parse(body: &[u8]) -> Result<RequestBody, Reject> {
-    serde_json::from_slice(body).map_err(|e| Reject::BadRequest(e.to_string()))
+    serde_json::from_slice(body).map_err(|e| {
+        // vLLM reports where the body went wrong as a character offset: `body.<offset>`.
+        let text = String::from_utf8_lossy(body);
+        let offset: usize = text
+            .split('\n')
+            .take(e.line().saturating_sub(1))
+            .map(|l| l.chars().count() + 1)
+            .sum::<usize>()
+            + e.column().saturating_sub(1);
+        let param = format!("body.{offset}");
+        Reject::Json {
+            message: format!(
+                "1 validation error:\n  {{'type': 'json_invalid', 'loc': '{param}', 'msg': \
+                 'JSON decode error', 'ctx': {{'error': '{e}'}}}}"
+            ),
+            param,
+        }
+    })
 }
 
 /// Renders chat messages with a ChatML template and the assistant generation prompt.
@@ -144,7 +186,7 @@ pub fn validate(
     if let Some(m) = &body.model {
         if m != served_model {
             return Err(Reject::ModelNotFound(format!(
-                "The model `{m}` does not exist."
+                "The model `{m}` does not exist. Valid aliases: {served_model}."
             )));
         }
     }
@@ -157,10 +199,12 @@ pub fn validate(
         t.extend(tokenizer::tokenize(&chat_template(messages)?));
         t
     } else {
-        let p = body
-            .prompt
-            .as_ref()
-            .ok_or_else(|| Reject::BadRequest("Field required: prompt".into()))?;
+        let p = body.prompt.as_ref().ok_or_else(|| Reject::Param {
+            message: "Either prompt or prompt_embeds must be provided and non-empty. \
+                          (parameter=prompt)"
+                .into(),
+            param: "prompt",
+        })?;
         prompt_tokens(p)?
     };
     if prompt.is_empty() {
@@ -198,9 +242,21 @@ pub fn validate(
     let room = max_model_len.saturating_sub(prompt.len());
     let max_tokens = match requested {
         Some(n) if n < 1 => {
-            return Err(Reject::BadRequest(format!(
-                "max_tokens must be at least 1, got {n}."
-            )))
+            return Err(Reject::param(
+                "max_tokens",
+                format!("max_tokens must be at least 1, got {n}."),
+                n,
+            ))
+        }
+        Some(n) if n as usize > max_model_len => {
+            return Err(Reject::param(
+                "max_tokens",
+                format!(
+                    "max_tokens={n} cannot be greater than max_model_len={max_model_len}. \
+                     Please request fewer output tokens."
+                ),
+                n,
+            ))
         }
         Some(n) => n as usize,
         None => room,

@@ -11,30 +11,44 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use super::engine::{Counters, Engine, EngineRequest, Event, SeqId};
 use super::metrics::SimMetrics;
 
-struct Submission {
-    req: EngineRequest,
-    events: mpsc::UnboundedSender<Event>,
+enum Command {
+    Submit {
+        req: EngineRequest,
+        events: mpsc::UnboundedSender<Event>,
+    },
+    /// Drop every cached block; answers whether it could (no block may be in use).
+    ResetPrefixCache(oneshot::Sender<bool>),
 }
 
 /// The HTTP side's handle on a running engine loop.
 #[derive(Clone)]
 pub struct EngineHandle {
-    tx: mpsc::UnboundedSender<Submission>,
+    tx: mpsc::UnboundedSender<Command>,
 }
 
 impl EngineHandle {
     /// Queues a request; its events arrive on the returned receiver. Dropping the receiver aborts it.
     pub fn submit(&self, req: EngineRequest) -> Option<mpsc::UnboundedReceiver<Event>> {
         let (events, rx) = mpsc::unbounded_channel();
-        self.tx.send(Submission { req, events }).ok()?;
+        self.tx.send(Command::Submit { req, events }).ok()?;
         Some(rx)
+    }
+
+    /// Empties the prefix cache as vLLM's `reset_prefix_cache` does: refused (`false`) while any
+    /// request holds blocks.
+    pub async fn reset_prefix_cache(&self) -> bool {
+        let (tx, rx) = oneshot::channel();
+        if self.tx.send(Command::ResetPrefixCache(tx)).is_err() {
+            return false;
+        }
+        rx.await.unwrap_or(false)
     }
 }
 
@@ -58,7 +72,7 @@ pub fn spawn(
 
 async fn run(
     mut engine: Engine,
-    mut rx: mpsc::UnboundedReceiver<Submission>,
+    mut rx: mpsc::UnboundedReceiver<Command>,
     metrics: Arc<SimMetrics>,
     opts: LoopOptions,
     cancel: CancellationToken,
@@ -73,18 +87,14 @@ async fn run(
         if engine.is_idle() {
             tokio::select! {
                 _ = cancel.cancelled() => return,
-                sub = rx.recv() => match sub {
-                    Some(s) => {
-                        let id = engine.add(s.req, model_now());
-                        sinks.insert(id, s.events);
-                    }
+                cmd = rx.recv() => match cmd {
+                    Some(c) => apply(c, &mut engine, &mut sinks, model_now()),
                     None => return,
                 },
             }
         }
-        while let Ok(s) = rx.try_recv() {
-            let id = engine.add(s.req, model_now());
-            sinks.insert(id, s.events);
+        while let Ok(c) = rx.try_recv() {
+            apply(c, &mut engine, &mut sinks, model_now());
         }
         gone.clear();
         gone.extend(
@@ -133,5 +143,22 @@ async fn run(
             engine.num_waiting(),
             engine.kv_usage(),
         );
+    }
+}
+
+fn apply(
+    cmd: Command,
+    engine: &mut Engine,
+    sinks: &mut HashMap<SeqId, mpsc::UnboundedSender<Event>>,
+    now: f64,
+) {
+    match cmd {
+        Command::Submit { req, events } => {
+            let id = engine.add(req, now);
+            sinks.insert(id, events);
+        }
+        Command::ResetPrefixCache(done) => {
+            let _ = done.send(engine.reset_prefix_cache());
+        }
     }
 }
