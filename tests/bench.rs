@@ -291,3 +291,52 @@ async fn reset_prefix_cache_is_refused_while_a_request_runs() {
         .await
         .unwrap();
 }
+
+/// Multi-turn and chat: every conversation's turns go out in order, each after the previous one
+/// ended, so no conversation's turns are spread over clients in lockstep with the others.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn conversation_turns_are_sent_in_order_each_after_the_previous_ended() {
+    let sim = SimConfig {
+        workers: 2,
+        engine: Some(small_engine(2048)),
+        time_scale: 4.0,
+        ..SimConfig::default()
+    };
+    let pool = bench::start_pool(&sim, "round_robin").await.unwrap();
+    let workload = Workload::Chat {
+        turns: 4,
+        system_tokens: 64,
+        user_tokens: 8,
+        output_tokens: 4,
+    };
+    let load = LoadSpec {
+        url: pool.gateway.clone(),
+        concurrency: 3,
+        warmup: Duration::ZERO,
+        max_requests: Some(36),
+        duration: Duration::from_secs(60),
+        ..spec(workload)
+    };
+    let samples = bench::loadgen::run(&load).await.unwrap();
+    assert_eq!(samples.len(), 36);
+    let by_index: std::collections::HashMap<u64, &bench::stats::Sample> =
+        samples.iter().map(|s| (s.index, s)).collect();
+    let mut followed = 0;
+    for s in &samples {
+        assert!(s.ok, "{:?}", s.error);
+        if s.index % 4 == 0 {
+            continue; // a conversation's first turn
+        }
+        let prev = by_index[&(s.index - 1)];
+        assert!(
+            s.intended >= prev.done,
+            "turn {} sent at {} before turn {} ended at {}",
+            s.index,
+            s.intended,
+            prev.index,
+            prev.done
+        );
+        followed += 1;
+    }
+    assert_eq!(followed, 27, "9 conversations of 4 turns");
+}

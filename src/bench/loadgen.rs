@@ -85,8 +85,12 @@ pub async fn run(spec: &LoadSpec) -> Result<Vec<Sample>, LoadError> {
         spec: spec.clone(),
         start: Instant::now(),
         next: AtomicU64::new(0),
+        sent: AtomicU64::new(0),
     });
     let end = spec.warmup + spec.duration;
+    // A conversation's turns go out in order from one client; independent requests are a
+    // "conversation" of one turn each.
+    let turns = spec.workload.turns().unwrap_or(1);
     let mut tasks = JoinSet::new();
     match spec.rate {
         None => {
@@ -95,15 +99,10 @@ pub async fn run(spec: &LoadSpec) -> Result<Vec<Sample>, LoadError> {
                 tasks.spawn(async move {
                     let mut out = Vec::new();
                     loop {
-                        let intended = sh.start.elapsed();
-                        if intended >= end {
+                        let conv = sh.next.fetch_add(1, Ordering::Relaxed);
+                        if !sh.conversation(conv, turns, None, end, &mut out).await {
                             break;
                         }
-                        let i = sh.next.fetch_add(1, Ordering::Relaxed);
-                        if sh.spec.max_requests.is_some_and(|n| i >= n) {
-                            break;
-                        }
-                        out.push(sh.one(i, intended.as_secs_f64()).await);
                     }
                     out
                 });
@@ -116,7 +115,9 @@ pub async fn run(spec: &LoadSpec) -> Result<Vec<Sample>, LoadError> {
             loop {
                 // Exponential inter-arrival times from the seeded stream: a Poisson process.
                 t += -(1.0 - unit(splitmix(spec.seed ^ 0xa771 ^ i))).ln() / rate;
-                if Duration::from_secs_f64(t) >= end || spec.max_requests.is_some_and(|n| i >= n) {
+                let sent = shared.sent.load(Ordering::Relaxed);
+                if Duration::from_secs_f64(t) >= end || spec.max_requests.is_some_and(|n| sent >= n)
+                {
                     break;
                 }
                 tokio::time::sleep_until(shared.start + Duration::from_secs_f64(t)).await;
@@ -127,9 +128,11 @@ pub async fn run(spec: &LoadSpec) -> Result<Vec<Sample>, LoadError> {
                 let intended = t;
                 let idx = i;
                 tasks.spawn(async move {
-                    let s = sh.one(idx, intended).await;
+                    let mut out = Vec::new();
+                    sh.conversation(idx, turns, Some(intended), end, &mut out)
+                        .await;
                     drop(permit);
-                    vec![s]
+                    out
                 });
                 i += 1;
             }
@@ -168,10 +171,41 @@ struct Shared {
     model: String,
     spec: LoadSpec,
     start: Instant,
+    /// The next conversation (or independent request) to start.
     next: AtomicU64,
+    /// Requests sent so far, against `spec.max_requests`.
+    sent: AtomicU64,
 }
 
 impl Shared {
+    /// Sends the turns of conversation `conv` (requests `conv × turns ..`), each when the one
+    /// before it has ended; the first at `first_intended` (open loop) or now. Returns false once
+    /// the window or the request budget is spent.
+    async fn conversation(
+        &self,
+        conv: u64,
+        turns: u64,
+        first_intended: Option<f64>,
+        end: Duration,
+        out: &mut Vec<Sample>,
+    ) -> bool {
+        for (t, i) in (conv * turns..(conv + 1) * turns).enumerate() {
+            let intended = match first_intended {
+                Some(at) if t == 0 => at,
+                _ => self.now(),
+            };
+            if intended >= end.as_secs_f64() {
+                return false;
+            }
+            let n = self.sent.fetch_add(1, Ordering::Relaxed);
+            if self.spec.max_requests.is_some_and(|max| n >= max) {
+                return false;
+            }
+            out.push(self.one(i, intended).await);
+        }
+        true
+    }
+
     fn now(&self) -> f64 {
         self.start.elapsed().as_secs_f64()
     }

@@ -27,9 +27,21 @@ pub enum Workload {
         output_tokens: usize,
     },
     /// Chats whose every turn resends the whole history (system prompt, earlier user turns and
-    /// fixed assistant replies) plus a new user message.
+    /// fixed assistant replies) plus a new user message; each conversation has its own system
+    /// prompt. A conversation's turns are sent one after another by one client (see
+    /// [`Workload::turns`]). `conversations` is kept for old files; it no longer shapes the stream.
     MultiTurn {
         conversations: usize,
+        turns: usize,
+        system_tokens: usize,
+        user_tokens: usize,
+        output_tokens: usize,
+    },
+    /// The common shape of production chat traffic: one system prompt of `system_tokens` shared
+    /// by every conversation, each conversation `turns` turns of `user_tokens` user tokens and
+    /// `output_tokens` replies, resending its history. Each client (`--concurrency`) is one user
+    /// holding one conversation at a time.
+    Chat {
         turns: usize,
         system_tokens: usize,
         user_tokens: usize,
@@ -78,6 +90,12 @@ impl Workload {
                 user_tokens: 64,
                 output_tokens: 64,
             },
+            "chat" => Workload::Chat {
+                turns: 8,
+                system_tokens: 1024,
+                user_tokens: 64,
+                output_tokens: 64,
+            },
             "zipf" => Workload::Zipf {
                 prefixes: 64,
                 exponent: 1.1,
@@ -97,7 +115,19 @@ impl Workload {
         })
     }
 
-    pub const NAMES: &'static str = "prefix-repetition, random, multi-turn, zipf, mixed";
+    pub const NAMES: &'static str = "prefix-repetition, random, multi-turn, chat, zipf, mixed";
+
+    /// Turns per conversation for conversational workloads: request `i` is turn `i % turns` of
+    /// conversation `i / turns`, and the load generator sends a conversation's turns in order
+    /// from one client, each when the previous one has ended. `None`: requests are independent.
+    pub fn turns(&self) -> Option<u64> {
+        match self {
+            Workload::MultiTurn { turns, .. } | Workload::Chat { turns, .. } => {
+                Some((*turns).max(1) as u64)
+            }
+            _ => None,
+        }
+    }
 
     /// Request `i` of the stream seeded by `seed`.
     pub fn request(&self, seed: u64, i: u64) -> RequestSpec {
@@ -127,37 +157,34 @@ impl Workload {
                 output_tokens,
             } => RequestSpec::completion(words(r, *input_tokens), *output_tokens, "random"),
             Workload::MultiTurn {
-                conversations,
+                turns,
+                system_tokens,
+                user_tokens,
+                output_tokens,
+                ..
+            } => {
+                let turns = (*turns).max(1) as u64;
+                let c = splitmix(seed ^ 0xc0de ^ (i / turns));
+                let system = words(c, *system_tokens);
+                conversation(
+                    system,
+                    c,
+                    i % turns,
+                    *user_tokens,
+                    *output_tokens,
+                    "multi-turn",
+                )
+            }
+            Workload::Chat {
                 turns,
                 system_tokens,
                 user_tokens,
                 output_tokens,
             } => {
-                let conversations = (*conversations).max(1) as u64;
                 let turns = (*turns).max(1) as u64;
-                // Conversations advance in lockstep; after its last turn a conversation restarts
-                // under a new id (a new chat with a new system prompt).
-                let slot = i % conversations;
-                let round = i / conversations;
-                let conv = slot + conversations * (round / turns);
-                let turn = round % turns;
-                let c = splitmix(seed ^ 0xc0de ^ conv);
-                let mut messages =
-                    vec![json!({"role": "system", "content": words(c, *system_tokens)})];
-                for t in 0..=turn {
-                    let u = splitmix(c ^ (t + 1));
-                    messages.push(json!({"role": "user", "content": words(u, *user_tokens)}));
-                    if t < turn {
-                        messages.push(json!({"role": "assistant", "content": words(splitmix(u), *output_tokens)}));
-                    }
-                }
-                RequestSpec {
-                    body: json!({"messages": messages, "max_tokens": output_tokens}),
-                    chat: true,
-                    output_tokens: *output_tokens,
-                    class: "multi-turn".into(),
-                    slo: None,
-                }
+                let c = splitmix(seed ^ 0xc4a7 ^ (i / turns));
+                let system = words(splitmix(seed ^ 0x5157_e111), *system_tokens);
+                conversation(system, c, i % turns, *user_tokens, *output_tokens, "chat")
             }
             Workload::Mixed { classes } => {
                 let total: f64 = classes.iter().map(|c| c.weight).sum();
@@ -190,6 +217,34 @@ fn class(name: &str, i: usize, o: usize, weight: f64, ttft: f64, tpot: f64) -> C
         weight,
         slo_ttft_ms: ttft,
         slo_tpot_ms: tpot,
+    }
+}
+
+/// Turn `turn` of the conversation seeded by `c`: the system prompt, every earlier user message
+/// with a fixed assistant reply, and the new user message.
+fn conversation(
+    system: String,
+    c: u64,
+    turn: u64,
+    user_tokens: usize,
+    output_tokens: usize,
+    class: &str,
+) -> RequestSpec {
+    let mut messages = vec![json!({"role": "system", "content": system})];
+    for t in 0..=turn {
+        let u = splitmix(c ^ (t + 1));
+        messages.push(json!({"role": "user", "content": words(u, user_tokens)}));
+        if t < turn {
+            messages
+                .push(json!({"role": "assistant", "content": words(splitmix(u), output_tokens)}));
+        }
+    }
+    RequestSpec {
+        body: json!({"messages": messages, "max_tokens": output_tokens}),
+        chat: true,
+        output_tokens,
+        class: class.into(),
+        slo: None,
     }
 }
 
@@ -314,28 +369,66 @@ mod tests {
         assert_eq!(firsts.len(), 200);
     }
 
+    fn messages(w: &Workload, i: u64) -> Vec<Value> {
+        w.request(5, i).body["messages"].as_array().unwrap().clone()
+    }
+
     #[test]
     fn multi_turn_resends_the_whole_history() {
         let w = Workload::by_name("multi-turn").unwrap();
-        let convs = 32;
-        for i in 0..convs * 5 {
-            let next = w.request(5, i + convs);
-            let this = w.request(5, i);
-            let a = this.body["messages"].as_array().unwrap();
-            let b = next.body["messages"].as_array().unwrap();
-            assert_eq!(
-                b.len(),
-                a.len() + 2,
-                "one assistant reply and one new user turn"
-            );
-            assert_eq!(&b[..a.len()], &a[..], "history resent unchanged");
+        let turns = w.turns().unwrap();
+        assert_eq!(turns, 6);
+        for conv in 0..10 {
+            for t in 0..turns - 1 {
+                let a = messages(&w, conv * turns + t);
+                let b = messages(&w, conv * turns + t + 1);
+                assert_eq!(
+                    b.len(),
+                    a.len() + 2,
+                    "one assistant reply and one new user turn"
+                );
+                assert_eq!(&b[..a.len()], &a[..], "history resent unchanged");
+            }
         }
-        // After the last turn (6) a new conversation starts with a new system prompt.
-        let last = w.request(5, 5 * convs);
-        let fresh = w.request(5, 6 * convs);
-        assert_eq!(last.body["messages"].as_array().unwrap().len(), 12);
-        assert_eq!(fresh.body["messages"].as_array().unwrap().len(), 2);
-        assert_ne!(last.body["messages"][0], fresh.body["messages"][0]);
+        // After the last turn a new conversation starts with a new system prompt.
+        let last = messages(&w, turns - 1);
+        let fresh = messages(&w, turns);
+        assert_eq!(last.len(), 12);
+        assert_eq!(fresh.len(), 2);
+        assert_ne!(last[0], fresh[0]);
+    }
+
+    #[test]
+    fn chat_shares_one_system_prompt_and_keeps_conversations_apart() {
+        let w = Workload::by_name("chat").unwrap();
+        let turns = w.turns().unwrap();
+        let systems: HashSet<String> = (0..200).map(|i| messages(&w, i)[0].to_string()).collect();
+        assert_eq!(
+            systems.len(),
+            1,
+            "every conversation starts with the same system prompt"
+        );
+        let system_words = messages(&w, 0)[0]["content"]
+            .as_str()
+            .unwrap()
+            .split(' ')
+            .count();
+        assert_eq!(system_words, 1 + 1024);
+        let first_users: HashSet<String> = (0..50)
+            .map(|c| messages(&w, c * turns)[1].to_string())
+            .collect();
+        assert_eq!(
+            first_users.len(),
+            50,
+            "conversations differ from their first user turn"
+        );
+        let a = messages(&w, 3);
+        let b = messages(&w, 4);
+        assert_eq!(
+            &b[..a.len()],
+            &a[..],
+            "a later turn extends the earlier one"
+        );
     }
 
     #[test]
