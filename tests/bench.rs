@@ -340,3 +340,50 @@ async fn conversation_turns_are_sent_in_order_each_after_the_previous_ended() {
     }
     assert_eq!(followed, 27, "9 conversations of 4 turns");
 }
+
+/// Other servers frame SSE differently; the load generator reads any conformant stream: CRLF line
+/// ends, `data:` without a space, data over two lines, comments and `event:` lines.
+#[tokio::test]
+async fn the_load_generator_reads_any_conformant_event_stream() {
+    use axum::{
+        routing::{get, post},
+        Json, Router,
+    };
+    let stream = concat!(
+        ": keep-alive comment\r\n\r\n",
+        "event: message\r\ndata:{\"choices\":[{\"index\":0,\"text\":\" one\"}]}\r\n\r\n",
+        "data: {\"choices\":[{\"index\":0,\r\ndata: \"text\":\" two\"}]}\r\n\r\n",
+        "id: 3\ndata: {\"choices\":[{\"index\":0,\"text\":\" three\"}]}\n\n",
+        "data:{\"choices\":[],\"usage\":{\"completion_tokens\":3}}\r\r",
+        "data: [DONE]\r\n\r\n",
+    );
+    let app = Router::new()
+        .route(
+            "/v1/models",
+            get(|| async { Json(serde_json::json!({"data": [{"id": "m"}]})) }),
+        )
+        .route(
+            "/v1/completions",
+            post(move || async move { ([("content-type", "text/event-stream")], stream) }),
+        );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    let load = LoadSpec {
+        url,
+        concurrency: 1,
+        warmup: Duration::ZERO,
+        max_requests: Some(3),
+        ..spec(Workload::Random {
+            input_tokens: 4,
+            output_tokens: 3,
+        })
+    };
+    let samples = bench::loadgen::run(&load).await.unwrap();
+    assert_eq!(samples.len(), 3);
+    for s in &samples {
+        assert!(s.ok, "{:?}", s.error);
+        assert_eq!(s.token_times.len(), 3, "three content events");
+        assert_eq!(s.output_tokens, 3);
+    }
+}

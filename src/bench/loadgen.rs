@@ -10,6 +10,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
+use futures_util::StreamExt;
 use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::{connect::HttpConnector, Client};
 use hyper_util::rt::TokioExecutor;
@@ -265,7 +266,7 @@ impl Shared {
             .await
             .map_err(|e| format!("send: {e}"))?;
         let status = resp.status();
-        let mut body = resp.into_body();
+        let body = resp.into_body();
         if !status.is_success() {
             let bytes = body
                 .collect()
@@ -279,46 +280,42 @@ impl Shared {
                 text.chars().take(200).collect::<String>()
             ));
         }
-        let mut buf = Vec::new();
+        // Any conformant stream: CRLF or CR line ends, `data:` with or without a space, data over
+        // several lines, comments and `event:` lines (a maintained parser, not ours).
+        let mut events = sse_stream::SseStream::new(body);
         let mut content_events = 0usize;
-        while let Some(frame) = body.frame().await {
-            let frame = frame.map_err(|e| format!("body: {e}"))?;
-            let Some(data) = frame.data_ref() else {
-                continue;
-            };
+        while let Some(event) = events.next().await {
+            let event = event.map_err(|e| format!("body: {e}"))?;
             let now = self.now();
-            buf.extend_from_slice(data);
-            while let Some(end) = buf.windows(2).position(|w| w == b"\n\n") {
-                let event: Vec<u8> = buf.drain(..end + 2).collect();
-                let Some(payload) = event.strip_prefix(b"data: ") else {
-                    continue;
-                };
-                let payload = &payload[..payload.len() - 2];
-                if payload == b"[DONE]" {
-                    if content_events == 0 && s.output_tokens == 0 {
-                        return Err("stream ended without output".into());
-                    }
-                    return Ok(());
+            let Some(payload) = event.data else {
+                continue; // a comment or a block without data
+            };
+            if payload == "[DONE]" {
+                if content_events == 0 && s.output_tokens == 0 {
+                    return Err("stream ended without output".into());
                 }
-                let v: Value =
-                    serde_json::from_slice(payload).map_err(|e| format!("event: {e}"))?;
-                if let Some(n) = v["usage"]["completion_tokens"].as_u64() {
-                    s.output_tokens = n as usize;
+                return Ok(());
+            }
+            let v: Value = serde_json::from_str(&payload).map_err(|e| format!("event: {e}"))?;
+            if let Some(e) = v.get("error") {
+                return Err(format!("error event: {e}"));
+            }
+            if let Some(n) = v["usage"]["completion_tokens"].as_u64() {
+                s.output_tokens = n as usize;
+            }
+            let choice = &v["choices"][0];
+            let text = choice["text"]
+                .as_str()
+                .or(choice["delta"]["content"].as_str());
+            if text.is_some_and(|t| !t.is_empty()) {
+                content_events += 1;
+                s.token_times.push(now);
+                if s.output_tokens < content_events {
+                    s.output_tokens = content_events;
                 }
-                let choice = &v["choices"][0];
-                let text = choice["text"]
-                    .as_str()
-                    .or(choice["delta"]["content"].as_str());
-                if text.is_some_and(|t| !t.is_empty()) {
-                    content_events += 1;
-                    s.token_times.push(now);
-                    if s.output_tokens < content_events {
-                        s.output_tokens = content_events;
-                    }
-                    if cancel_after.is_some_and(|k| content_events >= k) {
-                        s.cancelled = true;
-                        return Ok(()); // dropping the body closes the connection
-                    }
+                if cancel_after.is_some_and(|k| content_events >= k) {
+                    s.cancelled = true;
+                    return Ok(()); // dropping the body closes the connection
                 }
             }
         }
