@@ -387,3 +387,52 @@ async fn the_load_generator_reads_any_conformant_event_stream() {
         assert_eq!(s.output_tokens, 3);
     }
 }
+
+/// A Mooncake-format trace is replayed at its timestamps (sped up), request for request, and
+/// requests that share hash ids share prompt blocks in the workers' caches.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_mooncake_trace_is_replayed_at_its_timestamps() {
+    let sim = SimConfig {
+        workers: 1,
+        engine: Some(small_engine(2048)),
+        time_scale: 4.0,
+        ..SimConfig::default()
+    };
+    let pool = bench::start_pool(&sim, "round_robin").await.unwrap();
+    // Ten requests 100 ms apart (20 ms at speed-up 5); all share block 1, half also block 2.
+    let lines: String = (0..10)
+        .map(|k| {
+            format!(
+                "{{\"timestamp\": {}, \"input_length\": 600, \"output_length\": 4, \"hash_ids\": [1, {}]}}\n",
+                1000 + 100 * k,
+                2 + k % 2 * (10 + k)
+            )
+        })
+        .collect();
+    let mut trace = bench::trace::Trace::parse(&lines, "mooncake").unwrap();
+    trace.speedup = 5.0;
+    let load = LoadSpec {
+        url: pool.gateway.clone(),
+        warmup: Duration::ZERO,
+        duration: Duration::from_secs(30),
+        ..spec(Workload::Trace(trace))
+    };
+    let (run, samples) = bench::run_once("trace", &load, &pool.workers, (1e9, 1e9), 1.0)
+        .await
+        .unwrap();
+    assert_eq!(samples.len(), 10, "the trace ends the run");
+    for s in &samples {
+        assert!(s.ok, "{:?}", s.error);
+        let due = s.index as f64 * 0.02;
+        assert!(
+            (s.intended - due).abs() < 1e-9,
+            "request {} intended at {}",
+            s.index,
+            s.intended
+        );
+        assert!(s.sent >= due, "request {} sent early", s.index);
+    }
+    // The shared first 512-token block is computed once; later requests find it cached.
+    let w = run.workers.unwrap();
+    assert!(w.prefix_hits >= 9.0 * 512.0 - 16.0 * 9.0, "{w:?}");
+}

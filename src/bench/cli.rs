@@ -7,6 +7,7 @@ use clap::{Args, Subcommand};
 
 use super::loadgen::{Cancel, LoadSpec};
 use super::report::{self, Run};
+use super::trace::Trace;
 use super::workload::Workload;
 use super::{BenchError, DEFAULT_SLO};
 use crate::sim::SimConfig;
@@ -73,6 +74,13 @@ pub struct LoadArgs {
     /// A YAML file describing the workload (overrides --workload).
     #[arg(long)]
     workload_file: Option<PathBuf>,
+    /// Replay a JSONL trace instead (Mooncake format or OpenAI request bodies); lines with
+    /// timestamps are sent at them (open loop, at most --concurrency in flight).
+    #[arg(long)]
+    trace: Option<PathBuf>,
+    /// Replay a timed trace this many times faster than it was recorded.
+    #[arg(long, default_value_t = 1.0)]
+    trace_speedup: f64,
     /// Clients in flight (closed loop), or the cap on in-flight requests with --rate.
     #[arg(long, default_value_t = 16)]
     concurrency: usize,
@@ -123,9 +131,19 @@ pub struct LoadArgs {
 
 impl LoadArgs {
     fn spec(&self, url: String) -> Result<LoadSpec, BenchError> {
-        let workload = match &self.workload_file {
-            Some(p) => crate::config::read_yaml(p).map_err(|e| BenchError::Setup(e.to_string()))?,
-            None => Workload::by_name(&self.workload).ok_or_else(|| {
+        let workload = match (&self.trace, &self.workload_file) {
+            (Some(t), _) => {
+                if self.trace_speedup.is_nan() || self.trace_speedup <= 0.0 {
+                    return Err(BenchError::Setup("--trace-speedup must be positive".into()));
+                }
+                let mut trace = Trace::from_file(t).map_err(BenchError::Setup)?;
+                trace.speedup = self.trace_speedup;
+                Workload::Trace(trace)
+            }
+            (None, Some(p)) => {
+                crate::config::read_yaml(p).map_err(|e| BenchError::Setup(e.to_string()))?
+            }
+            (None, None) => Workload::by_name(&self.workload).ok_or_else(|| {
                 BenchError::Setup(format!(
                     "unknown workload `{}` (known: {})",
                     self.workload,
@@ -177,7 +195,12 @@ impl LoadArgs {
 }
 
 fn describe(spec: &LoadSpec) -> String {
+    let timed = matches!(&spec.workload, Workload::Trace(t) if t.is_timed());
     let arrival = match spec.rate {
+        _ if timed => format!(
+            "trace replay at its timestamps, at most {} in flight",
+            spec.concurrency
+        ),
         Some(r) => format!(
             "open loop {r} req/s, at most {} in flight",
             spec.concurrency

@@ -93,8 +93,12 @@ pub async fn run(spec: &LoadSpec) -> Result<Vec<Sample>, LoadError> {
     // "conversation" of one turn each.
     let turns = spec.workload.turns().unwrap_or(1);
     let mut tasks = JoinSet::new();
-    match spec.rate {
-        None => {
+    let timed = match &spec.workload {
+        Workload::Trace(t) if t.is_timed() => Some(t.clone()),
+        _ => None,
+    };
+    match (spec.rate, timed) {
+        (None, None) => {
             for _ in 0..spec.concurrency.max(1) {
                 let sh = shared.clone();
                 tasks.spawn(async move {
@@ -109,13 +113,23 @@ pub async fn run(spec: &LoadSpec) -> Result<Vec<Sample>, LoadError> {
                 });
             }
         }
-        Some(rate) => {
+        (rate, trace) => {
             let slots = Arc::new(Semaphore::new(spec.concurrency.max(1)));
             let mut t = 0.0;
             let mut i = 0u64;
             loop {
-                // Exponential inter-arrival times from the seeded stream: a Poisson process.
-                t += -(1.0 - unit(splitmix(spec.seed ^ 0xa771 ^ i))).ln() / rate;
+                t = match &trace {
+                    // A timed trace: each line at its own time, until the trace ends.
+                    Some(tr) => match tr.send_time(i) {
+                        Some(at) => at,
+                        None => break,
+                    },
+                    // Exponential inter-arrival times from the seeded stream: a Poisson process.
+                    None => {
+                        t + -(1.0 - unit(splitmix(spec.seed ^ 0xa771 ^ i))).ln()
+                            / rate.unwrap_or(1.0)
+                    }
+                };
                 let sent = shared.sent.load(Ordering::Relaxed);
                 if Duration::from_secs_f64(t) >= end || spec.max_requests.is_some_and(|n| sent >= n)
                 {

@@ -10,6 +10,7 @@ pub mod cli;
 pub mod loadgen;
 pub mod report;
 pub mod stats;
+pub mod trace;
 pub mod workload;
 
 use std::time::Duration;

@@ -57,6 +57,9 @@ pub enum Workload {
     },
     /// Short/long input × short/long output classes in one stream, each with its own SLO.
     Mixed { classes: Vec<Class> },
+    /// A replayed JSONL trace (`--trace`); not a YAML workload.
+    #[serde(skip)]
+    Trace(super::trace::Trace),
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -186,6 +189,7 @@ impl Workload {
                 let system = words(splitmix(seed ^ 0x5157_e111), *system_tokens);
                 conversation(system, c, i % turns, *user_tokens, *output_tokens, "chat")
             }
+            Workload::Trace(t) => t.request(seed, i),
             Workload::Mixed { classes } => {
                 let total: f64 = classes.iter().map(|c| c.weight).sum();
                 let mut x = unit(r) * total;
