@@ -257,6 +257,11 @@ async fn compare_on_a_running_pool_empties_its_caches_before_each_arm() {
     for r in &runs {
         assert_eq!(r.summary.requests, 40, "{:?}", r.summary);
         assert_eq!(r.summary.errors, 0);
+        // Reported worker by worker, and with the gateway's routing decisions.
+        assert_eq!(r.per_worker.len(), 2);
+        let served: f64 = r.per_worker.iter().map(|w| w.counters.requests).sum();
+        assert_eq!(served, 40.0, "{:?}", r.per_worker);
+        assert_eq!(r.routing.values().sum::<f64>(), 40.0, "{:?}", r.routing);
     }
     assert!(hits[0] > 0.0, "{hits:?}");
     assert_eq!(

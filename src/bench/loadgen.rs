@@ -340,6 +340,8 @@ impl Shared {
 /// Engine counters summed over workers, read from their Prometheus `/metrics`.
 #[derive(Clone, Debug, Default, PartialEq, Serialize)]
 pub struct WorkerCounters {
+    /// Requests the worker finished (`vllm:e2e_request_latency_seconds_count`).
+    pub requests: f64,
     pub prefix_queries: f64,
     pub prefix_hits: f64,
     pub preemptions: f64,
@@ -350,6 +352,7 @@ pub struct WorkerCounters {
 impl WorkerCounters {
     pub fn since(&self, before: &Self) -> Self {
         Self {
+            requests: self.requests - before.requests,
             prefix_queries: self.prefix_queries - before.prefix_queries,
             prefix_hits: self.prefix_hits - before.prefix_hits,
             preemptions: self.preemptions - before.preemptions,
@@ -374,6 +377,7 @@ impl WorkerCounters {
                 continue;
             };
             match name {
+                "vllm:e2e_request_latency_seconds_count" => self.requests += v,
                 "vllm:prefix_cache_queries_total" => self.prefix_queries += v,
                 "vllm:prefix_cache_hits_total" => self.prefix_hits += v,
                 "vllm:num_preemptions_total" => self.preemptions += v,
@@ -383,26 +387,83 @@ impl WorkerCounters {
             }
         }
     }
+
+    fn add(&mut self, o: &Self) {
+        self.requests += o.requests;
+        self.prefix_queries += o.prefix_queries;
+        self.prefix_hits += o.prefix_hits;
+        self.preemptions += o.preemptions;
+        self.generation_tokens += o.generation_tokens;
+        self.tokens_after_disconnect += o.tokens_after_disconnect;
+    }
+
+    /// The sum over workers.
+    pub fn total(each: &[Self]) -> Self {
+        let mut t = Self::default();
+        for c in each {
+            t.add(c);
+        }
+        t
+    }
 }
 
-/// Reads every worker's `/metrics` (base URLs); unreachable ones are skipped with a warning.
-pub async fn scrape(workers: &[String]) -> WorkerCounters {
-    let client = client();
-    let mut c = WorkerCounters::default();
-    for w in workers {
-        let Ok(uri) = format!("{}/metrics", w.trim_end_matches('/')).parse::<http::Uri>() else {
-            continue;
-        };
-        match client.get(uri).await {
-            Ok(resp) => {
-                if let Ok(b) = resp.into_body().collect().await {
-                    c.add_exposition(&String::from_utf8_lossy(&b.to_bytes()));
-                }
-            }
-            Err(e) => tracing::warn!(worker = %w, "cannot scrape metrics: {e}"),
+/// `GET {base}/metrics` as text; `None` (with a warning) when unreachable.
+async fn metrics_text(client: &HttpClient, base: &str) -> Option<String> {
+    let uri = format!("{}/metrics", base.trim_end_matches('/'))
+        .parse::<http::Uri>()
+        .ok()?;
+    match client.get(uri).await {
+        Ok(resp) => {
+            let b = resp.into_body().collect().await.ok()?;
+            Some(String::from_utf8_lossy(&b.to_bytes()).into_owned())
+        }
+        Err(e) => {
+            tracing::warn!(target_url = %base, "cannot scrape metrics: {e}");
+            None
         }
     }
-    c
+}
+
+/// Reads every worker's `/metrics` (base URLs), one entry per worker (zero when unreachable).
+pub async fn scrape_each(workers: &[String]) -> Vec<WorkerCounters> {
+    let client = client();
+    let mut out = Vec::with_capacity(workers.len());
+    for w in workers {
+        let mut c = WorkerCounters::default();
+        if let Some(text) = metrics_text(&client, w).await {
+            c.add_exposition(&text);
+        }
+        out.push(c);
+    }
+    out
+}
+
+/// Reads every worker's `/metrics` and sums them.
+pub async fn scrape(workers: &[String]) -> WorkerCounters {
+    WorkerCounters::total(&scrape_each(workers).await)
+}
+
+/// The routing outcomes a kvroute target has counted (`kvroute_routing_decisions_total`, by
+/// `outcome`, over all policies and arms); empty for a target that is not kvroute.
+pub async fn routing_outcomes(target: &str) -> std::collections::BTreeMap<String, f64> {
+    let mut out = std::collections::BTreeMap::new();
+    let Some(text) = metrics_text(&client(), target).await else {
+        return out;
+    };
+    for line in text
+        .lines()
+        .filter(|l| l.starts_with("kvroute_routing_decisions_total{"))
+    {
+        let outcome = line
+            .split("outcome=\"")
+            .nth(1)
+            .and_then(|r| r.split('"').next());
+        let value = line.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok());
+        if let (Some(o), Some(v)) = (outcome, value) {
+            *out.entry(o.to_owned()).or_default() += v;
+        }
+    }
+    out
 }
 
 /// Empties every worker's prefix cache with `POST /reset_prefix_cache` (vLLM serves it with

@@ -22,7 +22,7 @@ use tokio_util::sync::CancellationToken;
 use crate::config::{Config, Overrides};
 use crate::sim::{self, kv, request as sim_request, tokenizer, SimConfig};
 use loadgen::LoadSpec;
-use report::Run;
+use report::{Run, WorkerReport};
 use stats::{summarize, Sample};
 use workload::Workload;
 
@@ -50,27 +50,44 @@ pub async fn run_once(
     slo: (f64, f64),
     time_scale: f64,
 ) -> Result<(Run, Vec<Sample>), BenchError> {
-    let before = if worker_metrics.is_empty() {
-        None
+    // Counters at the start of the window, and after the run.
+    let snapshot = |urls: Vec<String>, target: String| async move {
+        (
+            loadgen::scrape_each(&urls).await,
+            loadgen::routing_outcomes(&target).await,
+        )
+    };
+    let (urls, target, warmup) = (worker_metrics.to_vec(), spec.url.clone(), spec.warmup);
+    let before = if warmup.is_zero() {
+        // No warm-up: read them before the first request rather than racing it.
+        let now = snapshot(urls, target).await;
+        tokio::spawn(async move { now })
     } else {
-        let urls = worker_metrics.to_vec();
-        let warmup = spec.warmup;
-        Some(tokio::spawn(async move {
+        tokio::spawn(async move {
             tokio::time::sleep(warmup).await;
-            loadgen::scrape(&urls).await
-        }))
+            snapshot(urls, target).await
+        })
     };
     let mut samples = loadgen::run(spec).await?;
     for s in &mut samples {
         s.scale(time_scale);
     }
-    let workers = match before {
-        Some(task) => {
-            let before = task.await.unwrap_or_default();
-            Some(loadgen::scrape(worker_metrics).await.since(&before))
-        }
-        None => None,
-    };
+    let (workers_before, routing_before) = before.await.unwrap_or_default();
+    let (workers_after, mut routing) = snapshot(worker_metrics.to_vec(), spec.url.clone()).await;
+    let per_worker: Vec<WorkerReport> = worker_metrics
+        .iter()
+        .zip(&workers_after)
+        .enumerate()
+        .map(|(i, (url, after))| WorkerReport {
+            worker: url.clone(),
+            counters: after.since(&workers_before.get(i).cloned().unwrap_or_default()),
+        })
+        .collect();
+    let each: Vec<_> = per_worker.iter().map(|w| w.counters.clone()).collect();
+    let workers = (!worker_metrics.is_empty()).then(|| loadgen::WorkerCounters::total(&each));
+    for (outcome, n) in &mut routing {
+        *n -= routing_before.get(outcome).copied().unwrap_or(0.0);
+    }
     let warmup = spec.warmup.as_secs_f64() * time_scale;
     let mut duration = spec.duration.as_secs_f64() * time_scale;
     if spec.max_requests.is_some() {
@@ -89,6 +106,8 @@ pub async fn run_once(
             label: label.into(),
             summary,
             workers,
+            per_worker,
+            routing,
             ttfts,
         },
         samples,

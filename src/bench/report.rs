@@ -14,9 +14,20 @@ pub struct Run {
     pub summary: Summary,
     /// Worker-side counters over the run, when the workers' metrics were reachable.
     pub workers: Option<WorkerCounters>,
+    /// The same counters worker by worker.
+    pub per_worker: Vec<WorkerReport>,
+    /// Routing decisions the target (when it is kvroute) counted during the window, by outcome.
+    pub routing: std::collections::BTreeMap<String, f64>,
     /// TTFTs of the window's successful requests (seconds), for the CDF plot.
     #[serde(skip)]
     pub ttfts: Vec<f64>,
+}
+
+/// One worker's counters over a run.
+#[derive(Clone, Debug, Serialize)]
+pub struct WorkerReport {
+    pub worker: String,
+    pub counters: WorkerCounters,
 }
 
 fn ms(s: f64) -> String {
@@ -55,6 +66,32 @@ pub fn table(runs: &[Run]) -> String {
         r.workers
             .as_ref()
             .map_or("-".into(), |w| format!("{:.1}%", w.hit_rate() * 100.0))
+    });
+    row("requests per worker", &|r| {
+        r.per_worker
+            .iter()
+            .map(|w| format!("{:.0}", w.counters.requests))
+            .collect::<Vec<_>>()
+            .join(" / ")
+    });
+    row("hit rate per worker", &|r| {
+        r.per_worker
+            .iter()
+            .map(|w| format!("{:.0}%", w.counters.hit_rate() * 100.0))
+            .collect::<Vec<_>>()
+            .join(" / ")
+    });
+    row("routing outcomes", &|r| {
+        let total: f64 = r.routing.values().sum();
+        if total <= 0.0 {
+            return "-".into();
+        }
+        r.routing
+            .iter()
+            .filter(|(_, n)| **n > 0.0)
+            .map(|(o, n)| format!("{o} {:.0}%", n / total * 100.0))
+            .collect::<Vec<_>>()
+            .join(", ")
     });
     row("worker preemptions", &|r| {
         r.workers
@@ -286,6 +323,8 @@ mod tests {
                 ..Summary::default()
             },
             workers: None,
+            per_worker: Vec::new(),
+            routing: Default::default(),
             ttfts: vec![0.1, 0.2, p95],
         }
     }
