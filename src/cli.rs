@@ -33,8 +33,8 @@ enum Command {
         /// Listen address (overrides the file).
         #[arg(long)]
         listen: Option<SocketAddr>,
-        /// Worker base URL, repeatable (replaces the file's list).
-        #[arg(long = "worker")]
+        /// Worker base URLs, repeatable or several after one flag (replace the file's list).
+        #[arg(long = "worker", num_args = 1..)]
         workers: Vec<String>,
         /// Routing policy: round_robin, least_conn or prefix (overrides the file).
         #[arg(long, env = POLICY_ENV)]

@@ -441,3 +441,56 @@ async fn a_mooncake_trace_is_replayed_at_its_timestamps() {
     let w = run.workers.unwrap();
     assert!(w.prefix_hits >= 9.0 * 512.0 - 16.0 * 9.0, "{w:?}");
 }
+
+/// Another router as an arm: started from its command template in front of the fresh pool,
+/// measured on the same load, stopped after. (kvroute's own binary stands in for it here.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_external_router_arm_is_started_per_pool_and_measured_beside_the_policies() {
+    let sim = SimConfig {
+        workers: 2,
+        engine: Some(small_engine(2048)),
+        time_scale: 4.0,
+        ..SimConfig::default()
+    };
+    let load = LoadSpec {
+        warmup: Duration::ZERO,
+        max_requests: Some(30),
+        duration: Duration::from_secs(60),
+        ..spec(Workload::Random {
+            input_tokens: 32,
+            output_tokens: 4,
+        })
+    };
+    let external = format!(
+        "other={} serve --listen 127.0.0.1:{{port}} --policy least_conn --worker {{workers}}",
+        env!("CARGO_BIN_EXE_kvroute")
+    );
+    let arms = ["round_robin".to_string(), external];
+    let (runs, _) = bench::compare(
+        &bench::Target::Sim(Box::new(sim.clone())),
+        &arms,
+        &load,
+        (1e9, 1e9),
+        sim.time_scale,
+    )
+    .await
+    .unwrap();
+    assert_eq!(runs[1].label, "other");
+    for r in &runs {
+        assert_eq!(
+            (r.summary.requests, r.summary.errors),
+            (30, 0),
+            "{}",
+            r.label
+        );
+        let served: f64 = r.per_worker.iter().map(|w| w.counters.requests).sum();
+        assert_eq!(served, 30.0, "{}: every request reached the pool", r.label);
+    }
+    // The external process counted its own decisions: it really routed the load.
+    assert_eq!(
+        runs[1].routing.values().sum::<f64>(),
+        30.0,
+        "{:?}",
+        runs[1].routing
+    );
+}

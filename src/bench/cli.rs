@@ -32,6 +32,11 @@ pub enum BenchCommand {
         /// lists are replaced by the pool's); the first is the baseline of the ratios.
         #[arg(long, default_value = "round_robin,prefix", value_delimiter = ',')]
         policies: Vec<String>,
+        /// Another router as an arm, `NAME=COMMAND` (repeatable): started in front of each
+        /// fresh pool with `{port}`, `{workers}` (URLs as separate words) and `{workers_csv}`
+        /// filled in, and stopped after its run.
+        #[arg(long = "external")]
+        external: Vec<String>,
         /// Simulated workers per pool.
         #[arg(long, default_value_t = 2)]
         workers: usize,
@@ -231,7 +236,8 @@ pub async fn run(cmd: BenchCommand) -> Result<(), BenchError> {
                 .map_err(io)
         }
         BenchCommand::Compare {
-            policies,
+            mut policies,
+            external,
             workers,
             preset,
             block_size,
@@ -239,6 +245,15 @@ pub async fn run(cmd: BenchCommand) -> Result<(), BenchError> {
             load,
         } => {
             let time_scale = load.time_scale;
+            if let Some(bad) = external
+                .iter()
+                .find(|e| super::external::parse(e).is_none())
+            {
+                return Err(BenchError::Setup(format!(
+                    "--external `{bad}`: expected NAME=COMMAND with arguments"
+                )));
+            }
+            policies.extend(external);
             let spec = load.spec(String::new())?;
             print!("{}", describe(&spec));
             let target = if pool.is_empty() {

@@ -7,6 +7,7 @@
 //! and the cache-hit limit.
 
 pub mod cli;
+pub mod external;
 pub mod loadgen;
 pub mod report;
 pub mod stats;
@@ -120,6 +121,8 @@ pub struct Pool {
     pub workers: Vec<String>,
     cancel: CancellationToken,
     _tasks: JoinSet<()>,
+    /// The router process of an external arm, stopped with the pool.
+    _router: Option<external::Router>,
 }
 
 impl Drop for Pool {
@@ -138,8 +141,9 @@ pub enum Target {
     Existing(Vec<String>),
 }
 
-/// Starts a pool whose gateway runs `arm`: a policy name, or a gateway config file (`.yaml`/`.yml`)
-/// whose worker list is replaced by the pool's.
+/// Starts a pool whose gateway runs `arm`: a policy name, a gateway config file (`.yaml`/`.yml`)
+/// whose worker list is replaced by the pool's, or `NAME=COMMAND`, another router
+/// ([`external`]).
 pub async fn start_pool(sim_cfg: &SimConfig, arm: &str) -> Result<Pool, BenchError> {
     let cfg = SimConfig {
         port: 0,
@@ -169,6 +173,16 @@ async fn start_gateway(
     cancel: CancellationToken,
     mut tasks: JoinSet<()>,
 ) -> Result<Pool, BenchError> {
+    if let Some((name, template)) = external::parse(arm) {
+        let router = external::start(name, template, &workers).await?;
+        return Ok(Pool {
+            gateway: router.url.clone(),
+            workers,
+            cancel,
+            _tasks: tasks,
+            _router: Some(router),
+        });
+    }
     let is_file = arm.ends_with(".yaml") || arm.ends_with(".yml");
     let base = if is_file {
         Config::parse_file(std::path::Path::new(arm))
@@ -205,6 +219,7 @@ async fn start_gateway(
         workers,
         cancel,
         _tasks: tasks,
+        _router: None,
     })
 }
 
@@ -229,9 +244,12 @@ pub async fn compare(
             ..spec.clone()
         };
         let k = time_scale;
-        let label = std::path::Path::new(policy)
-            .file_stem()
-            .map_or(policy.clone(), |s| s.to_string_lossy().into_owned());
+        let label = match external::parse(policy) {
+            Some((name, _)) => name.to_owned(),
+            None => std::path::Path::new(policy)
+                .file_stem()
+                .map_or(policy.clone(), |s| s.to_string_lossy().into_owned()),
+        };
         let (run, samples) = run_once(&label, &spec, &pool.workers, slo, k).await?;
         if limit.is_none() {
             let (blocks, block_size) = match target {

@@ -1,0 +1,141 @@
+//! External arms of `bench compare`: another router, started from a command template in front of
+//! each fresh pool and stopped after, so kvroute is measured beside it on the same load.
+//!
+//! An arm `NAME=COMMAND` (e.g. `smg=smg launch --host 127.0.0.1 --port {port} --worker-urls
+//! {workers} --policy cache_aware`) is split on whitespace (no shell); `{port}` becomes a free
+//! loopback port, a word `{workers}` the worker URLs as separate words, and `{workers_csv}` the
+//! same joined by commas. The router counts as ready when `GET /v1/models` or `GET /health`
+//! answers 200.
+
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::Empty;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+
+use super::BenchError;
+
+/// How long a router may take to start.
+const READY_WITHIN: Duration = Duration::from_secs(180);
+
+/// `NAME=COMMAND`, when `arm` is one (a policy name or a config path has no `=` followed by a
+/// command with spaces).
+pub fn parse(arm: &str) -> Option<(&str, &str)> {
+    let (name, cmd) = arm.split_once('=')?;
+    (!name.is_empty() && !name.contains(' ') && cmd.trim().contains(' ')).then_some((name, cmd))
+}
+
+/// A started router process; killed (and reaped) on drop.
+pub struct Router {
+    pub url: String,
+    child: Child,
+}
+
+impl Drop for Router {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The argument vector of `template` for this pool.
+pub fn expand(template: &str, port: u16, workers: &[String]) -> Vec<String> {
+    let mut argv = Vec::new();
+    for word in template.split_whitespace() {
+        if word == "{workers}" {
+            argv.extend(workers.iter().cloned());
+        } else {
+            argv.push(
+                word.replace("{port}", &port.to_string())
+                    .replace("{workers_csv}", &workers.join(",")),
+            );
+        }
+    }
+    argv
+}
+
+/// Starts `template` in front of `workers` and waits until it answers.
+pub async fn start(name: &str, template: &str, workers: &[String]) -> Result<Router, BenchError> {
+    let setup = |e: String| BenchError::Setup(format!("arm {name}: {e}"));
+    let port = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").map_err(|e| setup(e.to_string()))?;
+        l.local_addr().map_err(|e| setup(e.to_string()))?.port()
+    };
+    let argv = expand(template, port, workers);
+    let (program, args) = argv
+        .split_first()
+        .ok_or_else(|| setup("empty command".into()))?;
+    let child = Command::new(program)
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .map_err(|e| setup(format!("cannot start `{program}`: {e}")))?;
+    let mut router = Router {
+        url: format!("http://127.0.0.1:{port}"),
+        child,
+    };
+    let client: Client<_, Empty<Bytes>> = Client::builder(TokioExecutor::new()).build_http();
+    let deadline = tokio::time::Instant::now() + READY_WITHIN;
+    loop {
+        for path in ["/v1/models", "/health"] {
+            let Ok(uri) = format!("{}{path}", router.url).parse::<http::Uri>() else {
+                continue;
+            };
+            let ask = tokio::time::timeout(Duration::from_secs(2), client.get(uri)).await;
+            if matches!(ask, Ok(Ok(ref r)) if r.status().is_success()) {
+                return Ok(router);
+            }
+        }
+        if let Ok(Some(status)) = router.child.try_wait() {
+            return Err(setup(format!(
+                "`{program}` exited before it was ready ({status})"
+            )));
+        }
+        if tokio::time::Instant::now() > deadline {
+            return Err(setup(format!("not ready within {READY_WITHIN:?}")));
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn templates_expand_port_and_workers() {
+        let w = vec!["http://a:1".to_string(), "http://b:2".to_string()];
+        assert_eq!(
+            expand(
+                "smg launch --port {port} --worker-urls {workers} --x={workers_csv}",
+                9,
+                &w
+            ),
+            [
+                "smg",
+                "launch",
+                "--port",
+                "9",
+                "--worker-urls",
+                "http://a:1",
+                "http://b:2",
+                "--x=http://a:1,http://b:2"
+            ]
+        );
+    }
+
+    #[test]
+    fn only_name_equals_command_is_an_external_arm() {
+        assert_eq!(
+            parse("smg=smg launch --port {port}"),
+            Some(("smg", "smg launch --port {port}"))
+        );
+        assert_eq!(parse("prefix"), None);
+        assert_eq!(parse("config/a=b.yaml"), None);
+        assert_eq!(parse("=x y"), None);
+    }
+}
