@@ -226,7 +226,7 @@ async fn compare_on_a_running_pool_empties_its_caches_before_each_arm() {
             .iter()
             .map(|a| format!("http://{a}"))
             .collect();
-    assert_eq!(bench::loadgen::cache_capacity(&urls).await, (2048, 32));
+    assert_eq!(bench::workers::cache_capacity(&urls).await, (2048, 32));
     let load = LoadSpec {
         warmup: Duration::ZERO,
         duration: Duration::from_secs(60),
@@ -292,7 +292,7 @@ async fn reset_prefix_cache_is_refused_while_a_request_runs() {
     let busy = common::request(addr, "POST", "/reset_prefix_cache", b"").await;
     assert_eq!(busy.json(), serde_json::json!({"success": false}));
     drop(running); // the client leaves; the simulator aborts the request and frees its blocks
-    bench::loadgen::reset_prefix_caches(&[worker])
+    bench::workers::reset_prefix_caches(&[worker])
         .await
         .unwrap();
 }

@@ -2,9 +2,10 @@
 //! window statistics, reports, and side-by-side comparison of routing policies on fresh simulated
 //! pools.
 //!
-//! [`workload`] (what to send) → [`loadgen`] (sending and timing) → [`stats`] (the window) →
-//! [`report`] (table, JSON, SVG). This file orchestrates: one run, a policy comparison, a sweep,
-//! and the cache-hit limit.
+//! [`workload`] or [`trace`] (what to send) → [`loadgen`] (sending and timing) → [`stats`] (the
+//! window) → [`report`] (table, JSON, SVG); [`workers`] reads the workers' counters and empties
+//! their caches, [`external`] starts another router as an arm. This file orchestrates: one run, a
+//! policy comparison, a sweep, and the cache-hit limit.
 
 pub mod cli;
 pub mod external;
@@ -12,6 +13,7 @@ pub mod loadgen;
 pub mod report;
 pub mod stats;
 pub mod trace;
+pub mod workers;
 pub mod workload;
 
 use std::time::Duration;
@@ -54,8 +56,8 @@ pub async fn run_once(
     // Counters at the start of the window, and after the run.
     let snapshot = |urls: Vec<String>, target: String| async move {
         (
-            loadgen::scrape_each(&urls).await,
-            loadgen::routing_outcomes(&target).await,
+            workers::scrape_each(&urls).await,
+            workers::routing_outcomes(&target).await,
         )
     };
     let (urls, target, warmup) = (worker_metrics.to_vec(), spec.url.clone(), spec.warmup);
@@ -85,7 +87,7 @@ pub async fn run_once(
         })
         .collect();
     let each: Vec<_> = per_worker.iter().map(|w| w.counters.clone()).collect();
-    let workers = (!worker_metrics.is_empty()).then(|| loadgen::WorkerCounters::total(&each));
+    let workers = (!worker_metrics.is_empty()).then(|| workers::WorkerCounters::total(&each));
     for (outcome, n) in &mut routing {
         *n -= routing_before.get(outcome).copied().unwrap_or(0.0);
     }
@@ -158,7 +160,7 @@ pub async fn start_pool(sim_cfg: &SimConfig, arm: &str) -> Result<Pool, BenchErr
 
 /// A gateway running `arm` in front of running workers whose prefix caches are emptied first.
 pub async fn start_on_existing(workers: &[String], arm: &str) -> Result<Pool, BenchError> {
-    loadgen::reset_prefix_caches(workers)
+    workers::reset_prefix_caches(workers)
         .await
         .map_err(BenchError::Setup)?;
     let host = std::net::Ipv4Addr::LOCALHOST.into();
@@ -257,7 +259,7 @@ pub async fn compare(
                     let p = sim_cfg.engine_params()?;
                     (p.num_gpu_blocks * sim_cfg.workers, p.block_size)
                 }
-                Target::Existing(urls) => loadgen::cache_capacity(urls).await,
+                Target::Existing(urls) => workers::cache_capacity(urls).await,
             };
             let warmup = spec.warmup.mul_f64(k);
             limit = (blocks > 0 && block_size > 0).then(|| {

@@ -4,8 +4,8 @@ use std::fmt::Write;
 
 use serde::Serialize;
 
-use super::loadgen::WorkerCounters;
 use super::stats::Summary;
+use super::workers::WorkerCounters;
 
 /// One labelled run: a policy in a comparison, a concurrency in a sweep, or a single run.
 #[derive(Clone, Debug, Serialize)]

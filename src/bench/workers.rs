@@ -1,0 +1,213 @@
+//! What the benchmark reads from and does to the workers: their vLLM counters (in total and
+//! worker by worker), a kvroute target's routing outcomes, the pool's KV capacity, and emptying
+//! their prefix caches between arms.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use serde::Serialize;
+use serde_json::Value;
+
+use super::loadgen::{client, HttpClient};
+
+/// Engine counters summed over workers, read from their Prometheus `/metrics`.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct WorkerCounters {
+    /// Requests the worker finished (`vllm:e2e_request_latency_seconds_count`).
+    pub requests: f64,
+    pub prefix_queries: f64,
+    pub prefix_hits: f64,
+    pub preemptions: f64,
+    pub generation_tokens: f64,
+    pub tokens_after_disconnect: f64,
+}
+
+impl WorkerCounters {
+    pub fn since(&self, before: &Self) -> Self {
+        Self {
+            requests: self.requests - before.requests,
+            prefix_queries: self.prefix_queries - before.prefix_queries,
+            prefix_hits: self.prefix_hits - before.prefix_hits,
+            preemptions: self.preemptions - before.preemptions,
+            generation_tokens: self.generation_tokens - before.generation_tokens,
+            tokens_after_disconnect: self.tokens_after_disconnect - before.tokens_after_disconnect,
+        }
+    }
+
+    pub fn hit_rate(&self) -> f64 {
+        if self.prefix_queries > 0.0 {
+            self.prefix_hits / self.prefix_queries
+        } else {
+            0.0
+        }
+    }
+
+    /// Sums the named series of a Prometheus text exposition (any labels).
+    pub fn add_exposition(&mut self, text: &str) {
+        for line in text.lines().filter(|l| !l.starts_with('#')) {
+            let name = line.split(['{', ' ']).next().unwrap_or("");
+            let Some(v) = line.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok()) else {
+                continue;
+            };
+            match name {
+                "vllm:e2e_request_latency_seconds_count" => self.requests += v,
+                "vllm:prefix_cache_queries_total" => self.prefix_queries += v,
+                "vllm:prefix_cache_hits_total" => self.prefix_hits += v,
+                "vllm:num_preemptions_total" => self.preemptions += v,
+                "vllm:generation_tokens_total" => self.generation_tokens += v,
+                "kvroute_sim_tokens_after_disconnect_total" => self.tokens_after_disconnect += v,
+                _ => {}
+            }
+        }
+    }
+
+    fn add(&mut self, o: &Self) {
+        self.requests += o.requests;
+        self.prefix_queries += o.prefix_queries;
+        self.prefix_hits += o.prefix_hits;
+        self.preemptions += o.preemptions;
+        self.generation_tokens += o.generation_tokens;
+        self.tokens_after_disconnect += o.tokens_after_disconnect;
+    }
+
+    /// The sum over workers.
+    pub fn total(each: &[Self]) -> Self {
+        let mut t = Self::default();
+        for c in each {
+            t.add(c);
+        }
+        t
+    }
+}
+
+/// `GET {base}/metrics` as text; `None` (with a warning) when unreachable.
+async fn metrics_text(client: &HttpClient, base: &str) -> Option<String> {
+    let uri = format!("{}/metrics", base.trim_end_matches('/'))
+        .parse::<http::Uri>()
+        .ok()?;
+    match client.get(uri).await {
+        Ok(resp) => {
+            let b = resp.into_body().collect().await.ok()?;
+            Some(String::from_utf8_lossy(&b.to_bytes()).into_owned())
+        }
+        Err(e) => {
+            tracing::warn!(target_url = %base, "cannot scrape metrics: {e}");
+            None
+        }
+    }
+}
+
+/// Reads every worker's `/metrics` (base URLs), one entry per worker (zero when unreachable).
+pub async fn scrape_each(workers: &[String]) -> Vec<WorkerCounters> {
+    let client = client();
+    let mut out = Vec::with_capacity(workers.len());
+    for w in workers {
+        let mut c = WorkerCounters::default();
+        if let Some(text) = metrics_text(&client, w).await {
+            c.add_exposition(&text);
+        }
+        out.push(c);
+    }
+    out
+}
+
+/// Reads every worker's `/metrics` and sums them.
+pub async fn scrape(workers: &[String]) -> WorkerCounters {
+    WorkerCounters::total(&scrape_each(workers).await)
+}
+
+/// The routing outcomes a kvroute target has counted (`kvroute_routing_decisions_total`, by
+/// `outcome`, over all policies and arms); empty for a target that is not kvroute.
+pub async fn routing_outcomes(target: &str) -> std::collections::BTreeMap<String, f64> {
+    let mut out = std::collections::BTreeMap::new();
+    let Some(text) = metrics_text(&client(), target).await else {
+        return out;
+    };
+    for line in text
+        .lines()
+        .filter(|l| l.starts_with("kvroute_routing_decisions_total{"))
+    {
+        let outcome = line
+            .split("outcome=\"")
+            .nth(1)
+            .and_then(|r| r.split('"').next());
+        let value = line.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok());
+        if let (Some(o), Some(v)) = (outcome, value) {
+            *out.entry(o.to_owned()).or_default() += v;
+        }
+    }
+    out
+}
+
+/// Empties every worker's prefix cache with `POST /reset_prefix_cache` (vLLM serves it with
+/// `VLLM_SERVER_DEV_MODE=1`; the simulator always does), so an arm starts cold.
+pub async fn reset_prefix_caches(workers: &[String]) -> Result<(), String> {
+    let client = client();
+    for w in workers {
+        let url = format!("{}/reset_prefix_cache", w.trim_end_matches('/'));
+        // Refused (`success: false`) while blocks are held, e.g. by requests still finishing.
+        for attempt in 0.. {
+            let req = http::Request::post(&url)
+                .body(Full::new(Bytes::new()))
+                .map_err(|e| format!("{url}: {e}"))?;
+            let resp = client
+                .request(req)
+                .await
+                .map_err(|e| format!("{url}: {e}"))?;
+            let status = resp.status();
+            let body = resp
+                .into_body()
+                .collect()
+                .await
+                .map_err(|e| format!("{url}: {e}"))?
+                .to_bytes();
+            if !status.is_success() {
+                return Err(format!(
+                    "{url} answered {status} (a vLLM worker serves it only with VLLM_SERVER_DEV_MODE=1)"
+                ));
+            }
+            let ok = serde_json::from_slice::<Value>(&body)
+                .is_ok_and(|v| v["success"].as_bool() != Some(false));
+            if ok {
+                break;
+            }
+            if attempt == 50 {
+                return Err(format!("{url}: the cache stayed in use for 10 s"));
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+    Ok(())
+}
+
+/// The pool's KV capacity, `(blocks summed over workers, tokens per block)`, from the
+/// `num_gpu_blocks` and `block_size` labels of each worker's `vllm:cache_config_info`; `(0, 0)`
+/// when no worker exports it.
+pub async fn cache_capacity(workers: &[String]) -> (usize, usize) {
+    let client = client();
+    let (mut blocks, mut block_size) = (0, 0);
+    for w in workers {
+        let Some(text) = metrics_text(&client, w).await else {
+            continue;
+        };
+        let Some(line) = text
+            .lines()
+            .find(|l| l.starts_with("vllm:cache_config_info{"))
+        else {
+            continue;
+        };
+        let label = |name: &str| -> Option<usize> {
+            let start = line
+                .find(&format!(",{name}=\""))
+                .or_else(|| line.find(&format!("{{{name}=\"")))?;
+            let rest = &line[start + name.len() + 3..];
+            rest[..rest.find('"')?].parse().ok()
+        };
+        if let (Some(n), Some(b)) = (label("num_gpu_blocks"), label("block_size")) {
+            blocks += n;
+            block_size = b;
+        }
+    }
+    (blocks, block_size)
+}
