@@ -101,7 +101,6 @@ async fn compare_shows_prefix_routing_beating_round_robin_when_caches_cannot_hol
         &policies,
         &load,
         (1e9, 1e9),
-        sim.time_scale,
     )
     .await
     .unwrap();
@@ -180,7 +179,6 @@ async fn compare_takes_config_files_and_sweep_finds_throughput_rising_with_concu
         &[file],
         &load,
         (1e9, 1e9),
-        sim.time_scale,
     )
     .await
     .unwrap();
@@ -242,11 +240,13 @@ async fn compare_on_a_running_pool_empties_its_caches_before_each_arm() {
     // The same arm twice on the same workers: without the reset the second would start warm.
     let arms = ["prefix".to_string(), "prefix".to_string()];
     let (runs, limit) = bench::compare(
-        &bench::Target::Existing(urls.clone()),
+        &bench::Target::Existing {
+            workers: urls.clone(),
+            time_scale: sim.time_scale,
+        },
         &arms,
         &load,
         (1e9, 1e9),
-        sim.time_scale,
     )
     .await
     .unwrap();
@@ -478,7 +478,6 @@ async fn an_external_router_arm_is_started_per_pool_and_measured_beside_the_poli
         &arms,
         &load,
         (1e9, 1e9),
-        sim.time_scale,
     )
     .await
     .unwrap();
@@ -499,5 +498,27 @@ async fn an_external_router_arm_is_started_per_pool_and_measured_beside_the_poli
         30.0,
         "{:?}",
         runs[1].routing
+    );
+}
+
+/// A router that cannot start fails its arm with what it printed, not a bare exit status.
+#[tokio::test]
+async fn an_external_arm_that_exits_reports_its_output() {
+    let sim = SimConfig {
+        workers: 1,
+        engine: Some(small_engine(2048)),
+        ..SimConfig::default()
+    };
+    // `ls` of a missing path prints why and exits non-zero, as a router with a bad flag would.
+    let arm = "broken=ls /no-such-dir-for-kvroute-{port}".to_string();
+    let err = bench::start_pool(&sim, &arm)
+        .await
+        .err()
+        .expect("the arm fails");
+    let msg = err.to_string();
+    assert!(msg.contains("exited before it was ready"), "{msg}");
+    assert!(
+        msg.contains("no-such-dir-for-kvroute-"),
+        "its output is quoted: {msg}"
     );
 }

@@ -275,10 +275,12 @@ pub async fn run(cmd: BenchCommand) -> Result<(), BenchError> {
                     "pool: {} running worker(s), prefix caches reset before each policy\n",
                     pool.len()
                 );
-                super::Target::Existing(pool)
+                super::Target::Existing {
+                    workers: pool,
+                    time_scale,
+                }
             };
-            let (runs, limit) =
-                super::compare(&target, &policies, &spec, load.slo(), time_scale).await?;
+            let (runs, limit) = super::compare(&target, &policies, &spec, load.slo()).await?;
             println!("{}", report::table(&runs));
             print!("{}", super::limit_line(limit, &runs));
             load.write(&runs, || report::ttft_cdf_svg(&runs))

@@ -27,16 +27,28 @@ pub fn parse(arm: &str) -> Option<(&str, &str)> {
     (!name.is_empty() && !name.contains(' ') && cmd.trim().contains(' ')).then_some((name, cmd))
 }
 
-/// A started router process; killed (and reaped) on drop.
+/// A started router process; killed (and reaped) on drop, its output file removed.
 pub struct Router {
     pub url: String,
     child: Child,
+    /// Where its stdout and stderr go, so a failed start can say why.
+    log: std::path::PathBuf,
+}
+
+impl Router {
+    /// The last lines the router printed.
+    fn log_tail(&self) -> String {
+        let text = std::fs::read_to_string(&self.log).unwrap_or_default();
+        let lines: Vec<&str> = text.lines().collect();
+        lines[lines.len().saturating_sub(8)..].join("\n")
+    }
 }
 
 impl Drop for Router {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+        let _ = std::fs::remove_file(&self.log);
     }
 }
 
@@ -67,16 +79,20 @@ pub async fn start(name: &str, template: &str, workers: &[String]) -> Result<Rou
     let (program, args) = argv
         .split_first()
         .ok_or_else(|| setup("empty command".into()))?;
+    let log = std::env::temp_dir().join(format!("kvroute-bench-{name}-{port}.log"));
+    let out = std::fs::File::create(&log).map_err(|e| setup(format!("{}: {e}", log.display())))?;
+    let err = out.try_clone().map_err(|e| setup(e.to_string()))?;
     let child = Command::new(program)
         .args(args)
         .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
+        .stdout(out)
+        .stderr(err)
         .spawn()
         .map_err(|e| setup(format!("cannot start `{program}`: {e}")))?;
     let mut router = Router {
         url: format!("http://127.0.0.1:{port}"),
         child,
+        log,
     };
     let client: Client<_, Empty<Bytes>> = Client::builder(TokioExecutor::new()).build_http();
     let deadline = tokio::time::Instant::now() + READY_WITHIN;
@@ -92,11 +108,15 @@ pub async fn start(name: &str, template: &str, workers: &[String]) -> Result<Rou
         }
         if let Ok(Some(status)) = router.child.try_wait() {
             return Err(setup(format!(
-                "`{program}` exited before it was ready ({status})"
+                "`{program}` exited before it was ready ({status}); it said:\n{}",
+                router.log_tail()
             )));
         }
         if tokio::time::Instant::now() > deadline {
-            return Err(setup(format!("not ready within {READY_WITHIN:?}")));
+            return Err(setup(format!(
+                "not ready within {READY_WITHIN:?}; it said:\n{}",
+                router.log_tail()
+            )));
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
     }

@@ -138,9 +138,23 @@ impl Drop for Pool {
 #[derive(Clone, Debug)]
 pub enum Target {
     Sim(Box<SimConfig>),
-    /// Base URLs of running workers that serve `POST /reset_prefix_cache` (vLLM does with
-    /// `VLLM_SERVER_DEV_MODE=1`; the simulator always does).
-    Existing(Vec<String>),
+    /// Running workers (base URLs) that serve `POST /reset_prefix_cache` (vLLM does with
+    /// `VLLM_SERVER_DEV_MODE=1`; the simulator always does); `time_scale` as in [`run_once`]
+    /// (1 for real workers).
+    Existing {
+        workers: Vec<String>,
+        time_scale: f64,
+    },
+}
+
+impl Target {
+    /// How much faster than the wall clock the workers' modelled time runs.
+    pub fn time_scale(&self) -> f64 {
+        match self {
+            Target::Sim(cfg) => cfg.time_scale,
+            Target::Existing { time_scale, .. } => *time_scale,
+        }
+    }
 }
 
 /// Starts a pool whose gateway runs `arm`: a policy name, a gateway config file (`.yaml`/`.yml`)
@@ -232,20 +246,19 @@ pub async fn compare(
     policies: &[String],
     spec: &LoadSpec,
     slo: (f64, f64),
-    time_scale: f64,
 ) -> Result<(Vec<Run>, Option<f64>), BenchError> {
     let mut runs = Vec::new();
     let mut limit = None;
     for policy in policies {
         let pool = match target {
             Target::Sim(sim_cfg) => start_pool(sim_cfg, policy).await?,
-            Target::Existing(urls) => start_on_existing(urls, policy).await?,
+            Target::Existing { workers, .. } => start_on_existing(workers, policy).await?,
         };
         let spec = LoadSpec {
             url: pool.gateway.clone(),
             ..spec.clone()
         };
-        let k = time_scale;
+        let k = target.time_scale();
         let label = match external::parse(policy) {
             Some((name, _)) => name.to_owned(),
             None => std::path::Path::new(policy)
@@ -259,7 +272,7 @@ pub async fn compare(
                     let p = sim_cfg.engine_params()?;
                     (p.num_gpu_blocks * sim_cfg.workers, p.block_size)
                 }
-                Target::Existing(urls) => workers::cache_capacity(urls).await,
+                Target::Existing { workers, .. } => workers::cache_capacity(workers).await,
             };
             let warmup = spec.warmup.mul_f64(k);
             limit = (blocks > 0 && block_size > 0).then(|| {

@@ -127,14 +127,6 @@ impl Trace {
         })
     }
 
-    pub fn len(&self) -> usize {
-        self.entries.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.entries.is_empty()
-    }
-
     /// When line `i` is due, in seconds from the start at the replay's speed-up; `None` when
     /// the trace has no timestamps or `i` is past its end.
     pub fn send_time(&self, i: u64) -> Option<f64> {

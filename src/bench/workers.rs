@@ -112,11 +112,6 @@ pub async fn scrape_each(workers: &[String]) -> Vec<WorkerCounters> {
     out
 }
 
-/// Reads every worker's `/metrics` and sums them.
-pub async fn scrape(workers: &[String]) -> WorkerCounters {
-    WorkerCounters::total(&scrape_each(workers).await)
-}
-
 /// The routing outcomes a kvroute target has counted (`kvroute_routing_decisions_total`, by
 /// `outcome`, over all policies and arms); empty for a target that is not kvroute.
 pub async fn routing_outcomes(target: &str) -> std::collections::BTreeMap<String, f64> {

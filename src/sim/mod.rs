@@ -117,12 +117,12 @@ impl SimConfig {
                 .params)(),
         };
         let mut p = p;
-        if let Some(b) = self.block_size.filter(|&b| b > 0) {
-            p.num_gpu_blocks = p.num_gpu_blocks * p.block_size / b;
-            p.block_size = b;
-        }
         if p.block_size == 0 || self.block_size == Some(0) {
             return Err(SimError::Invalid("block_size must be positive".into()));
+        }
+        if let Some(b) = self.block_size {
+            p.num_gpu_blocks = p.num_gpu_blocks * p.block_size / b;
+            p.block_size = b;
         }
         if p.num_gpu_blocks * p.block_size < p.max_model_len {
             return Err(SimError::Invalid(format!(
