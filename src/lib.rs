@@ -13,6 +13,8 @@ pub mod config;
 pub mod discovery;
 pub mod error;
 pub mod health;
+pub mod index;
+pub mod load;
 pub mod metrics;
 pub mod policy;
 pub mod proxy;

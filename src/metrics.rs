@@ -18,7 +18,8 @@ pub struct Metrics {
     registry: Registry,
     /// `route`, `policy`, `arm`, `worker` ("none" when no worker was picked), `status`.
     pub requests: IntCounterVec,
-    /// `policy`, `arm`, `outcome` (preferred, spilled, least_conn_fallback).
+    /// `policy`, `arm`, `outcome` (preferred, spilled, least_conn_fallback, longest_match,
+    /// hash_home, replicated, fallback).
     pub routing_decisions: IntCounterVec,
     /// `worker`.
     pub worker_inflight: IntGaugeVec,
@@ -42,6 +43,19 @@ pub struct Metrics {
     pub client_disconnects: IntCounterVec,
     /// `worker`: upstream requests the gateway dropped because its client went away.
     pub upstream_aborts: IntCounterVec,
+    /// `policy`, `arm`, `worker`: prompt tokens a cache-modelling policy expected the worker to
+    /// hold, over the answers that reported `cached_tokens`.
+    pub predicted_cached_tokens: IntCounterVec,
+    /// `policy`, `arm`, `worker`: the `cached_tokens` those answers reported.
+    pub reported_cached_tokens: IntCounterVec,
+    /// `policy`, `arm`, `result` (close, over, under): each prediction against the report.
+    pub cache_predictions: IntCounterVec,
+    /// `policy`, `arm`: blocks held by the policy's prefix index.
+    pub index_blocks: IntGaugeVec,
+    /// `policy`, `arm`: bytes the prefix index has allocated.
+    pub index_bytes: IntGaugeVec,
+    /// `policy`, `arm`: blocks the prefix index dropped to stay within its cap.
+    pub index_evictions: IntCounterVec,
 }
 
 impl Metrics {
@@ -119,7 +133,7 @@ impl Metrics {
             ),
             routing_decisions: counter(
                 "kvroute_routing_decisions_total",
-                "Routing decisions, by policy, A/B arm and outcome (preferred, spilled, least_conn_fallback).",
+                "Routing decisions, by policy, A/B arm and outcome (preferred, spilled, least_conn_fallback, longest_match, hash_home, replicated, fallback).",
                 &["policy", "arm", "outcome"],
             ),
             worker_inflight,
@@ -146,8 +160,51 @@ impl Metrics {
                 "Upstream requests dropped by the gateway because their client went away.",
                 &["worker"],
             ),
+            predicted_cached_tokens: counter(
+                "kvroute_predicted_cached_tokens_total",
+                "Prompt tokens the policy expected the worker to have cached, over answers that reported cached_tokens.",
+                &["policy", "arm", "worker"],
+            ),
+            reported_cached_tokens: counter(
+                "kvroute_reported_cached_tokens_total",
+                "Cached prompt tokens the workers reported (usage.prompt_tokens_details.cached_tokens) for those answers.",
+                &["policy", "arm", "worker"],
+            ),
+            cache_predictions: counter(
+                "kvroute_cache_predictions_total",
+                "Cache predictions against the worker's report: close (within a tenth of the prompt), over, under.",
+                &["policy", "arm", "result"],
+            ),
+            index_blocks: gauge(
+                "kvroute_index_blocks",
+                "Blocks held by the policy's prefix index.",
+                &["policy", "arm"],
+            ),
+            index_bytes: gauge(
+                "kvroute_index_bytes",
+                "Bytes allocated by the policy's prefix index (kept under its index_max_bytes).",
+                &["policy", "arm"],
+            ),
+            index_evictions: counter(
+                "kvroute_index_evictions_total",
+                "Blocks the prefix index dropped to stay within its memory cap.",
+                &["policy", "arm"],
+            ),
             registry,
         }
+    }
+
+    /// Publishes a prefix index's figures (called at scrape time).
+    pub fn publish_index(&self, policy: &str, arm: &str, stats: crate::index::IndexStats) {
+        let labels = [policy, arm];
+        self.index_blocks
+            .with_label_values(&labels)
+            .set(stats.blocks as i64);
+        self.index_bytes
+            .with_label_values(&labels)
+            .set(stats.bytes as i64);
+        let evictions = self.index_evictions.with_label_values(&labels);
+        evictions.inc_by(stats.evictions.saturating_sub(evictions.get()));
     }
 
     /// The Prometheus text exposition of every metric.

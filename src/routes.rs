@@ -57,7 +57,7 @@ async fn routed(s: AppState, route: Route, field: PromptField, req: Request) -> 
         Err(e) => return respond(&s, route, arms.unpicked_labels(), Err(e)),
     };
     let arm = arms.pick(&parts.headers, &info);
-    let result = forward(up, arm, route, &parts, body, &info).await;
+    let result = forward(up, arm, route, &parts, body, info).await;
     respond(&s, route, (arm.policy.name(), &arm.name), result)
 }
 
@@ -73,7 +73,7 @@ pub async fn passthrough(State(s): State<AppState>, req: Request) -> Response {
             Route::Passthrough,
             &parts,
             body,
-            &RequestInfo::unkeyed(),
+            RequestInfo::unkeyed(),
         )
         .await
     }
@@ -190,6 +190,12 @@ pub async fn ready(State(s): State<AppState>) -> Response {
 
 /// `GET /metrics`: the Prometheus text exposition.
 pub async fn metrics(State(s): State<AppState>) -> Response {
+    let metrics = &s.upstreams.metrics;
+    for arm in s.arms.load().iter() {
+        if let Some(stats) = arm.policy.index_stats() {
+            metrics.publish_index(arm.policy.name(), &arm.name, stats);
+        }
+    }
     (
         [(
             header::CONTENT_TYPE,

@@ -8,8 +8,11 @@
 //!
 //! Field order in the JSON and whitespace never change the bytes, so the same conversation prefix
 //! always gives the same leading hashes. Only `block_bytes × max_blocks` bytes are ever produced,
-//! so the cost is bounded whatever the prompt's size. Block `i`'s hash is xxh3 of the block seeded
-//! with block `i-1`'s hash (block 0 is seeded with the model's hash), so it covers everything before it.
+//! so the cost is bounded whatever the prompt's size. Blocks are `block_bytes` long and also end
+//! at every message's end, so a conversation's earlier request ends on a block boundary of its
+//! later ones and its whole prompt, last partial block included, is a prefix match. Block `i`'s
+//! hash is xxh3 of the block seeded with block `i-1`'s hash (block 0 is seeded with the model's
+//! hash), so it covers everything before it.
 
 use std::borrow::Cow;
 
@@ -24,15 +27,35 @@ pub struct RequestInfo {
     pub model: Option<String>,
     /// Chained hashes of the leading blocks; the last may cover a partial block.
     pub block_hashes: Vec<u64>,
+    /// For each block, the canonical byte offset where it ends (same length as `block_hashes`).
+    pub block_ends: Vec<u32>,
+    /// Length of the whole canonical prompt in bytes, including what was past the hashing cap.
+    pub prompt_bytes: u64,
 }
 
 impl RequestInfo {
     /// A request with no prompt to key on (e.g. a passthrough path).
     pub fn unkeyed() -> Self {
+        Self::keyed(Vec::new(), 1)
+    }
+
+    /// A request whose blocks are `hashes`, each `block_bytes` long (tests and benchmarks).
+    pub fn keyed(hashes: Vec<u64>, block_bytes: u32) -> Self {
+        let n = hashes.len() as u32;
         Self {
             model: None,
-            block_hashes: Vec::new(),
+            block_ends: (1..=n).map(|i| i * block_bytes).collect(),
+            prompt_bytes: u64::from(n * block_bytes),
+            block_hashes: hashes,
         }
+    }
+
+    /// Canonical bytes covered by the first `blocks` blocks.
+    pub fn bytes_at_depth(&self, blocks: usize) -> u64 {
+        blocks
+            .checked_sub(1)
+            .and_then(|i| self.block_ends.get(i))
+            .map_or(0, |&e| u64::from(e))
     }
 
     /// The hash that covers the first `blocks` blocks (or the whole key if it is shorter).
@@ -83,17 +106,37 @@ enum ContentView<'a> {
     Parts(Vec<serde_json::Value>),
 }
 
-/// Appends bytes until the cap, then ignores the rest.
+/// Appends bytes until the cap, then only counts them; remembers where messages end.
 struct Capped {
     buf: Vec<u8>,
     cap: usize,
+    /// Offsets in `buf` where a message ended.
+    cuts: Vec<usize>,
+    /// Every byte pushed, kept or not.
+    total: u64,
 }
 
 impl Capped {
+    fn new(cap: usize, hint: usize) -> Self {
+        Self {
+            buf: Vec::with_capacity(cap.min(hint)),
+            cap,
+            cuts: Vec::new(),
+            total: 0,
+        }
+    }
+
     fn push(&mut self, bytes: &[u8]) -> bool {
+        self.total += bytes.len() as u64;
         let room = self.cap - self.buf.len();
         self.buf.extend_from_slice(&bytes[..bytes.len().min(room)]);
         self.buf.len() < self.cap
+    }
+
+    fn cut(&mut self) {
+        if self.cuts.last() != Some(&self.buf.len()) {
+            self.cuts.push(self.buf.len());
+        }
     }
 }
 
@@ -111,10 +154,7 @@ pub fn extract(
         }
     })?;
     let cap = cfg.block_bytes.saturating_mul(cfg.max_blocks);
-    let mut out = Capped {
-        buf: Vec::with_capacity(cap.min(body.len() + 64)),
-        cap,
-    };
+    let mut out = Capped::new(cap, body.len() + 64);
     match field {
         PromptField::Prompt => {
             let prompt = view
@@ -136,9 +176,12 @@ pub fn extract(
     }
     let model = view.model.map(Cow::into_owned);
     let seed = xxh3_64(model.as_deref().unwrap_or("").as_bytes());
+    let (block_hashes, block_ends) = chain_blocks(&out.buf, &out.cuts, cfg.block_bytes, seed);
     Ok(RequestInfo {
         model,
-        block_hashes: chain_hashes(&out.buf, cfg.block_bytes, seed),
+        block_hashes,
+        block_ends,
+        prompt_bytes: out.total,
     })
 }
 
@@ -195,7 +238,9 @@ fn write_messages(messages: &[MessageView], out: &mut Capped) {
                 }
             }
         }
-        if !out.push(b"\x1e") {
+        let more = out.push(b"\x1e");
+        out.cut();
+        if !more {
             return;
         }
     }
@@ -203,14 +248,41 @@ fn write_messages(messages: &[MessageView], out: &mut Capped) {
 
 /// Chained block hashes: `h[i] = xxh3(block[i], seed = h[i-1])`, `h[-1] = seed`.
 pub fn chain_hashes(bytes: &[u8], block_bytes: usize, seed: u64) -> Vec<u64> {
+    chain_blocks(bytes, &[], block_bytes, seed).0
+}
+
+/// Cuts `bytes` into blocks of `block_bytes` that also end at each offset in `cuts` (ascending),
+/// and returns each block's chained hash and end offset.
+fn chain_blocks(
+    bytes: &[u8],
+    cuts: &[usize],
+    block_bytes: usize,
+    seed: u64,
+) -> (Vec<u64>, Vec<u32>) {
+    let n = bytes.len() / block_bytes + cuts.len() + 1;
+    let (mut hashes, mut ends) = (Vec::with_capacity(n), Vec::with_capacity(n));
     let mut prev = seed;
-    bytes
-        .chunks(block_bytes)
-        .map(|block| {
-            prev = xxh3_64_with_seed(block, prev);
-            prev
-        })
-        .collect()
+    let mut start = 0;
+    let mut cuts = cuts
+        .iter()
+        .copied()
+        .filter(|&c| c <= bytes.len())
+        .peekable();
+    while start < bytes.len() {
+        let mut end = (start + block_bytes).min(bytes.len());
+        while let Some(&c) = cuts.peek() {
+            if c > start {
+                end = end.min(c);
+                break;
+            }
+            cuts.next();
+        }
+        prev = xxh3_64_with_seed(&bytes[start..end], prev);
+        hashes.push(prev);
+        ends.push(end as u32);
+        start = end;
+    }
+    (hashes, ends)
 }
 
 #[cfg(test)]
@@ -267,10 +339,34 @@ mod tests {
             serde_json::json!({"role":"user","content":"And values?"}),
         ]);
         let (a, b) = (chat_key(turn1), chat_key(turn2));
-        let full_blocks = a.block_hashes.len() - 1; // the last block of turn 1 is partial
-        assert!(full_blocks >= 4);
-        assert_eq!(a.block_hashes[..full_blocks], b.block_hashes[..full_blocks]);
-        assert!(b.block_hashes.len() > a.block_hashes.len());
+        let n = a.block_hashes.len();
+        assert!(n >= 5);
+        // Blocks end at message ends, so all of turn 1, its last short block too, is a prefix of turn 2.
+        assert_eq!(a.block_hashes[..], b.block_hashes[..n]);
+        assert_eq!(a.block_ends[..], b.block_ends[..n]);
+        assert!(b.block_hashes.len() > n);
+        assert_eq!(a.prompt_bytes, u64::from(a.block_ends[n - 1]));
+    }
+
+    #[test]
+    fn blocks_end_at_block_size_and_at_every_message_end() {
+        // "system\x1f" + 12 bytes + "\x1e" = 20 bytes, then "user\x1f" + 3 + "\x1e" = 9 bytes.
+        let k = chat_key(serde_json::json!({"messages":[
+            {"role":"system","content":"abcdefghijkl"},
+            {"role":"user","content":"xyz"}]}));
+        assert_eq!(k.block_ends, [8, 16, 20, 28, 29]);
+        assert_eq!(k.block_hashes.len(), 5);
+        assert_eq!(k.bytes_at_depth(3), 20);
+        assert_eq!(k.bytes_at_depth(0), 0);
+    }
+
+    #[test]
+    fn prompt_length_counts_bytes_past_the_hashing_cap() {
+        let c = cfg(8, 2);
+        let body = serde_json::json!({"prompt": "x".repeat(100)}).to_string();
+        let k = extract(body.as_bytes(), PromptField::Prompt, &c).unwrap();
+        assert_eq!(k.block_ends, [8, 16]);
+        assert_eq!(k.prompt_bytes, 100);
     }
 
     #[test]
@@ -324,7 +420,8 @@ mod tests {
             let a = extract(body(&tail_a).as_bytes(), PromptField::Prompt, &c).unwrap();
             let b = extract(body(&tail_b).as_bytes(), PromptField::Prompt, &c).unwrap();
             prop_assert_eq!(a.block_hashes.len(), 4);
-            prop_assert_eq!(a, b);
+            prop_assert_eq!(a.block_hashes, b.block_hashes);
+            prop_assert_eq!(a.block_ends, b.block_ends);
         }
 
         #[test]

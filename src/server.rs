@@ -33,7 +33,7 @@ impl AppState {
                 config.ab.as_ref(),
             ))),
             routing_config: Arc::new(arc_swap::ArcSwap::from_pointee(config.routing())),
-            passthrough: Arc::new(Arm::new("passthrough", Box::new(LeastConn::default()))),
+            passthrough: Arc::new(Arm::new("passthrough", Arc::new(LeastConn::default()))),
             upstreams: Arc::new(Upstreams {
                 pool,
                 client: http_client(&config),
@@ -104,6 +104,10 @@ pub async fn serve_state(
     let background = shutdown.child_token();
     let _stop_background = background.clone().drop_guard();
     tokio::spawn(crate::health::run(
+        state.upstreams.clone(),
+        background.clone(),
+    ));
+    tokio::spawn(crate::load::run(
         state.upstreams.clone(),
         background.clone(),
     ));

@@ -42,6 +42,8 @@ pub struct Worker {
     /// 5xx answers in a row, for passive ejection.
     error_streak: AtomicU32,
     healthy_gauge: prometheus::IntGauge,
+    /// Queue and cache signals beyond the in-flight count.
+    pub load: crate::load::Load,
 }
 
 impl Worker {
@@ -65,6 +67,7 @@ impl Worker {
             inflight: AtomicUsize::new(0),
             ejected_until_ms: AtomicU64::new(0),
             born: Instant::now(),
+            load: crate::load::Load::default(),
         })
     }
 

@@ -11,9 +11,10 @@ use serde::{Deserialize, Serialize};
 mod operations;
 mod routing;
 
-pub use operations::{DiscoveryConfig, HealthConfig};
+pub use operations::{DiscoveryConfig, HealthConfig, LoadSignalsConfig};
 pub use routing::{
-    AbConfig, ArmConfig, PolicyConfig, PrefixParams, RoutingConfig, RoutingKeyConfig,
+    AbConfig, ArmConfig, CacheAwareParams, PolicyConfig, PrefixParams, RoutingConfig,
+    RoutingKeyConfig,
 };
 
 /// Environment variable that overrides the routing policy, so an A/B switch is one value in a Deployment.
@@ -56,6 +57,8 @@ pub struct Config {
     pub drain_seconds: f64,
     /// Active and passive health checking of workers.
     pub health: HealthConfig,
+    /// Polling of the workers' load figures.
+    pub load_signals: LoadSignalsConfig,
     /// Where the worker list comes from: this file (`static`), DNS, or the Kubernetes API.
     pub discovery: DiscoveryConfig,
     /// A weighted split of traffic between policies; when set, it replaces `policy`.
@@ -76,6 +79,7 @@ impl Default for Config {
             eject_seconds: 5.0,
             drain_seconds: 30.0,
             health: HealthConfig::default(),
+            load_signals: LoadSignalsConfig::default(),
             discovery: DiscoveryConfig::default(),
             ab: None,
         }
@@ -226,6 +230,9 @@ impl Config {
                 "routing_key.block_bytes and routing_key.max_blocks must be at least 1".into(),
             );
         }
+        if let PolicyConfig::CacheAware(p) = &self.policy {
+            p.validate().map_err(ConfigError::Invalid)?;
+        }
         if let PolicyConfig::Prefix(p) = &self.policy {
             if p.key_blocks == 0 || p.key_blocks > self.routing_key.max_blocks {
                 return bad(format!(
@@ -263,6 +270,16 @@ impl Config {
         {
             return bad("health: interval_seconds >= 0, timeout_seconds > 0, thresholds >= 1, path starting with /".into());
         }
+        let l = &self.load_signals;
+        if !(l.interval_seconds == 0.0 || positive(l.interval_seconds))
+            || !positive(l.timeout_seconds)
+            || !l.path.starts_with('/')
+        {
+            return bad(
+                "load_signals: interval_seconds >= 0, timeout_seconds > 0, path starting with /"
+                    .into(),
+            );
+        }
         if let Some(ab) = &self.ab {
             if ab.arms.len() < 2 {
                 return bad("ab.arms needs at least two arms".into());
@@ -282,6 +299,10 @@ impl Config {
                 }
                 if !(a.weight.is_finite() && a.weight > 0.0) {
                     return bad(format!("ab arm {:?}: weight must be positive", a.name));
+                }
+                if let PolicyConfig::CacheAware(p) = &a.policy {
+                    p.validate()
+                        .map_err(|e| ConfigError::Invalid(format!("ab arm {:?}: {e}", a.name)))?;
                 }
                 if let PolicyConfig::Prefix(p) = &a.policy {
                     if p.key_blocks == 0

@@ -30,6 +30,27 @@ impl Default for HealthConfig {
     }
 }
 
+/// Polling of the workers' own load figures (vLLM's `/metrics`) for the policies that weigh them.
+/// `interval_seconds` 0 turns it off; a poll that fails or times out makes the policies fall
+/// back to this gateway's own accounting for that worker until the next one succeeds.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct LoadSignalsConfig {
+    pub interval_seconds: f64,
+    pub timeout_seconds: f64,
+    pub path: String,
+}
+
+impl Default for LoadSignalsConfig {
+    fn default() -> Self {
+        Self {
+            interval_seconds: 1.0,
+            timeout_seconds: 1.0,
+            path: "/metrics".into(),
+        }
+    }
+}
+
 /// Worker discovery. `static` uses `workers`; `dns` re-resolves `host` (e.g. a headless Service)
 /// every `interval_seconds` and uses every address on `port`; `kubernetes` watches the
 /// EndpointSlices of `service` in `namespace` and uses the Ready, non-terminating endpoints on

@@ -46,6 +46,7 @@ pub enum PolicyConfig {
     RoundRobin,
     LeastConn,
     Prefix(PrefixParams),
+    CacheAware(CacheAwareParams),
 }
 
 impl Default for PolicyConfig {
@@ -55,13 +56,14 @@ impl Default for PolicyConfig {
 }
 
 impl PolicyConfig {
-    pub const NAMES: [&'static str; 3] = ["round_robin", "least_conn", "prefix"];
+    pub const NAMES: [&'static str; 4] = ["round_robin", "least_conn", "prefix", "cache_aware"];
 
     pub fn name(&self) -> &'static str {
         match self {
             PolicyConfig::RoundRobin => "round_robin",
             PolicyConfig::LeastConn => "least_conn",
             PolicyConfig::Prefix(_) => "prefix",
+            PolicyConfig::CacheAware(_) => "cache_aware",
         }
     }
 
@@ -74,6 +76,7 @@ impl PolicyConfig {
             "round_robin" => Ok(PolicyConfig::RoundRobin),
             "least_conn" => Ok(PolicyConfig::LeastConn),
             "prefix" => Ok(PolicyConfig::Prefix(PrefixParams::default())),
+            "cache_aware" => Ok(PolicyConfig::CacheAware(CacheAwareParams::default())),
             other => Err(ConfigError::Invalid(format!(
                 "unknown policy {other:?}; expected one of {}",
                 Self::NAMES.join(", ")
@@ -104,12 +107,59 @@ impl Default for PrefixParams {
     }
 }
 
+/// `cache_aware`: the worker with the lowest estimated cost, prefill of what it does not hold of
+/// the prompt plus the work queued on it, from a bounded index of the prefixes sent to each worker.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct CacheAwareParams {
+    /// Memory the prefix index may use, in bytes.
+    pub index_max_bytes: usize,
+    /// What one request queued or running on a worker costs a new arrival there, in prompt
+    /// tokens of prefill. The default is about 64 decode steps of one more sequence in the batch
+    /// (the decode of a typical answer), priced in prefill tokens of a 7B model on one GPU.
+    pub request_cost_tokens: f64,
+    /// Canonical prompt bytes per token until the workers' `usage` reports teach the real ratio.
+    pub bytes_per_token: f64,
+    /// Share of the prompt that no worker is known to hold that the request's rendezvous home is
+    /// credited with: another replica may have sent that prefix there.
+    pub home_affinity: f64,
+}
+
+impl Default for CacheAwareParams {
+    fn default() -> Self {
+        Self {
+            index_max_bytes: 64 << 20,
+            request_cost_tokens: 64.0,
+            bytes_per_token: 4.0,
+            home_affinity: 0.5,
+        }
+    }
+}
+
+impl CacheAwareParams {
+    pub fn validate(&self) -> Result<(), String> {
+        let finite_pos = |v: f64| v.is_finite() && v > 0.0;
+        if self.index_max_bytes < 4096 {
+            return Err("cache_aware.index_max_bytes must be at least 4096".into());
+        }
+        let ok = self.request_cost_tokens.is_finite()
+            && self.request_cost_tokens >= 0.0
+            && finite_pos(self.bytes_per_token)
+            && (0.0..=1.0).contains(&self.home_affinity);
+        if !ok {
+            return Err("cache_aware: request_cost_tokens >= 0, bytes_per_token > 0, home_affinity in [0, 1]".into());
+        }
+        Ok(())
+    }
+}
+
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct RoutingKeyConfig {
     /// Size of one hashed block of the canonical prompt, in bytes.
     pub block_bytes: usize,
-    /// Blocks hashed at most; bytes past `block_bytes × max_blocks` are never read.
+    /// Blocks hashed at most; bytes past `block_bytes × max_blocks` are never read (the
+    /// blocks that end early at a message's end count too).
     pub max_blocks: usize,
 }
 
@@ -117,7 +167,7 @@ impl Default for RoutingKeyConfig {
     fn default() -> Self {
         Self {
             block_bytes: 256,
-            max_blocks: 16,
+            max_blocks: 256,
         }
     }
 }

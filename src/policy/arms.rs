@@ -24,12 +24,12 @@ const ARM_SEED: u64 = 0x6b76_726f_7574_6561;
 pub struct Arm {
     /// The `arm` label on metrics.
     pub name: Arc<str>,
-    pub policy: Box<dyn Policy>,
+    pub policy: Arc<dyn Policy>,
     weight: f64,
 }
 
 impl Arm {
-    pub fn new(name: &str, policy: Box<dyn Policy>) -> Self {
+    pub fn new(name: &str, policy: Arc<dyn Policy>) -> Self {
         Self {
             name: name.into(),
             policy,
@@ -88,6 +88,10 @@ impl Arms {
             }
         }
         &self.arms[self.arms.len() - 1]
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = &Arm> {
+        self.arms.iter()
     }
 
     /// `(policy, arm)` labels for a request that failed before an arm was picked.
@@ -158,10 +162,7 @@ mod tests {
     #[test]
     fn without_the_header_the_prompt_prefix_decides() {
         let arms = ab(&[1.0, 1.0]);
-        let info = |k: u64| RequestInfo {
-            model: None,
-            block_hashes: vec![k, k + 1],
-        };
+        let info = |k: u64| RequestInfo::keyed(vec![k, k + 1], 256);
         let seen: std::collections::HashSet<_> = (0..64)
             .map(|k| arms.pick(&HeaderMap::new(), &info(k)).name.clone())
             .collect();

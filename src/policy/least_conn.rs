@@ -25,10 +25,8 @@ impl Policy for LeastConn {
 
     fn select(&self, workers: &[Arc<Worker>], _req: &RequestInfo) -> Option<Selection> {
         let start = self.tie_break.fetch_add(1, Ordering::Relaxed);
-        least_loaded(workers, start % workers.len().max(1)).map(|index| Selection {
-            index,
-            outcome: Outcome::Preferred,
-        })
+        least_loaded(workers, start % workers.len().max(1))
+            .map(|index| Selection::new(index, Outcome::Preferred))
     }
 }
 

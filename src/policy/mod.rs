@@ -1,17 +1,20 @@
 //! Routing policies: one small synchronous trait, one factory from the config enum, one file per algorithm.
 //!
-//! A policy sees the workers that serve the request's model and the request's routing key, and
-//! names one of them. It must not block or allocate much: it runs on every request.
+//! A policy sees the workers that serve the request's model (with their load signals) and the
+//! request's routing key, and names one of them. It must not block or allocate much: it runs on
+//! every request. A policy that learns is told how each request it routed ended ([`Policy::observe`]).
 
 use std::sync::Arc;
 
 use crate::{config::PolicyConfig, routing_key::RequestInfo, workers::Worker};
 
 pub mod arms;
+mod cache_aware;
 mod least_conn;
 mod prefix;
 mod round_robin;
 
+pub use cache_aware::CacheAware;
 pub use least_conn::LeastConn;
 pub use prefix::Prefix;
 pub use round_robin::RoundRobin;
@@ -25,6 +28,14 @@ pub enum Outcome {
     Spilled,
     /// No candidate in the policy's own order would do; the least-loaded worker took it.
     LeastConnFallback,
+    /// The worker holding the longest known prefix of the prompt.
+    LongestMatch,
+    /// No worker holds any of the prompt: its rendezvous home, equal on every replica.
+    HashHome,
+    /// Another worker holds the prompt's prefix but was too busy: this one gets a copy.
+    Replicated,
+    /// The request had no routing key: the worker with the least work queued.
+    Fallback,
 }
 
 impl Outcome {
@@ -33,7 +44,28 @@ impl Outcome {
             Outcome::Preferred => "preferred",
             Outcome::Spilled => "spilled",
             Outcome::LeastConnFallback => "least_conn_fallback",
+            Outcome::LongestMatch => "longest_match",
+            Outcome::HashHome => "hash_home",
+            Outcome::Replicated => "replicated",
+            Outcome::Fallback => "fallback",
         }
+    }
+}
+
+/// What a policy expects of the worker it chose, in tokens.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Prediction {
+    pub prompt_tokens: u32,
+    /// What the policy's index says the worker holds (before any discount for trust).
+    pub cached_tokens: u32,
+    /// Leading blocks of the routing key the worker was believed to hold.
+    pub matched_blocks: u32,
+}
+
+impl Prediction {
+    /// Prompt tokens the worker is expected to compute.
+    pub fn uncached(self) -> u32 {
+        self.prompt_tokens.saturating_sub(self.cached_tokens)
     }
 }
 
@@ -42,6 +74,36 @@ pub struct Selection {
     /// Index into the slice the policy was given.
     pub index: usize,
     pub outcome: Outcome,
+    /// Set by policies that model the workers' caches.
+    pub prediction: Option<Prediction>,
+}
+
+impl Selection {
+    pub fn new(index: usize, outcome: Outcome) -> Self {
+        Self {
+            index,
+            outcome,
+            prediction: None,
+        }
+    }
+}
+
+/// The token counts a worker reported in its answer's `usage`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Usage {
+    pub prompt_tokens: u64,
+    /// `prompt_tokens_details.cached_tokens`, when the worker reports it (vLLM needs
+    /// `--enable-prompt-tokens-details`).
+    pub cached_tokens: Option<u64>,
+}
+
+/// How a routed request ended, as far as the gateway saw.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Observed {
+    /// A 2xx answer, with its usage if it carried one.
+    Answered(Option<Usage>),
+    /// No answer, or an error status: the worker did not take the prompt.
+    Failed,
 }
 
 pub trait Policy: Send + Sync + 'static {
@@ -50,14 +112,35 @@ pub trait Policy: Send + Sync + 'static {
 
     /// Picks one of `workers` for `req`, or `None` when none is usable.
     fn select(&self, workers: &[Arc<Worker>], req: &RequestInfo) -> Option<Selection>;
+
+    /// Whether [`Policy::observe`] does anything (the proxy then reads usage from answers).
+    fn learns(&self) -> bool {
+        false
+    }
+
+    /// The policy's prefix index, if it keeps one.
+    fn index_stats(&self) -> Option<crate::index::IndexStats> {
+        None
+    }
+
+    /// A request this policy sent to `worker` ended; called once, after the response.
+    fn observe(
+        &self,
+        _worker: &Worker,
+        _req: &RequestInfo,
+        _selection: &Selection,
+        _result: Observed,
+    ) {
+    }
 }
 
 /// The one place a policy is built from its config.
-pub fn build(cfg: &PolicyConfig) -> Box<dyn Policy> {
+pub fn build(cfg: &PolicyConfig) -> Arc<dyn Policy> {
     match cfg {
-        PolicyConfig::RoundRobin => Box::new(RoundRobin::default()),
-        PolicyConfig::LeastConn => Box::new(LeastConn::default()),
-        PolicyConfig::Prefix(p) => Box::new(Prefix::new(p.clone())),
+        PolicyConfig::RoundRobin => Arc::new(RoundRobin::default()),
+        PolicyConfig::LeastConn => Arc::new(LeastConn::default()),
+        PolicyConfig::Prefix(p) => Arc::new(Prefix::new(p.clone())),
+        PolicyConfig::CacheAware(p) => Arc::new(CacheAware::new(p.clone())),
     }
 }
 

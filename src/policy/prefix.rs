@@ -59,10 +59,7 @@ impl Prefix {
 
     fn fallback(&self, workers: &[Arc<Worker>]) -> Option<Selection> {
         let start = self.tie_break.fetch_add(1, Ordering::Relaxed) % workers.len().max(1);
-        least_loaded(workers, start).map(|index| Selection {
-            index,
-            outcome: Outcome::LeastConnFallback,
-        })
+        least_loaded(workers, start).map(|index| Selection::new(index, Outcome::LeastConnFallback))
     }
 }
 
@@ -80,10 +77,7 @@ impl Policy for Prefix {
 
         let top = (0..workers.len()).max_by_key(|&i| (Self::score(key, &workers[i]), i))?;
         if fits(&workers[top]) {
-            return Some(Selection {
-                index: top,
-                outcome: Outcome::Preferred,
-            });
+            return Some(Selection::new(top, Outcome::Preferred));
         }
         let mut order: Vec<(u64, usize)> = workers
             .iter()
@@ -94,10 +88,7 @@ impl Policy for Prefix {
         order.sort_unstable_by(|a, b| b.cmp(a));
         let tries = self.params.spill_candidates + usize::from(!workers[top].is_usable());
         if let Some(&(_, index)) = order.iter().take(tries).find(|&&(_, i)| fits(&workers[i])) {
-            return Some(Selection {
-                index,
-                outcome: Outcome::Spilled,
-            });
+            return Some(Selection::new(index, Outcome::Spilled));
         }
         self.fallback(workers)
     }
@@ -111,10 +102,7 @@ mod tests {
     use std::{collections::HashMap, time::Duration};
 
     fn key(k: u64) -> RequestInfo {
-        RequestInfo {
-            model: None,
-            block_hashes: vec![k],
-        }
+        RequestInfo::keyed(vec![k], 256)
     }
 
     fn policy(load_factor: f64) -> Prefix {

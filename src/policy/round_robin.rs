@@ -31,13 +31,13 @@ impl Policy for RoundRobin {
         (0..n)
             .map(|k| (start + k) % n)
             .find(|&i| workers[i].is_usable())
-            .map(|index| Selection {
-                index,
-                outcome: if index == start {
+            .map(|index| {
+                let outcome = if index == start {
                     Outcome::Preferred
                 } else {
                     Outcome::Spilled
-                },
+                };
+                Selection::new(index, outcome)
             })
     }
 }

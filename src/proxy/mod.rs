@@ -1,5 +1,6 @@
 //! The proxy stage: pick a worker with a policy, send the request over a pooled hyper client,
-//! and relay the response body frame by frame with an in-flight tracker attached to it.
+//! and relay the response body frame by frame with an in-flight tracker attached to it
+//! ([`relay`]).
 //!
 //! The tracker is the request's accounting: it holds the worker's in-flight slot, and when it is
 //! dropped it releases the slot exactly once and records how the request ended. Dropped before
@@ -7,33 +8,30 @@
 //! body streamed); dropping it also drops the upstream connection, which is how vLLM learns to
 //! abort the generation.
 
-use std::{
-    future::Future,
-    pin::Pin,
-    sync::Arc,
-    task::{Context, Poll},
-    time::Duration,
-};
+mod relay;
 
-use axum::{body::Body, response::Response};
+use std::{sync::Arc, time::Duration};
+
+use axum::response::Response;
 use bytes::Bytes;
-use http::{header, HeaderMap, HeaderName, HeaderValue, Request, Uri};
-use http_body::{Body as HttpBody, Frame, SizeHint};
+use http::{header, HeaderMap, HeaderName, Request, Uri};
 use http_body_util::Full;
-use hyper::body::Incoming;
 use hyper_util::{
     client::legacy::{connect::HttpConnector, Client},
     rt::TokioExecutor,
 };
-use tokio::time::{Instant, Sleep};
+use tokio::time::Instant;
+
+use relay::{Feedback, Phase, Tracker};
 
 use crate::{
     config::Config,
     error::ApiError,
+    load::PrefillGuard,
     metrics::Metrics,
-    policy::arms::{Arm, ARM_HEADER},
+    policy::arms::Arm,
     routing_key::RequestInfo,
-    workers::{eligible, InflightGuard, Pool},
+    workers::{eligible, Pool},
 };
 
 /// Response header naming the worker that served the request.
@@ -84,13 +82,15 @@ pub async fn forward(
     route: Route,
     parts: &http::request::Parts,
     body: Bytes,
-    info: &RequestInfo,
+    info: RequestInfo,
 ) -> Result<Response, ApiError> {
     let started = Instant::now();
     let snapshot = up.pool.snapshot();
     let workers = eligible(&snapshot, info.model.as_deref())?;
     let cap = up.config.max_inflight_per_worker;
     let mut last_error = ApiError::NoWorker;
+    // The request's key, shared with the trackers of learning policies (made on first need).
+    let mut shared: Option<Arc<RequestInfo>> = None;
     for _attempt in 0..=up.config.connect_retries {
         if cap > 0
             && workers
@@ -101,7 +101,7 @@ pub async fn forward(
             return Err(ApiError::Saturated);
         }
         let policy = arm.policy.as_ref();
-        let Some(selection) = policy.select(&workers, info) else {
+        let Some(selection) = policy.select(&workers, &info) else {
             return Err(last_error);
         };
         if route != Route::Passthrough {
@@ -111,6 +111,17 @@ pub async fn forward(
                 .inc();
         }
         let worker = &workers[selection.index];
+        let feedback = policy.learns().then(|| Feedback {
+            policy: Arc::clone(&arm.policy),
+            info: Arc::clone(shared.get_or_insert_with(|| Arc::new(info.clone()))),
+            selection,
+            prefill: PrefillGuard::new(
+                worker,
+                selection.prediction.map_or(0, |p| u64::from(p.uncached())),
+            ),
+            usage: None,
+            failed: false,
+        });
         let tracker = Tracker {
             slot: worker.acquire(),
             metrics: up.metrics.clone(),
@@ -118,6 +129,7 @@ pub async fn forward(
             arm: arm.name.clone(),
             started,
             phase: Phase::Waiting,
+            feedback,
         };
         let request = upstream_request(
             parts,
@@ -192,7 +204,7 @@ fn is_hop_by_hop(name: &HeaderName) -> bool {
 }
 
 /// Copies end-to-end headers, dropping hop-by-hop ones and any the `Connection` header names.
-fn copy_headers(from: &HeaderMap, to: &mut HeaderMap, also_skip: &[HeaderName]) {
+pub(super) fn copy_headers(from: &HeaderMap, to: &mut HeaderMap, also_skip: &[HeaderName]) {
     let named: Vec<String> = from
         .get_all(header::CONNECTION)
         .iter()
@@ -236,183 +248,6 @@ fn upstream_request(
         &[header::HOST, header::CONTENT_LENGTH],
     );
     Ok(req)
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Phase {
-    Waiting,
-    Streaming,
-    Finished,
-}
-
-/// One request's accounting; see the module docs.
-struct Tracker {
-    slot: InflightGuard,
-    metrics: Metrics,
-    policy: &'static str,
-    arm: std::sync::Arc<str>,
-    started: Instant,
-    phase: Phase,
-}
-
-impl Tracker {
-    fn worker(&self) -> &str {
-        &self.slot.worker().name
-    }
-
-    /// The request failed upstream before a response; the caller answers with an error.
-    fn failed(mut self, kind: &str) {
-        self.upstream_error(kind);
-        self.phase = Phase::Finished;
-    }
-
-    fn upstream_error(&self, kind: &str) {
-        self.metrics
-            .upstream_errors
-            .with_label_values(&[self.worker(), kind])
-            .inc();
-    }
-
-    fn into_response(
-        mut self,
-        resp: http::Response<Incoming>,
-        route: Route,
-        idle: Duration,
-    ) -> Response {
-        let (parts, incoming) = resp.into_parts();
-        let worker = self.worker().to_owned();
-        let arm = self.arm.clone();
-        self.metrics
-            .ttfb
-            .with_label_values(&[self.policy, &self.arm, &worker])
-            .observe(self.started.elapsed().as_secs_f64());
-        self.metrics
-            .requests
-            .with_label_values(&[
-                route.as_str(),
-                self.policy,
-                &self.arm,
-                &worker,
-                parts.status.as_str(),
-            ])
-            .inc();
-        self.phase = if incoming.is_end_stream() {
-            Phase::Finished
-        } else {
-            Phase::Streaming
-        };
-        let mut out = Response::new(Body::new(RelayBody {
-            inner: incoming,
-            idle_timer: Box::pin(tokio::time::sleep(idle)),
-            idle,
-            tracker: (self.phase == Phase::Streaming).then_some(self),
-        }));
-        *out.status_mut() = parts.status;
-        copy_headers(&parts.headers, out.headers_mut(), &[]);
-        if let Ok(v) = HeaderValue::from_str(&worker) {
-            out.headers_mut().insert(WORKER_HEADER, v);
-        }
-        if let Ok(v) = HeaderValue::from_str(&arm) {
-            out.headers_mut().insert(ARM_HEADER, v);
-        }
-        out
-    }
-}
-
-impl Drop for Tracker {
-    fn drop(&mut self) {
-        let phase = match self.phase {
-            Phase::Finished => None,
-            Phase::Waiting => Some("waiting"),
-            Phase::Streaming => Some("streaming"),
-        };
-        if let Some(phase) = phase {
-            self.metrics
-                .client_disconnects
-                .with_label_values(&[phase])
-                .inc();
-            self.metrics
-                .upstream_aborts
-                .with_label_values(&[self.worker()])
-                .inc();
-            tracing::debug!(worker = %self.worker(), phase, "client went away; upstream request dropped");
-        }
-        self.metrics
-            .duration
-            .with_label_values(&[self.policy, &self.arm, self.worker()])
-            .observe(self.started.elapsed().as_secs_f64());
-    }
-}
-
-#[derive(Debug, thiserror::Error)]
-#[error("worker sent nothing for {0:?}; stream closed")]
-struct IdleTimeout(Duration);
-
-/// The upstream body, relayed frame by frame with no buffering, ended early if the worker goes silent.
-struct RelayBody {
-    inner: Incoming,
-    idle_timer: Pin<Box<Sleep>>,
-    idle: Duration,
-    /// `Some` until the stream ends; dropping it (with the body) settles the accounting.
-    tracker: Option<Tracker>,
-}
-
-impl RelayBody {
-    fn finish(&mut self, error_kind: Option<&str>) {
-        if let Some(mut t) = self.tracker.take() {
-            if let Some(kind) = error_kind {
-                t.upstream_error(kind);
-            }
-            t.phase = Phase::Finished;
-        }
-    }
-}
-
-impl HttpBody for RelayBody {
-    type Data = Bytes;
-    type Error = axum::BoxError;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
-        let this = &mut *self;
-        match Pin::new(&mut this.inner).poll_frame(cx) {
-            Poll::Ready(Some(Ok(frame))) => {
-                if this.inner.is_end_stream() {
-                    // hyper may not poll again once the body says it is complete.
-                    this.finish(None);
-                } else {
-                    let deadline = Instant::now() + this.idle;
-                    this.idle_timer.as_mut().reset(deadline);
-                }
-                Poll::Ready(Some(Ok(frame)))
-            }
-            Poll::Ready(Some(Err(e))) => {
-                this.finish(Some("body"));
-                Poll::Ready(Some(Err(e.into())))
-            }
-            Poll::Ready(None) => {
-                this.finish(None);
-                Poll::Ready(None)
-            }
-            Poll::Pending => {
-                if this.tracker.is_some() && this.idle_timer.as_mut().poll(cx).is_ready() {
-                    this.finish(Some("idle_timeout"));
-                    return Poll::Ready(Some(Err(IdleTimeout(this.idle).into())));
-                }
-                Poll::Pending
-            }
-        }
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.inner.is_end_stream()
-    }
-
-    fn size_hint(&self) -> SizeHint {
-        self.inner.size_hint()
-    }
 }
 
 /// Shared handle used by the handlers.

@@ -1,0 +1,306 @@
+//! The prefix index: which workers recently received which chained block hashes, bounded in memory.
+//!
+//! A request's routing key is a chain of block hashes (`routing_key`), so a hash stands for the
+//! whole prompt up to the end of its block. The index maps each hash to the few workers that were
+//! last sent a prompt through it. Walking a request's chain from the first block gives, for every
+//! worker, how many leading blocks it holds: the longest known prefix.
+//!
+//! Bounds: at most `HOLDERS` workers per block (the least recently touched is replaced), and at
+//! most `capacity` blocks, kept as two generations. Blocks are written to the young generation;
+//! when it is half the capacity the old generation is dropped whole (its blocks counted as
+//! evictions) and the young one takes its place. A block found in the old generation moves back
+//! to the young one when it is written again, so what is in use survives: an approximate LRU at
+//! O(1) per block with no per-entry list. The memory this takes is reported from the maps'
+//! allocated capacity, and `capacity` is chosen from the byte cap so that it stays below it.
+//!
+//! One mutex guards both generations: a routing decision takes it once to walk and once to write,
+//! each a few hundred nanoseconds for a typical chat prompt.
+
+use std::{
+    collections::HashMap,
+    hash::{BuildHasherDefault, Hasher},
+    mem::size_of,
+    sync::Mutex,
+};
+
+/// Workers remembered per block: enough for a shared system prompt on every worker of a small
+/// pool; in a larger pool a hot prefix keeps its most recent holders.
+pub const HOLDERS: usize = 8;
+
+/// A worker's identity in the index: the hash of its name, equal on every gateway replica.
+pub type WorkerId = u64;
+
+#[derive(Clone, Copy, Debug, Default)]
+struct Holders {
+    ids: [WorkerId; HOLDERS],
+    touched: [u32; HOLDERS],
+    len: u8,
+}
+
+impl Holders {
+    fn ids(&self) -> &[WorkerId] {
+        &self.ids[..usize::from(self.len)]
+    }
+
+    fn touch(&mut self, id: WorkerId, tick: u32) {
+        let n = usize::from(self.len);
+        let slot = match self.ids[..n].iter().position(|&x| x == id) {
+            Some(i) => i,
+            None if n < HOLDERS => {
+                self.len += 1;
+                n
+            }
+            None => (0..HOLDERS).min_by_key(|&i| self.touched[i]).unwrap_or(0),
+        };
+        self.ids[slot] = id;
+        self.touched[slot] = tick;
+    }
+
+    fn remove(&mut self, id: WorkerId) {
+        let n = usize::from(self.len);
+        if let Some(i) = self.ids[..n].iter().position(|&x| x == id) {
+            self.ids[i] = self.ids[n - 1];
+            self.touched[i] = self.touched[n - 1];
+            self.len -= 1;
+        }
+    }
+}
+
+/// Block hashes are already uniformly distributed: use them as their own hash.
+#[derive(Default)]
+struct Identity(u64);
+
+impl Hasher for Identity {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = self.0.rotate_left(8) ^ u64::from(b);
+        }
+    }
+    fn write_u64(&mut self, n: u64) {
+        self.0 = n;
+    }
+}
+
+type Map = HashMap<u64, Holders, BuildHasherDefault<Identity>>;
+
+/// Bytes one slot of a map takes: key, value and hashbrown's control byte.
+const SLOT_BYTES: usize = size_of::<u64>() + size_of::<Holders>() + 1;
+
+struct Generations {
+    young: Map,
+    old: Map,
+    tick: u32,
+    evictions: u64,
+}
+
+/// How deep each worker's known prefix of one request goes.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Matches {
+    /// `(worker, blocks)` for every worker holding at least the first block.
+    pub depths: Vec<(WorkerId, usize)>,
+}
+
+impl Matches {
+    pub fn depth_of(&self, id: WorkerId) -> usize {
+        self.depths
+            .iter()
+            .find(|&&(w, _)| w == id)
+            .map_or(0, |&(_, d)| d)
+    }
+
+    pub fn deepest(&self) -> usize {
+        self.depths.iter().map(|&(_, d)| d).max().unwrap_or(0)
+    }
+}
+
+pub struct PrefixIndex {
+    inner: Mutex<Generations>,
+    /// Blocks kept at most, over both generations.
+    capacity: usize,
+    max_bytes: usize,
+}
+
+/// What the index holds, for metrics.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct IndexStats {
+    pub blocks: usize,
+    pub bytes: usize,
+    pub evictions: u64,
+}
+
+impl PrefixIndex {
+    /// An index that never takes more than `max_bytes` (at least one block per generation).
+    pub fn with_max_bytes(max_bytes: usize) -> Self {
+        // A map may allocate up to twice the slots it holds (power-of-two growth, 7/8 load):
+        // four slots of allowance per block keeps both generations under the cap.
+        let capacity = (max_bytes / (4 * SLOT_BYTES)).max(2);
+        Self {
+            inner: Mutex::new(Generations {
+                young: Map::default(),
+                old: Map::default(),
+                tick: 0,
+                evictions: 0,
+            }),
+            capacity,
+            max_bytes,
+        }
+    }
+
+    pub fn max_bytes(&self) -> usize {
+        self.max_bytes
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Generations> {
+        // A panic while holding the lock cannot leave a half-written entry: every write is one
+        // `Copy` value. Carry on with the data.
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// For each worker, how many of `hashes`' leading blocks it holds. Stops at the first block
+    /// nobody holds or that extends nobody's match.
+    pub fn matches(&self, hashes: &[u64]) -> Matches {
+        let g = self.lock();
+        let mut depths: Vec<(WorkerId, usize)> = Vec::new();
+        for (i, h) in hashes.iter().enumerate() {
+            let Some(entry) = g.young.get(h).or_else(|| g.old.get(h)) else {
+                break;
+            };
+            let mut extended = false;
+            for &id in entry.ids() {
+                match depths.iter_mut().find(|(w, _)| *w == id) {
+                    Some((_, d)) if *d == i => {
+                        *d = i + 1;
+                        extended = true;
+                    }
+                    Some(_) => {}
+                    None if i == 0 => {
+                        depths.push((id, 1));
+                        extended = true;
+                    }
+                    None => {}
+                }
+            }
+            if !extended {
+                break;
+            }
+        }
+        Matches { depths }
+    }
+
+    /// Records that `worker` was sent a prompt through all of `hashes`.
+    pub fn insert(&self, hashes: &[u64], worker: WorkerId) {
+        let mut g = self.lock();
+        g.tick = g.tick.wrapping_add(1);
+        let tick = g.tick;
+        for &h in hashes {
+            let g = &mut *g;
+            match g.young.get_mut(&h) {
+                Some(e) => e.touch(worker, tick),
+                None => {
+                    let mut e = g.old.remove(&h).unwrap_or_default();
+                    e.touch(worker, tick);
+                    g.young.insert(h, e);
+                    if g.young.len() >= self.capacity / 2 {
+                        let young = std::mem::take(&mut g.young);
+                        let old = std::mem::replace(&mut g.old, young);
+                        g.evictions += old.len() as u64;
+                    }
+                }
+            }
+        }
+    }
+
+    /// Forgets that `worker` holds `hashes` (a request that never reached it).
+    pub fn remove(&self, hashes: &[u64], worker: WorkerId) {
+        let mut g = self.lock();
+        for h in hashes {
+            let g = &mut *g;
+            for map in [&mut g.young, &mut g.old] {
+                if let Some(e) = map.get_mut(h) {
+                    e.remove(worker);
+                    if e.len == 0 {
+                        map.remove(h);
+                    }
+                }
+            }
+        }
+    }
+
+    pub fn stats(&self) -> IndexStats {
+        let g = self.lock();
+        IndexStats {
+            blocks: g.young.len() + g.old.len(),
+            bytes: (g.young.capacity() + g.old.capacity()) * SLOT_BYTES,
+            evictions: g.evictions,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn longest_prefix_per_worker() {
+        let idx = PrefixIndex::with_max_bytes(1 << 20);
+        idx.insert(&[1, 2, 3, 4], 10);
+        idx.insert(&[1, 2, 7], 20);
+        let m = idx.matches(&[1, 2, 3, 9]);
+        assert_eq!(m.depth_of(10), 3);
+        assert_eq!(m.depth_of(20), 2);
+        assert_eq!(m.depth_of(30), 0);
+        assert_eq!(m.deepest(), 3);
+        assert_eq!(idx.matches(&[5, 1]).depths, []);
+    }
+
+    #[test]
+    fn a_hole_in_the_chain_ends_that_workers_match() {
+        let idx = PrefixIndex::with_max_bytes(1 << 20);
+        idx.insert(&[1, 2, 3], 10);
+        idx.remove(&[2], 10);
+        assert_eq!(idx.matches(&[1, 2, 3]).depth_of(10), 1);
+    }
+
+    #[test]
+    fn a_block_keeps_its_most_recent_holders() {
+        let idx = PrefixIndex::with_max_bytes(1 << 20);
+        for w in 0..(HOLDERS as u64 + 3) {
+            idx.insert(&[1], w);
+        }
+        let m = idx.matches(&[1]);
+        assert_eq!(m.depths.len(), HOLDERS);
+        assert_eq!(m.depth_of(0), 0, "the least recent was replaced");
+        assert_eq!(m.depth_of(HOLDERS as u64 + 2), 1);
+    }
+
+    #[test]
+    fn in_use_blocks_survive_generations_and_stale_ones_go() {
+        let idx = PrefixIndex::with_max_bytes(64 * 4 * SLOT_BYTES); // 64 blocks
+        idx.insert(&[u64::MAX], 1);
+        for k in 0..1000u64 {
+            idx.insert(&[k], 2);
+            idx.insert(&[u64::MAX], 1); // kept warm
+        }
+        assert_eq!(idx.matches(&[u64::MAX]).depth_of(1), 1);
+        assert_eq!(idx.matches(&[0]).depth_of(2), 0, "cold block evicted");
+        let s = idx.stats();
+        assert!(s.blocks <= 64 && s.evictions > 900, "{s:?}");
+    }
+
+    proptest! {
+        #[test]
+        fn never_exceeds_its_byte_cap(cap_kib in 4usize..256, writes in proptest::collection::vec((any::<u64>(), 0u64..16, 1usize..40), 1..300)) {
+            let idx = PrefixIndex::with_max_bytes(cap_kib * 1024);
+            for (start, worker, len) in writes {
+                let chain: Vec<u64> = (0..len as u64).map(|i| start.wrapping_add(i)).collect();
+                idx.insert(&chain, worker);
+                let s = idx.stats();
+                prop_assert!(s.bytes <= idx.max_bytes(), "{s:?} > {}", idx.max_bytes());
+            }
+        }
+    }
+}

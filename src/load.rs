@@ -1,0 +1,274 @@
+//! Load signals: what a policy may know about a worker's queue beyond this gateway's in-flight count.
+//!
+//! Two sources. The gateway's own accounting is exact and immediate but sees only this replica's
+//! requests: in-flight requests, and the prompt tokens sent that the worker has not started
+//! answering yet (its prefill queue as this replica made it). The worker's `/metrics`, polled every
+//! `load_signals.interval_seconds`, sees every replica's traffic but lags: vLLM's
+//! `vllm:num_requests_running`, `vllm:num_requests_waiting` and `vllm:kv_cache_usage_perc`
+//! (summed over engines). A policy combines them as it sees fit; [`Load::queued`] takes the larger
+//! of the two counts, so a lone replica reacts at once and several replicas still see each other.
+
+use std::{
+    sync::{
+        atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering},
+        Arc,
+    },
+    time::Duration,
+};
+
+use bytes::Bytes;
+use futures_util::future::join_all;
+use http_body_util::{BodyExt, Full, Limited};
+use tokio::time::MissedTickBehavior;
+use tokio_util::sync::CancellationToken;
+
+use crate::{proxy::Upstreams, workers::Worker};
+
+/// Largest `/metrics` answer read; vLLM's is tens of kilobytes.
+const METRICS_LIMIT: usize = 4 << 20;
+
+#[derive(Debug)]
+pub struct Load {
+    pending_prefill: AtomicU64,
+    running: AtomicU32,
+    waiting: AtomicU32,
+    kv_usage_permille: AtomicU32,
+    /// The last poll succeeded; polled figures are used only then.
+    polled: AtomicBool,
+    /// Share of the cached tokens a policy predicted that the worker then reported, in permille,
+    /// smoothed: how far a policy may trust its index for this worker.
+    cache_trust_permille: AtomicU32,
+}
+
+impl Default for Load {
+    fn default() -> Self {
+        Self {
+            pending_prefill: AtomicU64::new(0),
+            running: AtomicU32::new(0),
+            waiting: AtomicU32::new(0),
+            kv_usage_permille: AtomicU32::new(0),
+            polled: AtomicBool::new(false),
+            cache_trust_permille: AtomicU32::new(1000),
+        }
+    }
+}
+
+/// What one poll of a worker's `/metrics` said.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Polled {
+    pub running: f64,
+    pub waiting: f64,
+    pub kv_usage: f64,
+}
+
+impl Load {
+    /// Prompt tokens this gateway sent that the worker has not started answering.
+    pub fn pending_prefill(&self) -> u64 {
+        self.pending_prefill.load(Ordering::Relaxed)
+    }
+
+    /// Requests queued or running on the worker: the larger of this gateway's in-flight count and
+    /// the worker's own running + waiting, when a poll has succeeded.
+    pub fn queued(&self, local_inflight: usize) -> usize {
+        if !self.polled.load(Ordering::Relaxed) {
+            return local_inflight;
+        }
+        let remote = self.running.load(Ordering::Relaxed) + self.waiting.load(Ordering::Relaxed);
+        local_inflight.max(remote as usize)
+    }
+
+    /// The worker's KV cache usage in [0, 1], when polled.
+    pub fn kv_usage(&self) -> Option<f64> {
+        self.polled
+            .load(Ordering::Relaxed)
+            .then(|| f64::from(self.kv_usage_permille.load(Ordering::Relaxed)) / 1000.0)
+    }
+
+    pub fn cache_trust(&self) -> f64 {
+        f64::from(self.cache_trust_permille.load(Ordering::Relaxed)) / 1000.0
+    }
+
+    /// Moves the trust a tenth of the way towards `observed` (in [0, 1]).
+    pub fn learn_cache_trust(&self, observed: f64) {
+        let now = self.cache_trust();
+        let next = (0.9 * now + 0.1 * observed.clamp(0.0, 1.0)) * 1000.0;
+        self.cache_trust_permille
+            .store(next.round() as u32, Ordering::Relaxed);
+    }
+
+    pub fn store(&self, p: Option<Polled>) {
+        let Some(p) = p else {
+            self.polled.store(false, Ordering::Relaxed);
+            return;
+        };
+        let count = |v: f64| v.clamp(0.0, f64::from(u32::MAX)) as u32;
+        self.running.store(count(p.running), Ordering::Relaxed);
+        self.waiting.store(count(p.waiting), Ordering::Relaxed);
+        self.kv_usage_permille
+            .store(count(p.kv_usage * 1000.0), Ordering::Relaxed);
+        self.polled.store(true, Ordering::Relaxed);
+    }
+}
+
+/// Prompt tokens counted in a worker's pending prefill until dropped (or [`PrefillGuard::done`]).
+#[derive(Debug)]
+pub struct PrefillGuard {
+    worker: Arc<Worker>,
+    tokens: u64,
+}
+
+impl PrefillGuard {
+    pub fn new(worker: &Arc<Worker>, tokens: u64) -> Self {
+        worker
+            .load
+            .pending_prefill
+            .fetch_add(tokens, Ordering::Relaxed);
+        Self {
+            worker: Arc::clone(worker),
+            tokens,
+        }
+    }
+
+    /// The worker started answering: its prefill of this prompt is over.
+    pub fn done(&mut self) {
+        let t = std::mem::take(&mut self.tokens);
+        self.worker
+            .load
+            .pending_prefill
+            .fetch_sub(t, Ordering::Relaxed);
+    }
+}
+
+impl Drop for PrefillGuard {
+    fn drop(&mut self) {
+        self.done();
+    }
+}
+
+/// Reads vLLM's load gauges from a Prometheus text exposition, summing label sets. `None` when
+/// none of them is there (not a vLLM worker, or not yet serving).
+pub fn parse_vllm_metrics(text: &str) -> Option<Polled> {
+    let mut p = Polled::default();
+    let mut seen = false;
+    for line in text.lines() {
+        let Some(rest) = line.strip_prefix("vllm:") else {
+            continue;
+        };
+        let name_end = rest.find(['{', ' ']).unwrap_or(rest.len());
+        let Some(value) = line
+            .rsplit(' ')
+            .next()
+            .and_then(|v| v.parse::<f64>().ok())
+            .filter(|v| v.is_finite())
+        else {
+            continue;
+        };
+        let slot = match &rest[..name_end] {
+            "num_requests_running" => &mut p.running,
+            "num_requests_waiting" => &mut p.waiting,
+            // `gpu_cache_usage_perc` before vLLM 0.10.
+            "kv_cache_usage_perc" | "gpu_cache_usage_perc" => &mut p.kv_usage,
+            _ => continue,
+        };
+        *slot += value;
+        seen = true;
+    }
+    seen.then_some(p)
+}
+
+/// Polls every worker's metrics until `cancel` fires; returns at once when polling is off.
+pub async fn run(up: Arc<Upstreams>, cancel: CancellationToken) {
+    let cfg = up.config.load_signals.clone();
+    if cfg.interval_seconds <= 0.0 {
+        return;
+    }
+    let mut tick = tokio::time::interval(Duration::from_secs_f64(cfg.interval_seconds));
+    tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
+    let timeout = Duration::from_secs_f64(cfg.timeout_seconds);
+    loop {
+        tokio::select! {
+            _ = cancel.cancelled() => return,
+            _ = tick.tick() => {}
+        }
+        let workers = up.pool.snapshot();
+        let polls = workers.iter().map(|w| poll(&up, w, &cfg.path, timeout));
+        for (w, p) in workers.iter().zip(join_all(polls).await) {
+            w.load.store(p);
+        }
+    }
+}
+
+async fn poll(up: &Upstreams, w: &Worker, path: &str, timeout: Duration) -> Option<Polled> {
+    let uri = http::Uri::builder()
+        .scheme(w.scheme.clone())
+        .authority(w.authority.clone())
+        .path_and_query(path)
+        .build()
+        .ok()?;
+    let req = http::Request::get(uri).body(Full::new(Bytes::new())).ok()?;
+    let read = async {
+        let resp = up.client.request(req).await.ok()?;
+        if !resp.status().is_success() {
+            return None;
+        }
+        let body = Limited::new(resp.into_body(), METRICS_LIMIT)
+            .collect()
+            .await
+            .ok()?;
+        parse_vllm_metrics(std::str::from_utf8(&body.to_bytes()).ok()?)
+    };
+    tokio::time::timeout(timeout, read).await.ok().flatten()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_vllms_gauges_summed_over_engines() {
+        let text =
+            "# HELP vllm:num_requests_running Number of requests in model execution batches.\n\
+            # TYPE vllm:num_requests_running gauge\n\
+            vllm:num_requests_running{engine=\"0\",model_name=\"m\"} 3.0\n\
+            vllm:num_requests_running{engine=\"1\",model_name=\"m\"} 2.0\n\
+            vllm:num_requests_waiting{engine=\"0\",model_name=\"m\"} 4.0\n\
+            vllm:kv_cache_usage_perc{engine=\"0\",model_name=\"m\"} 0.25\n\
+            vllm:num_requests_waiting_by_reason{reason=\"x\"} 9.0\n\
+            vllm:prompt_tokens_total{engine=\"0\"} 1000.0\n";
+        let p = parse_vllm_metrics(text).unwrap();
+        assert_eq!(
+            p,
+            Polled {
+                running: 5.0,
+                waiting: 4.0,
+                kv_usage: 0.25
+            }
+        );
+        assert_eq!(parse_vllm_metrics("other_metric 1\n"), None);
+    }
+
+    #[test]
+    fn queued_uses_the_worker_figures_only_after_a_poll() {
+        let l = Load::default();
+        assert_eq!(l.queued(2), 2);
+        l.store(Some(Polled {
+            running: 5.0,
+            waiting: 3.0,
+            kv_usage: 0.5,
+        }));
+        assert_eq!(l.queued(2), 8);
+        assert_eq!(l.queued(10), 10);
+        assert_eq!(l.kv_usage(), Some(0.5));
+        l.store(None);
+        assert_eq!(l.queued(2), 2);
+    }
+
+    #[test]
+    fn trust_moves_towards_what_is_observed() {
+        let l = Load::default();
+        for _ in 0..50 {
+            l.learn_cache_trust(0.2);
+        }
+        assert!((l.cache_trust() - 0.2).abs() < 0.02, "{}", l.cache_trust());
+    }
+}

@@ -1,0 +1,399 @@
+//! `cache_aware`: each request goes to the worker where it is estimated to cost least, counting
+//! both the prefill of what that worker does not hold of the prompt and the work queued on it.
+//!
+//! Algorithm. The prefix index ([`crate::index`]) gives, per worker, how many leading blocks of
+//! the prompt it was recently sent (blocks end at message ends too, so a conversation's earlier
+//! turns are whole blocks of its later ones). For each usable worker `w`, in prompt tokens:
+//!
+//! `cost(w) = prompt − trust(w) × held(w) + pending_prefill(w) + request_cost × queued(w)`
+//!
+//! where `held` is the matched prefix, `trust` the share of predicted cached tokens the worker
+//! has been confirming (its `usage.prompt_tokens_details.cached_tokens`), `pending_prefill` the
+//! uncached prompt tokens this gateway sent it that it has not started answering, and `queued`
+//! the larger of this gateway's in-flight count and the worker's own running + waiting. Bytes
+//! become tokens at the ratio the workers' `usage` reports teach (start: `bytes_per_token`).
+//!
+//! The request's rendezvous home (highest `mix(key, worker)`, where `key` is the hash of the
+//! first block past the longest known prefix) is credited `home_affinity` × the tokens no worker
+//! is known to hold, and breaks ties. Replicas that have not seen a conversation thus agree on
+//! where its unknown part most likely is, and a new prefix starts on one worker, not on all.
+//!
+//! What follows from the cost: a conversation stays with its deepest blocks until the load gap
+//! exceeds what moving would cost in prefill; a prefix shared by everyone (a system prompt)
+//! starts on its home and is copied to another worker whenever the home's queue exceeds the
+//! prefix's prefill (hot prefixes replicate; each conversation still sticks by its deeper
+//! blocks); and simultaneous arrivals do not herd, because each choice adds its prefill and
+//! its request to the chosen worker's accounting before the next choice reads it.
+//!
+//! Outcomes: `longest_match` (the chosen worker holds the longest known prefix), `hash_home` (no
+//! worker holds any of it; the home took it), `replicated` (someone holds it, the chosen worker
+//! held none of it), `spilled` (a worker holding less than the longest, or not the home, for
+//! load), `fallback` (no routing key). Learning ([`Policy::observe`]): a request that failed
+//! takes back what it added to the index; an answer's usage updates bytes per token and the
+//! worker's trust.
+//!
+//! Cost: one index walk and one index write per request (one mutex each), plus O(workers)
+//! arithmetic on relaxed atomics. Parameters: see [`CacheAwareParams`].
+
+use std::sync::{
+    atomic::{AtomicU64, AtomicUsize, Ordering},
+    Arc,
+};
+
+use super::{Observed, Outcome, Policy, Prediction, Selection};
+use crate::{
+    config::CacheAwareParams,
+    index::{IndexStats, PrefixIndex},
+    routing_key::RequestInfo,
+    workers::Worker,
+};
+
+pub struct CacheAware {
+    params: CacheAwareParams,
+    index: PrefixIndex,
+    /// Learnt canonical bytes per token, as `f64` bits.
+    bytes_per_token: AtomicU64,
+    tie_break: AtomicUsize,
+}
+
+/// A rendezvous score: a strong 64-bit mix (the splitmix64 finaliser) of the key and the worker.
+fn mix(key: u64, worker: u64) -> u64 {
+    let mut z = key ^ worker.rotate_left(32) ^ 0x9e37_79b9_7f4a_7c15;
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+#[derive(Clone, Copy)]
+struct Candidate {
+    index: usize,
+    cost: f64,
+    score: u64,
+    depth: usize,
+}
+
+impl Candidate {
+    /// Lower cost first; equal costs go to the higher rendezvous score.
+    fn beats(&self, other: &Candidate) -> bool {
+        self.cost < other.cost || (self.cost == other.cost && self.score > other.score)
+    }
+}
+
+impl CacheAware {
+    pub fn new(params: CacheAwareParams) -> Self {
+        Self {
+            index: PrefixIndex::with_max_bytes(params.index_max_bytes),
+            bytes_per_token: AtomicU64::new(params.bytes_per_token.to_bits()),
+            tie_break: AtomicUsize::new(0),
+            params,
+        }
+    }
+
+    fn bytes_per_token(&self) -> f64 {
+        f64::from_bits(self.bytes_per_token.load(Ordering::Relaxed))
+    }
+
+    fn queue_cost(&self, w: &Worker) -> f64 {
+        w.load.pending_prefill() as f64
+            + self.params.request_cost_tokens * w.load.queued(w.inflight()) as f64
+    }
+
+    /// No key: the usable worker with the least work queued, ties rotating.
+    fn least_work(&self, workers: &[Arc<Worker>]) -> Option<Selection> {
+        let n = workers.len();
+        let start = self.tie_break.fetch_add(1, Ordering::Relaxed) % n.max(1);
+        (0..n)
+            .map(|k| (start + k) % n)
+            .filter(|&i| workers[i].is_usable())
+            .map(|i| (self.queue_cost(&workers[i]), i))
+            .min_by(|a, b| a.0.total_cmp(&b.0))
+            .map(|(_, i)| Selection::new(i, Outcome::Fallback))
+    }
+}
+
+impl Policy for CacheAware {
+    fn name(&self) -> &'static str {
+        "cache_aware"
+    }
+
+    fn select(&self, workers: &[Arc<Worker>], req: &RequestInfo) -> Option<Selection> {
+        let Some(&last) = req.block_hashes.last() else {
+            return self.least_work(workers);
+        };
+        let matches = self.index.matches(&req.block_hashes);
+        let deepest = matches.deepest();
+        let bpt = self.bytes_per_token();
+        let prompt = req.prompt_bytes as f64 / bpt;
+        let unknown = (req.prompt_bytes - req.bytes_at_depth(deepest)) as f64 / bpt;
+        let key = req.block_hashes.get(deepest).copied().unwrap_or(last);
+
+        let mut best: Option<Candidate> = None;
+        let mut home: Option<Candidate> = None;
+        for (index, w) in workers.iter().enumerate() {
+            if !w.is_usable() {
+                continue;
+            }
+            let depth = if deepest == 0 {
+                0
+            } else {
+                matches.depth_of(w.id_hash)
+            };
+            let held = req.bytes_at_depth(depth) as f64 / bpt * w.load.cache_trust();
+            let c = Candidate {
+                index,
+                cost: prompt - held + self.queue_cost(w),
+                score: mix(key, w.id_hash),
+                depth,
+            };
+            if best.is_none_or(|b| c.beats(&b)) {
+                best = Some(c);
+            }
+            if home.is_none_or(|h| c.score > h.score) {
+                home = Some(c);
+            }
+        }
+        let (mut chosen, home) = (best?, home?);
+        let credited = Candidate {
+            cost: home.cost - self.params.home_affinity * unknown,
+            ..home
+        };
+        if credited.beats(&chosen) {
+            chosen = home;
+        }
+
+        let outcome = match (deepest, chosen.depth) {
+            (0, _) if chosen.index == home.index => Outcome::HashHome,
+            (0, _) => Outcome::Spilled,
+            (d, c) if c == d => Outcome::LongestMatch,
+            (_, 0) => Outcome::Replicated,
+            _ => Outcome::Spilled,
+        };
+        let worker = &workers[chosen.index];
+        self.index.insert(&req.block_hashes, worker.id_hash);
+        let prediction = Prediction {
+            prompt_tokens: prompt.round() as u32,
+            cached_tokens: (req.bytes_at_depth(chosen.depth) as f64 / bpt).round() as u32,
+            matched_blocks: chosen.depth as u32,
+        };
+        tracing::debug!(
+            policy = "cache_aware",
+            outcome = outcome.as_str(),
+            worker = %worker.name,
+            matched_blocks = chosen.depth,
+            longest_blocks = deepest,
+            predicted_cached_tokens = prediction.cached_tokens,
+            prompt_tokens = prediction.prompt_tokens,
+            cost = chosen.cost,
+            "routing decision"
+        );
+        Some(Selection {
+            index: chosen.index,
+            outcome,
+            prediction: Some(prediction),
+        })
+    }
+
+    fn learns(&self) -> bool {
+        true
+    }
+
+    fn index_stats(&self) -> Option<IndexStats> {
+        Some(self.index.stats())
+    }
+
+    fn observe(&self, worker: &Worker, req: &RequestInfo, selection: &Selection, result: Observed) {
+        let Some(predicted) = selection.prediction else {
+            return;
+        };
+        let usage = match result {
+            Observed::Failed => {
+                // The worker never took this prompt: take back the blocks this request added.
+                let from = (predicted.matched_blocks as usize).min(req.block_hashes.len());
+                self.index.remove(&req.block_hashes[from..], worker.id_hash);
+                return;
+            }
+            Observed::Answered(None) => return,
+            Observed::Answered(Some(u)) => u,
+        };
+        if usage.prompt_tokens > 0 && req.prompt_bytes > 0 {
+            let seen = req.prompt_bytes as f64 / usage.prompt_tokens as f64;
+            let next = 0.95 * self.bytes_per_token() + 0.05 * seen;
+            self.bytes_per_token
+                .store(next.to_bits(), Ordering::Relaxed);
+        }
+        if let Some(cached) = usage.cached_tokens {
+            if predicted.cached_tokens > 0 {
+                worker
+                    .load
+                    .learn_cache_trust(cached as f64 / f64::from(predicted.cached_tokens));
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{policy::Usage, workers::test_workers};
+
+    fn policy() -> CacheAware {
+        CacheAware::new(CacheAwareParams::default())
+    }
+
+    /// A conversation: `shared` blocks common to all, then `own` blocks of conversation `c`.
+    fn convo(c: u64, shared: u64, own: u64) -> RequestInfo {
+        let hashes = (0..shared)
+            .chain((0..own).map(|i| (c + 1) << 32 | i))
+            .collect();
+        RequestInfo::keyed(hashes, 256)
+    }
+
+    fn pick(p: &CacheAware, ws: &[Arc<Worker>], r: &RequestInfo) -> Selection {
+        p.select(ws, r).unwrap()
+    }
+
+    #[test]
+    fn a_conversation_follows_its_deepest_blocks_although_all_share_the_first() {
+        let ws = test_workers(4);
+        let p = policy();
+        // Two conversations with the same 4-block system prompt, placed on different workers by load.
+        let first = pick(&p, &ws, &convo(1, 4, 1));
+        // 6 in flight cost 384 tokens: more than the 320-token prompt would cost elsewhere.
+        let busy: Vec<_> = (0..6).map(|_| ws[first.index].acquire()).collect();
+        let other = pick(&p, &ws, &convo(2, 4, 1));
+        assert_ne!(first.index, other.index);
+        drop(busy);
+        // Their next turns go back to where each one's history is, not to one system-prompt home.
+        let next1 = pick(&p, &ws, &convo(1, 4, 3));
+        let next2 = pick(&p, &ws, &convo(2, 4, 3));
+        assert_eq!(
+            (next1.index, next1.outcome),
+            (first.index, Outcome::LongestMatch)
+        );
+        assert_eq!(
+            (next2.index, next2.outcome),
+            (other.index, Outcome::LongestMatch)
+        );
+        assert_eq!(next2.prediction.unwrap().matched_blocks, 5);
+    }
+
+    #[test]
+    fn a_new_prefix_goes_home_and_replicas_agree_on_the_home() {
+        let ws = test_workers(8);
+        let (a, b) = (policy(), policy());
+        let r = convo(7, 0, 6);
+        let sa = pick(&a, &ws, &r);
+        assert_eq!(sa.outcome, Outcome::HashHome);
+        assert_eq!(sa.index, pick(&b, &ws, &r).index);
+    }
+
+    #[test]
+    fn another_replicas_conversation_is_looked_for_at_its_home() {
+        // Replica `a` saw turn 1; replica `b` knows only the shared system prompt (on all workers)
+        // and sees turn 2: both must choose the same worker.
+        let ws = test_workers(6);
+        let (a, b) = (policy(), policy());
+        for w in ws.iter() {
+            b.index.insert(&[0, 1, 2, 3], w.id_hash);
+            a.index.insert(&[0, 1, 2, 3], w.id_hash);
+        }
+        let t1 = pick(&a, &ws, &convo(3, 4, 2));
+        let t2 = pick(&b, &ws, &convo(3, 4, 4));
+        assert_eq!(t1.index, t2.index);
+    }
+
+    #[test]
+    fn a_hot_prefix_is_copied_when_its_holder_is_busy() {
+        let ws = test_workers(3);
+        let p = policy();
+        let shared = convo(0, 8, 0); // 2,048 bytes: ~512 tokens at 4 bytes per token
+        let home = pick(&p, &ws, &shared).index;
+        // 6 requests in flight (384 tokens) cost less than recomputing the prefix elsewhere: it stays.
+        let held: Vec<_> = (0..6).map(|_| ws[home].acquire()).collect();
+        let s = pick(&p, &ws, &convo(5, 8, 1));
+        assert_eq!((s.index, s.outcome), (home, Outcome::LongestMatch));
+        // 9 (576 tokens) cost more: a copy goes to another worker.
+        let more: Vec<_> = (0..3).map(|_| ws[home].acquire()).collect();
+        let s = pick(&p, &ws, &convo(6, 8, 1));
+        assert_ne!(s.index, home);
+        assert_eq!(s.outcome, Outcome::Replicated);
+        drop((held, more));
+        // Now two workers hold the prefix, and each conversation sticks to where it went.
+        assert_eq!(p.index.matches(&shared.block_hashes).depths.len(), 2);
+        assert_eq!(pick(&p, &ws, &convo(6, 8, 2)).index, s.index);
+        assert_eq!(pick(&p, &ws, &convo(5, 8, 2)).index, home);
+    }
+
+    #[test]
+    fn simultaneous_arrivals_spread_instead_of_herding() {
+        let ws = test_workers(4);
+        let p = policy();
+        let mut held = Vec::new();
+        let mut per_worker = [0usize; 4];
+        for c in 0..40 {
+            let s = pick(&p, &ws, &convo(100 + c, 0, 4));
+            per_worker[s.index] += 1;
+            held.push(ws[s.index].acquire()); // in flight, as the proxy would hold it
+        }
+        assert!(
+            per_worker.iter().all(|&n| (7..=13).contains(&n)),
+            "{per_worker:?}"
+        );
+    }
+
+    #[test]
+    fn a_failed_request_takes_back_only_what_it_added() {
+        let ws = test_workers(2);
+        let p = policy();
+        let s1 = pick(&p, &ws, &convo(1, 2, 1));
+        let r2 = convo(1, 2, 4);
+        let s2 = pick(&p, &ws, &r2);
+        assert_eq!(s2.index, s1.index);
+        p.observe(&ws[s2.index], &r2, &s2, Observed::Failed);
+        let m = p.index.matches(&r2.block_hashes);
+        assert_eq!(m.depth_of(ws[s1.index].id_hash), 3, "turn 1's blocks stay");
+    }
+
+    #[test]
+    fn usage_teaches_bytes_per_token_and_trust() {
+        let ws = test_workers(2);
+        let p = policy();
+        let r = convo(1, 4, 0); // 1,024 bytes
+        let s = pick(&p, &ws, &r);
+        let w = &ws[s.index];
+        for _ in 0..100 {
+            let s = pick(&p, &ws, &r);
+            p.observe(
+                w,
+                &r,
+                &s,
+                Observed::Answered(Some(Usage {
+                    prompt_tokens: 512,
+                    cached_tokens: Some(0),
+                })),
+            );
+        }
+        assert!(
+            (p.bytes_per_token() - 2.0).abs() < 0.05,
+            "{}",
+            p.bytes_per_token()
+        );
+        assert!(w.load.cache_trust() < 0.05, "{}", w.load.cache_trust());
+    }
+
+    #[test]
+    fn unusable_workers_are_never_chosen_and_no_key_means_least_work() {
+        let ws = test_workers(3);
+        let p = policy();
+        ws[1].eject_for(std::time::Duration::from_secs(60));
+        let _busy = ws[0].acquire();
+        let s = p.select(&ws, &RequestInfo::unkeyed()).unwrap();
+        assert_eq!((s.index, s.outcome), (2, Outcome::Fallback));
+        for c in 0..50 {
+            assert_ne!(pick(&p, &ws, &convo(c, 1, 2)).index, 1);
+        }
+        ws[0].eject_for(std::time::Duration::from_secs(60));
+        ws[2].eject_for(std::time::Duration::from_secs(60));
+        assert!(p.select(&ws, &convo(1, 1, 1)).is_none());
+    }
+}

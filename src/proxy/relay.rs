@@ -1,0 +1,342 @@
+//! Relaying a worker's answer: the request's accounting ([`Tracker`]) and the body that carries
+//! it ([`RelayBody`]), frame by frame with no buffering.
+//!
+//! The tracker holds the worker's in-flight slot and, for a policy that learns, its prefill
+//! estimate and what the answer's `usage` says; when it is dropped it releases the slot exactly
+//! once, records how the request ended, and tells the policy.
+
+use std::{
+    future::Future,
+    pin::Pin,
+    sync::Arc,
+    task::{Context, Poll},
+    time::Duration,
+};
+
+use axum::{body::Body, response::Response};
+use bytes::Bytes;
+use http::HeaderValue;
+use http_body::{Body as HttpBody, Frame, SizeHint};
+use hyper::body::Incoming;
+use memchr::memmem;
+use tokio::time::{Instant, Sleep};
+
+use super::{copy_headers, Route, WORKER_HEADER};
+use crate::{
+    load::PrefillGuard,
+    metrics::Metrics,
+    policy::{arms::ARM_HEADER, Observed, Policy, Selection, Usage},
+    routing_key::RequestInfo,
+    workers::InflightGuard,
+};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Phase {
+    Waiting,
+    Streaming,
+    Finished,
+}
+
+/// What a learning policy needs back from one request.
+pub(super) struct Feedback {
+    pub policy: Arc<dyn Policy>,
+    pub info: Arc<RequestInfo>,
+    pub selection: Selection,
+    /// The uncached prompt tokens counted in the worker's pending prefill until it answers.
+    pub prefill: PrefillGuard,
+    pub usage: Option<Usage>,
+    /// The worker answered with a non-2xx status or failed: it did not take the prompt.
+    pub failed: bool,
+}
+
+/// One request's accounting; see the module docs.
+pub(super) struct Tracker {
+    pub slot: InflightGuard,
+    pub metrics: Metrics,
+    pub policy: &'static str,
+    pub arm: Arc<str>,
+    pub started: Instant,
+    pub phase: Phase,
+    pub feedback: Option<Feedback>,
+}
+
+impl Tracker {
+    fn worker(&self) -> &str {
+        &self.slot.worker().name
+    }
+
+    /// The request failed upstream before a response; the caller answers with an error.
+    pub fn failed(mut self, kind: &str) {
+        self.upstream_error(kind);
+        if let Some(f) = &mut self.feedback {
+            f.failed = true;
+        }
+        self.phase = Phase::Finished;
+    }
+
+    fn upstream_error(&self, kind: &str) {
+        self.metrics
+            .upstream_errors
+            .with_label_values(&[self.worker(), kind])
+            .inc();
+    }
+
+    pub fn into_response(
+        mut self,
+        resp: http::Response<Incoming>,
+        route: Route,
+        idle: Duration,
+    ) -> Response {
+        let (parts, incoming) = resp.into_parts();
+        let worker = self.worker().to_owned();
+        let arm = self.arm.clone();
+        self.metrics
+            .ttfb
+            .with_label_values(&[self.policy, &self.arm, &worker])
+            .observe(self.started.elapsed().as_secs_f64());
+        self.metrics
+            .requests
+            .with_label_values(&[
+                route.as_str(),
+                self.policy,
+                &self.arm,
+                &worker,
+                parts.status.as_str(),
+            ])
+            .inc();
+        if let Some(f) = &mut self.feedback {
+            f.failed = !parts.status.is_success();
+        }
+        self.phase = if incoming.is_end_stream() {
+            Phase::Finished
+        } else {
+            Phase::Streaming
+        };
+        let mut out = Response::new(Body::new(RelayBody {
+            inner: incoming,
+            idle_timer: Box::pin(tokio::time::sleep(idle)),
+            idle,
+            tracker: (self.phase == Phase::Streaming).then_some(self),
+        }));
+        *out.status_mut() = parts.status;
+        copy_headers(&parts.headers, out.headers_mut(), &[]);
+        if let Ok(v) = HeaderValue::from_str(&worker) {
+            out.headers_mut().insert(WORKER_HEADER, v);
+        }
+        if let Ok(v) = HeaderValue::from_str(&arm) {
+            out.headers_mut().insert(ARM_HEADER, v);
+        }
+        out
+    }
+
+    /// A frame of the answer went by: the prefill is over, and it may carry the usage.
+    fn saw(&mut self, data: &[u8]) {
+        if let Some(f) = &mut self.feedback {
+            f.prefill.done();
+            if let Some(u) = find_usage(data) {
+                f.usage = Some(u);
+            }
+        }
+    }
+
+    /// Tells the policy how the request ended and counts its prediction against the report.
+    fn settle_feedback(&mut self) {
+        let Some(mut f) = self.feedback.take() else {
+            return;
+        };
+        f.prefill.done();
+        let result = match (f.failed, self.phase) {
+            (true, _) => Observed::Failed,
+            (false, Phase::Finished) => Observed::Answered(f.usage),
+            // The client went away: the worker may hold part of the prompt; nothing to learn.
+            (false, _) => Observed::Answered(None),
+        };
+        let worker = self.slot.worker();
+        f.policy.observe(worker, &f.info, &f.selection, result);
+        let (
+            Some(p),
+            Observed::Answered(Some(Usage {
+                cached_tokens: Some(cached),
+                ..
+            })),
+        ) = (f.selection.prediction, result)
+        else {
+            return;
+        };
+        let labels = [self.policy, &*self.arm, &*worker.name];
+        let predicted = u64::from(p.cached_tokens);
+        self.metrics
+            .predicted_cached_tokens
+            .with_label_values(&labels)
+            .inc_by(predicted);
+        self.metrics
+            .reported_cached_tokens
+            .with_label_values(&labels)
+            .inc_by(cached);
+        // Within a tenth of the prompt (the gateway's blocks and the worker's differ) is right.
+        let slack = u64::from(p.prompt_tokens / 10).max(16);
+        let verdict = if predicted > cached + slack {
+            "over"
+        } else if cached > predicted + slack {
+            "under"
+        } else {
+            "close"
+        };
+        self.metrics
+            .cache_predictions
+            .with_label_values(&[self.policy, &*self.arm, verdict])
+            .inc();
+    }
+}
+
+impl Drop for Tracker {
+    fn drop(&mut self) {
+        let phase = match self.phase {
+            Phase::Finished => None,
+            Phase::Waiting => Some("waiting"),
+            Phase::Streaming => Some("streaming"),
+        };
+        if let Some(phase) = phase {
+            self.metrics
+                .client_disconnects
+                .with_label_values(&[phase])
+                .inc();
+            self.metrics
+                .upstream_aborts
+                .with_label_values(&[self.worker()])
+                .inc();
+            tracing::debug!(worker = %self.worker(), phase, "client went away; upstream request dropped");
+        }
+        self.settle_feedback();
+        self.metrics
+            .duration
+            .with_label_values(&[self.policy, &self.arm, self.worker()])
+            .observe(self.started.elapsed().as_secs_f64());
+    }
+}
+
+/// The `usage` token counts in an answer's bytes (a JSON body, or an SSE event with usage), if
+/// this frame has them: `"prompt_tokens": N` and, if present, `"cached_tokens": N`.
+pub(super) fn find_usage(data: &[u8]) -> Option<Usage> {
+    let prompt_tokens = number_after(data, b"\"prompt_tokens\"")?;
+    Some(Usage {
+        prompt_tokens,
+        cached_tokens: number_after(data, b"\"cached_tokens\""),
+    })
+}
+
+fn number_after(data: &[u8], key: &[u8]) -> Option<u64> {
+    let at = memmem::find(data, key)? + key.len();
+    let rest = data[at..]
+        .trim_ascii_start()
+        .strip_prefix(b":")?
+        .trim_ascii_start();
+    let digits = rest.iter().take_while(|b| b.is_ascii_digit()).count();
+    std::str::from_utf8(&rest[..digits]).ok()?.parse().ok()
+}
+
+#[derive(Debug, thiserror::Error)]
+#[error("worker sent nothing for {0:?}; stream closed")]
+struct IdleTimeout(Duration);
+
+/// The upstream body, relayed frame by frame with no buffering, ended early if the worker goes silent.
+pub(super) struct RelayBody {
+    inner: Incoming,
+    idle_timer: Pin<Box<Sleep>>,
+    idle: Duration,
+    /// `Some` until the stream ends; dropping it (with the body) settles the accounting.
+    tracker: Option<Tracker>,
+}
+
+impl RelayBody {
+    fn finish(&mut self, error_kind: Option<&str>) {
+        if let Some(mut t) = self.tracker.take() {
+            if let Some(kind) = error_kind {
+                t.upstream_error(kind);
+                if let Some(f) = &mut t.feedback {
+                    f.failed = true;
+                }
+            }
+            t.phase = Phase::Finished;
+        }
+    }
+}
+
+impl HttpBody for RelayBody {
+    type Data = Bytes;
+    type Error = axum::BoxError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+        let this = &mut *self;
+        match Pin::new(&mut this.inner).poll_frame(cx) {
+            Poll::Ready(Some(Ok(frame))) => {
+                if let (Some(t), Some(data)) = (&mut this.tracker, frame.data_ref()) {
+                    t.saw(data);
+                }
+                if this.inner.is_end_stream() {
+                    // hyper may not poll again once the body says it is complete.
+                    this.finish(None);
+                } else {
+                    let deadline = Instant::now() + this.idle;
+                    this.idle_timer.as_mut().reset(deadline);
+                }
+                Poll::Ready(Some(Ok(frame)))
+            }
+            Poll::Ready(Some(Err(e))) => {
+                this.finish(Some("body"));
+                Poll::Ready(Some(Err(e.into())))
+            }
+            Poll::Ready(None) => {
+                this.finish(None);
+                Poll::Ready(None)
+            }
+            Poll::Pending => {
+                if this.tracker.is_some() && this.idle_timer.as_mut().poll(cx).is_ready() {
+                    this.finish(Some("idle_timeout"));
+                    return Poll::Ready(Some(Err(IdleTimeout(this.idle).into())));
+                }
+                Poll::Pending
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn usage_is_read_from_a_body_or_an_event() {
+        let body = br#"{"id":"x","usage":{"prompt_tokens":1234,"total_tokens":1300,"completion_tokens":66,"prompt_tokens_details":{"cached_tokens":1024}}}"#;
+        assert_eq!(
+            find_usage(body),
+            Some(Usage {
+                prompt_tokens: 1234,
+                cached_tokens: Some(1024)
+            })
+        );
+        let event = b"data: {\"choices\":[],\"usage\": {\"prompt_tokens\" : 7, \"prompt_tokens_details\": null}}\n\n";
+        assert_eq!(
+            find_usage(event),
+            Some(Usage {
+                prompt_tokens: 7,
+                cached_tokens: None
+            })
+        );
+        assert_eq!(
+            find_usage(b"data: {\"choices\":[{\"text\":\"hi\"}],\"usage\":null}\n\n"),
+            None
+        );
+    }
+}
