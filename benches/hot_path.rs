@@ -6,10 +6,12 @@
 use std::sync::Arc;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use kvroute::config::{PolicyConfig, PrefixParams, RoutingKeyConfig, WorkerConfig};
+use kvroute::config::{
+    CacheAwareParams, PolicyConfig, PrefixParams, RoutingKeyConfig, WorkerConfig,
+};
 use kvroute::metrics::Metrics;
 use kvroute::policy;
-use kvroute::routing_key::{extract, PromptField};
+use kvroute::routing_key::{extract, PromptField, RequestInfo};
 use kvroute::workers::Worker;
 
 fn chat_body(bytes: usize) -> Vec<u8> {
@@ -38,25 +40,67 @@ fn routing_key(c: &mut Criterion) {
     g.finish();
 }
 
+fn pool(n: usize, metrics: &Metrics) -> Vec<Arc<Worker>> {
+    (0..n)
+        .map(|i| {
+            let cfg = WorkerConfig::from_url(format!("http://10.0.{}.{}:8000", i / 250, i % 250));
+            Arc::new(Worker::new(&cfg, metrics).expect("valid url"))
+        })
+        .collect()
+}
+
+/// `cache_aware` at 1,024 workers with 100k blocks in its index: one decision (index walk, cost
+/// of every worker, index write) for a 32-block conversation whose first 16 blocks are a system
+/// prompt known on 8 workers and whose next 8 are known on one.
+fn cache_aware_at_scale(c: &mut Criterion) {
+    let metrics = Metrics::new();
+    let workers = pool(1024, &metrics);
+    let _guards: Vec<_> = workers.iter().step_by(3).map(|w| w.acquire()).collect();
+    let p = policy::build(&PolicyConfig::CacheAware(CacheAwareParams::default()));
+    let mut x = 0x2545_f491_4f6c_dd1du64;
+    let mut next = || {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x
+    };
+    // 12,500 unrelated 8-block prompts: 100k blocks.
+    for _ in 0..12_500 {
+        let hashes: Vec<u64> = (0..8).map(|_| next()).collect();
+        p.select(&workers, &RequestInfo::keyed(hashes, 256));
+    }
+    let system: Vec<u64> = (0..16).map(|_| next()).collect();
+    for _ in 0..8 {
+        let mut h = system.clone();
+        h.extend((0..8).map(|_| next()));
+        p.select(&workers, &RequestInfo::keyed(h, 256));
+    }
+    let mut convo = system.clone();
+    convo.extend((0..8).map(|_| next()));
+    p.select(&workers, &RequestInfo::keyed(convo.clone(), 256));
+    convo.extend((0..8).map(|_| next()));
+    let info = RequestInfo::keyed(convo, 256);
+    let stats = p.index_stats().expect("cache_aware keeps an index");
+    assert!(stats.blocks >= 100_000, "{stats:?}");
+    c.bench_function("select/cache_aware_1024_workers_100k_blocks", |b| {
+        b.iter(|| p.select(&workers, &info).expect("a worker"))
+    });
+}
+
 fn policies(c: &mut Criterion) {
     let metrics = Metrics::new();
     let body = chat_body(1024);
     let info = extract(&body, PromptField::Messages, &RoutingKeyConfig::default()).expect("valid");
     let mut g = c.benchmark_group("select");
     for n in [8usize, 64, 1024] {
-        let workers: Vec<Arc<Worker>> = (0..n)
-            .map(|i| {
-                let cfg =
-                    WorkerConfig::from_url(format!("http://10.0.{}.{}:8000", i / 250, i % 250));
-                Arc::new(Worker::new(&cfg, &metrics).expect("valid url"))
-            })
-            .collect();
+        let workers = pool(n, &metrics);
         // Some load, so bounded-load and least-conn do real comparisons.
         let _guards: Vec<_> = workers.iter().step_by(3).map(|w| w.acquire()).collect();
         for cfg in [
             PolicyConfig::RoundRobin,
             PolicyConfig::LeastConn,
             PolicyConfig::Prefix(PrefixParams::default()),
+            PolicyConfig::CacheAware(CacheAwareParams::default()),
         ] {
             let p = policy::build(&cfg);
             g.bench_with_input(BenchmarkId::new(p.name(), n), &workers, |b, w| {
@@ -67,5 +111,5 @@ fn policies(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, routing_key, policies);
+criterion_group!(benches, routing_key, policies, cache_aware_at_scale);
 criterion_main!(benches);

@@ -21,29 +21,32 @@ use crate::{
     metrics::Metrics,
 };
 
+/// The fields every routing decision reads come first and the struct is cache-line aligned, so a
+/// policy scanning a large pool touches one cache line per worker.
 #[derive(Debug)]
+#[repr(C, align(64))]
 pub struct Worker {
+    inflight: AtomicUsize,
+    /// Milliseconds after `born` until which the worker is left out of routing.
+    ejected_until_ms: AtomicU64,
+    /// Hash of the name: the worker's identity in rendezvous hashing, equal on every replica.
+    pub id_hash: u64,
+    /// Marked down by active health checks.
+    down: AtomicBool,
+    /// Takes no new requests (configured, or set while the worker leaves the pool).
+    draining: AtomicBool,
+    /// Queue and cache signals beyond the in-flight count.
+    pub load: crate::load::Load,
     pub name: String,
     pub scheme: Scheme,
     pub authority: Authority,
     /// Models served; empty means any.
     pub models: Vec<String>,
-    /// Hash of the name: the worker's identity in rendezvous hashing, equal on every replica.
-    pub id_hash: u64,
-    inflight: AtomicUsize,
     inflight_gauge: prometheus::IntGauge,
-    /// Milliseconds after `born` until which the worker is left out of routing.
-    ejected_until_ms: AtomicU64,
     born: Instant,
-    /// Marked down by active health checks.
-    down: AtomicBool,
-    /// Takes no new requests (configured, or set while the worker leaves the pool).
-    draining: AtomicBool,
     /// 5xx answers in a row, for passive ejection.
     error_streak: AtomicU32,
     healthy_gauge: prometheus::IntGauge,
-    /// Queue and cache signals beyond the in-flight count.
-    pub load: crate::load::Load,
 }
 
 impl Worker {

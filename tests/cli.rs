@@ -88,3 +88,26 @@ fn flags_and_env_override_the_policy() {
     ]);
     assert!(!out.status.success());
 }
+
+#[test]
+fn every_example_config_checks_and_names_its_policy() {
+    let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/config");
+    let mut seen = 0;
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        let policy = path.file_stem().unwrap().to_string_lossy().into_owned();
+        let out = Command::new(env!("CARGO_BIN_EXE_kvroute"))
+            .args(["serve", "--config", path.to_str().unwrap(), "--check"])
+            .env_remove("KVROUTE_POLICY")
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success(), "{path:?}: {out:?}");
+        assert!(
+            stdout.contains(&format!("policy {policy}")),
+            "{path:?}: {stdout}"
+        );
+        seen += 1;
+    }
+    assert!(seen >= 4);
+}

@@ -51,6 +51,10 @@ pub enum BenchCommand {
         /// with `POST /reset_prefix_cache` on every worker.
         #[arg(long, value_delimiter = ',')]
         pool: Vec<String>,
+        /// kvroute gateways per arm, sharing nothing, in front of the same workers; requests go
+        /// to them in turn, so a conversation's turns alternate between replicas.
+        #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=16))]
+        replicas: u16,
         #[command(flatten)]
         load: LoadArgs,
     },
@@ -242,6 +246,7 @@ pub async fn run(cmd: BenchCommand) -> Result<(), BenchError> {
             preset,
             block_size,
             pool,
+            replicas,
             load,
         } => {
             let time_scale = load.time_scale;
@@ -280,7 +285,17 @@ pub async fn run(cmd: BenchCommand) -> Result<(), BenchError> {
                     time_scale,
                 }
             };
-            let (runs, limit) = super::compare(&target, &policies, &spec, load.slo()).await?;
+            if replicas > 1 {
+                println!("{replicas} gateway replicas per kvroute arm, requests sent in turn\n");
+            }
+            let (runs, limit) = super::compare_replicated(
+                &target,
+                &policies,
+                &spec,
+                load.slo(),
+                usize::from(replicas),
+            )
+            .await?;
             println!("{}", report::table(&runs));
             print!("{}", super::limit_line(limit, &runs));
             load.write(&runs, || report::ttft_cdf_svg(&runs))

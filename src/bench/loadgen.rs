@@ -35,7 +35,8 @@ pub struct Cancel {
 
 #[derive(Clone, Debug)]
 pub struct LoadSpec {
-    /// Base URL, e.g. `http://127.0.0.1:8080` (no `/v1`).
+    /// Base URL, e.g. `http://127.0.0.1:8080` (no `/v1`); several, comma-separated, are sent
+    /// requests in turn (gateway replicas behind a connection-level balancer).
     pub url: String,
     /// Model to ask for; the first of `/v1/models` when unset.
     pub model: Option<String>,
@@ -72,16 +73,22 @@ pub(super) fn client() -> HttpClient {
 
 /// Runs the load and returns every sample (the window is applied by [`super::stats::summarize`]).
 pub async fn run(spec: &LoadSpec) -> Result<Vec<Sample>, LoadError> {
-    let base = spec.url.trim_end_matches('/').to_string();
-    let _: http::Uri = base.parse().map_err(|_| LoadError::Url(base.clone()))?;
+    let bases: Vec<String> = spec
+        .url
+        .split(',')
+        .map(|u| u.trim().trim_end_matches('/').to_string())
+        .collect();
+    for base in &bases {
+        let _: http::Uri = base.parse().map_err(|_| LoadError::Url(base.clone()))?;
+    }
     let client = client();
     let model = match &spec.model {
         Some(m) => m.clone(),
-        None => first_model(&client, &base).await?,
+        None => first_model(&client, &bases[0]).await?,
     };
     let shared = Arc::new(Shared {
         client,
-        base,
+        bases,
         model,
         spec: spec.clone(),
         start: Instant::now(),
@@ -182,7 +189,7 @@ async fn first_model(client: &HttpClient, base: &str) -> Result<String, LoadErro
 
 struct Shared {
     client: HttpClient,
-    base: String,
+    bases: Vec<String>,
     model: String,
     spec: LoadSpec,
     start: Instant,
@@ -270,7 +277,8 @@ impl Shared {
         } else {
             "/v1/completions"
         };
-        let http_req = http::Request::post(format!("{}{path}", self.base))
+        let base = &self.bases[(s.index as usize) % self.bases.len()];
+        let http_req = http::Request::post(format!("{base}{path}"))
             .header(http::header::CONTENT_TYPE, "application/json")
             .body(Full::new(Bytes::from(body.to_string())))
             .map_err(|e| e.to_string())?;

@@ -119,6 +119,8 @@ pub async fn run_once(
 
 /// A fresh simulated pool and a gateway in front of it, torn down on drop.
 pub struct Pool {
+    /// The gateway's base URL; with replicas, every replica's, comma-separated (as
+    /// [`LoadSpec::url`] takes them).
     pub gateway: String,
     pub workers: Vec<String>,
     cancel: CancellationToken,
@@ -161,6 +163,15 @@ impl Target {
 /// whose worker list is replaced by the pool's, or `NAME=COMMAND`, another router
 /// ([`external`]).
 pub async fn start_pool(sim_cfg: &SimConfig, arm: &str) -> Result<Pool, BenchError> {
+    start_pool_replicated(sim_cfg, arm, 1).await
+}
+
+/// Like [`start_pool`], with `replicas` gateways (sharing nothing) in front of the same workers.
+pub async fn start_pool_replicated(
+    sim_cfg: &SimConfig,
+    arm: &str,
+    replicas: usize,
+) -> Result<Pool, BenchError> {
     let cfg = SimConfig {
         port: 0,
         ..sim_cfg.clone()
@@ -169,17 +180,29 @@ pub async fn start_pool(sim_cfg: &SimConfig, arm: &str) -> Result<Pool, BenchErr
     let mut tasks = JoinSet::new();
     let addrs = sim::spawn(&cfg, cfg.bind().await?, &cancel, &mut tasks)?;
     let workers: Vec<String> = addrs.iter().map(|a| format!("http://{a}")).collect();
-    start_gateway(workers, arm, cfg.host, cancel, tasks).await
+    start_gateway(workers, arm, cfg.host, cancel, tasks, replicas).await
 }
 
 /// A gateway running `arm` in front of running workers whose prefix caches are emptied first.
-pub async fn start_on_existing(workers: &[String], arm: &str) -> Result<Pool, BenchError> {
+pub async fn start_on_existing(
+    workers: &[String],
+    arm: &str,
+    replicas: usize,
+) -> Result<Pool, BenchError> {
     workers::reset_prefix_caches(workers)
         .await
         .map_err(BenchError::Setup)?;
     let host = std::net::Ipv4Addr::LOCALHOST.into();
     let cancel = CancellationToken::new();
-    start_gateway(workers.to_vec(), arm, host, cancel, JoinSet::new()).await
+    start_gateway(
+        workers.to_vec(),
+        arm,
+        host,
+        cancel,
+        JoinSet::new(),
+        replicas,
+    )
+    .await
 }
 
 async fn start_gateway(
@@ -188,6 +211,7 @@ async fn start_gateway(
     host: std::net::IpAddr,
     cancel: CancellationToken,
     mut tasks: JoinSet<()>,
+    replicas: usize,
 ) -> Result<Pool, BenchError> {
     if let Some((name, template)) = external::parse(arm) {
         let router = external::start(name, template, &workers).await?;
@@ -215,21 +239,23 @@ async fn start_gateway(
         })
         .and_then(|c| c.validate().map(|()| c))
         .map_err(|e| BenchError::Setup(e.to_string()))?;
-    let listener = TcpListener::bind((host, 0))
-        .await
-        .map_err(|e| BenchError::Setup(e.to_string()))?;
-    let gateway = format!(
-        "http://{}",
-        listener
+    let mut urls = Vec::new();
+    for _ in 0..replicas.max(1) {
+        let listener = TcpListener::bind((host, 0))
+            .await
+            .map_err(|e| BenchError::Setup(e.to_string()))?;
+        let addr = listener
             .local_addr()
-            .map_err(|e| BenchError::Setup(e.to_string()))?
-    );
-    let stop = cancel.clone();
-    tasks.spawn(async move {
-        if let Err(e) = crate::server::serve(listener, config, stop).await {
-            tracing::warn!("bench gateway stopped: {e}");
-        }
-    });
+            .map_err(|e| BenchError::Setup(e.to_string()))?;
+        urls.push(format!("http://{addr}"));
+        let (stop, config) = (cancel.clone(), config.clone());
+        tasks.spawn(async move {
+            if let Err(e) = crate::server::serve(listener, config, stop).await {
+                tracing::warn!("bench gateway stopped: {e}");
+            }
+        });
+    }
+    let gateway = urls.join(",");
     Ok(Pool {
         gateway,
         workers,
@@ -247,12 +273,27 @@ pub async fn compare(
     spec: &LoadSpec,
     slo: (f64, f64),
 ) -> Result<(Vec<Run>, Option<f64>), BenchError> {
+    compare_replicated(target, policies, spec, slo, 1).await
+}
+
+/// Like [`compare`], with `replicas` kvroute gateways per arm in front of the same workers, sharing
+/// nothing, and the requests sent to them in turn (so a conversation's turns alternate between
+/// replicas: the hardest split for affinity). External arms run one instance.
+pub async fn compare_replicated(
+    target: &Target,
+    policies: &[String],
+    spec: &LoadSpec,
+    slo: (f64, f64),
+    replicas: usize,
+) -> Result<(Vec<Run>, Option<f64>), BenchError> {
     let mut runs = Vec::new();
     let mut limit = None;
     for policy in policies {
         let pool = match target {
-            Target::Sim(sim_cfg) => start_pool(sim_cfg, policy).await?,
-            Target::Existing { workers, .. } => start_on_existing(workers, policy).await?,
+            Target::Sim(sim_cfg) => start_pool_replicated(sim_cfg, policy, replicas).await?,
+            Target::Existing { workers, .. } => {
+                start_on_existing(workers, policy, replicas).await?
+            }
         };
         let spec = LoadSpec {
             url: pool.gateway.clone(),

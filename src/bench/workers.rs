@@ -114,11 +114,18 @@ pub async fn scrape_each(workers: &[String]) -> Vec<WorkerCounters> {
 
 /// The routing outcomes a kvroute target has counted (`kvroute_routing_decisions_total`, by
 /// `outcome`, over all policies and arms); empty for a target that is not kvroute.
-pub async fn routing_outcomes(target: &str) -> std::collections::BTreeMap<String, f64> {
+pub async fn routing_outcomes(targets: &str) -> std::collections::BTreeMap<String, f64> {
     let mut out = std::collections::BTreeMap::new();
-    let Some(text) = metrics_text(&client(), target).await else {
-        return out;
-    };
+    for target in targets.split(',') {
+        let Some(text) = metrics_text(&client(), target).await else {
+            continue;
+        };
+        add_outcomes(&text, &mut out);
+    }
+    out
+}
+
+fn add_outcomes(text: &str, out: &mut std::collections::BTreeMap<String, f64>) {
     for line in text
         .lines()
         .filter(|l| l.starts_with("kvroute_routing_decisions_total{"))
@@ -132,7 +139,6 @@ pub async fn routing_outcomes(target: &str) -> std::collections::BTreeMap<String
             *out.entry(o.to_owned()).or_default() += v;
         }
     }
-    out
 }
 
 /// Empties every worker's prefix cache with `POST /reset_prefix_cache` (vLLM serves it with

@@ -53,15 +53,16 @@ pub struct CacheAware {
     index: PrefixIndex,
     /// Learnt canonical bytes per token, as `f64` bits.
     bytes_per_token: AtomicU64,
+    /// Answers it was learnt from.
+    learnt_from: AtomicU64,
     tie_break: AtomicUsize,
 }
 
-/// A rendezvous score: a strong 64-bit mix (the splitmix64 finaliser) of the key and the worker.
+/// A rendezvous score of the key for the worker. Both are xxh3 outputs, so their xor is already
+/// uniform; one odd multiply and a fold decorrelate neighbouring keys, at a nanosecond per worker.
 fn mix(key: u64, worker: u64) -> u64 {
-    let mut z = key ^ worker.rotate_left(32) ^ 0x9e37_79b9_7f4a_7c15;
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
+    let z = (key ^ worker).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    z ^ (z >> 29)
 }
 
 #[derive(Clone, Copy)]
@@ -84,6 +85,7 @@ impl CacheAware {
         Self {
             index: PrefixIndex::with_max_bytes(params.index_max_bytes),
             bytes_per_token: AtomicU64::new(params.bytes_per_token.to_bits()),
+            learnt_from: AtomicU64::new(0),
             tie_break: AtomicUsize::new(0),
             params,
         }
@@ -127,21 +129,34 @@ impl Policy for CacheAware {
         let unknown = (req.prompt_bytes - req.bytes_at_depth(deepest)) as f64 / bpt;
         let key = req.block_hashes.get(deepest).copied().unwrap_or(last);
 
+        // One bit per holder (by the low bits of its id): most workers hold nothing, and this
+        // answers that without searching the holders.
+        let holders = matches
+            .depths
+            .iter()
+            .fold(0u64, |m, &(id, _)| m | 1 << (id & 63));
+        let queue_weight = self.params.request_cost_tokens;
         let mut best: Option<Candidate> = None;
         let mut home: Option<Candidate> = None;
         for (index, w) in workers.iter().enumerate() {
             if !w.is_usable() {
                 continue;
             }
-            let depth = if deepest == 0 {
+            let depth = if holders & (1 << (w.id_hash & 63)) == 0 {
                 0
             } else {
                 matches.depth_of(w.id_hash)
             };
-            let held = req.bytes_at_depth(depth) as f64 / bpt * w.load.cache_trust();
+            let held = if depth == 0 {
+                0.0
+            } else {
+                req.bytes_at_depth(depth) as f64 / bpt * w.load.cache_trust()
+            };
             let c = Candidate {
                 index,
-                cost: prompt - held + self.queue_cost(w),
+                cost: prompt - held
+                    + w.load.pending_prefill() as f64
+                    + queue_weight * w.load.queued(w.inflight()) as f64,
                 score: mix(key, w.id_hash),
                 depth,
             };
@@ -217,7 +232,10 @@ impl Policy for CacheAware {
         };
         if usage.prompt_tokens > 0 && req.prompt_bytes > 0 {
             let seen = req.prompt_bytes as f64 / usage.prompt_tokens as f64;
-            let next = 0.95 * self.bytes_per_token() + 0.05 * seen;
+            // The mean of the first twenty answers, then a moving average over about twenty.
+            let n = self.learnt_from.fetch_add(1, Ordering::Relaxed) as f64;
+            let alpha = (1.0 / (n + 1.0)).max(0.05);
+            let next = (1.0 - alpha) * self.bytes_per_token() + alpha * seen;
             self.bytes_per_token
                 .store(next.to_bits(), Ordering::Relaxed);
         }

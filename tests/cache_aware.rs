@@ -1,0 +1,197 @@
+//! `cache_aware` end to end: real HTTP over loopback to simulated vLLM workers.
+
+mod common;
+
+use std::{net::SocketAddr, time::Duration};
+
+use common::{gateway, metric, metrics_text, request};
+use kvroute::{
+    config::{Config, WorkerConfig},
+    sim::{self, SimConfig},
+};
+use serde_json::{json, Value};
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+
+struct Sim {
+    urls: Vec<String>,
+    cancel: CancellationToken,
+    _tasks: JoinSet<()>,
+}
+
+impl Drop for Sim {
+    fn drop(&mut self) {
+        self.cancel.cancel();
+    }
+}
+
+async fn sim(workers: usize) -> Sim {
+    let cfg = SimConfig {
+        workers,
+        port: 0,
+        time_scale: 20.0,
+        ..SimConfig::default()
+    };
+    let cancel = CancellationToken::new();
+    let mut tasks = JoinSet::new();
+    let addrs = sim::spawn(&cfg, cfg.bind().await.unwrap(), &cancel, &mut tasks).unwrap();
+    Sim {
+        urls: addrs.iter().map(|a| format!("http://{a}")).collect(),
+        cancel,
+        _tasks: tasks,
+    }
+}
+
+fn config(sim: &Sim) -> Config {
+    Config {
+        workers: sim
+            .urls
+            .iter()
+            .cloned()
+            .map(WorkerConfig::from_url)
+            .collect(),
+        ..Config::default()
+    }
+    .with_overrides(kvroute::config::Overrides {
+        policy: Some("cache_aware".into()),
+        ..Default::default()
+    })
+    .unwrap()
+}
+
+fn words(seed: usize, n: usize) -> String {
+    (0..n)
+        .map(|i| ["alpha", "beta", "gamma", "delta", "omega"][(seed * 7 + i * 3) % 5])
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// Conversation `c` after `turns` user turns, all behind one shared system prompt.
+fn chat(c: usize, turns: usize) -> Vec<u8> {
+    let mut messages = vec![json!({"role": "system", "content": words(0, 600)})];
+    for t in 0..turns {
+        messages.push(json!({"role": "user", "content": format!("conversation {c} turn {t}: {}", words(c + t, 40))}));
+        if t + 1 < turns {
+            messages.push(json!({"role": "assistant", "content": words(c * t, 20)}));
+        }
+    }
+    json!({"model": "mistralai/Mistral-7B-Instruct-v0.3", "messages": messages, "max_tokens": 4})
+        .to_string()
+        .into_bytes()
+}
+
+async fn send(addr: SocketAddr, body: &[u8]) -> (String, Value) {
+    let r = request(addr, "POST", "/v1/chat/completions", body).await;
+    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+    (r.header("x-kvroute-worker").unwrap().to_owned(), r.json())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn conversations_behind_one_system_prompt_stay_with_their_worker() {
+    let pool = sim(4).await;
+    let gw = gateway(config(&pool)).await;
+    let mut homes = Vec::new();
+    for c in 0..8 {
+        homes.push(send(gw.addr, &chat(c, 1)).await.0);
+    }
+    for turns in 2..=4 {
+        for (c, home) in homes.iter().enumerate() {
+            let (worker, answer) = send(gw.addr, &chat(c, turns)).await;
+            assert_eq!(&worker, home, "conversation {c}, turn {turns}");
+            let cached = answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+                .as_u64()
+                .unwrap();
+            assert!(cached > 600, "turn {turns} reuses the history: {cached}");
+        }
+    }
+    let text = metrics_text(gw.addr).await;
+    let decisions = |o: &str| {
+        metric(
+            &text,
+            &format!(r#"kvroute_routing_decisions_total{{arm="cache_aware",outcome="{o}",policy="cache_aware"}}"#),
+        )
+        .unwrap_or(0.0)
+    };
+    assert_eq!(decisions("longest_match"), 31.0, "{text}"); // all but the very first request
+                                                            // The predictions were checked against the workers' reports, and were mostly right.
+    let sum = |name: &str| -> f64 {
+        text.lines()
+            .filter(|l| l.starts_with(name))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum()
+    };
+    let (predicted, reported) = (
+        sum("kvroute_predicted_cached_tokens_total{"),
+        sum("kvroute_reported_cached_tokens_total{"),
+    );
+    assert!(reported > 20_000.0, "{reported}");
+    assert!(
+        (predicted / reported - 1.0).abs() < 0.25,
+        "{predicted} vs {reported}"
+    );
+    let close = metric(
+        &text,
+        r#"kvroute_cache_predictions_total{arm="cache_aware",policy="cache_aware",result="close"}"#,
+    )
+    .unwrap_or(0.0);
+    assert!(close >= 24.0, "{text}");
+    let blocks = metric(
+        &text,
+        r#"kvroute_index_blocks{arm="cache_aware",policy="cache_aware"}"#,
+    )
+    .unwrap();
+    let bytes = metric(
+        &text,
+        r#"kvroute_index_bytes{arm="cache_aware",policy="cache_aware"}"#,
+    )
+    .unwrap();
+    assert!(
+        blocks > 50.0 && bytes <= (64 << 20) as f64,
+        "{blocks} {bytes}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_small_index_cap_holds_under_many_prompts() {
+    let pool = sim(2).await;
+    let mut cfg = config(&pool);
+    if let kvroute::config::PolicyConfig::CacheAware(p) = &mut cfg.policy {
+        p.index_max_bytes = 16 << 10;
+    }
+    let gw = gateway(cfg).await;
+    for c in 0..60 {
+        send(gw.addr, &chat(100 + c, 1)).await;
+    }
+    let text = metrics_text(gw.addr).await;
+    let series = |m: &str| format!(r#"{m}{{arm="cache_aware",policy="cache_aware"}}"#);
+    let bytes = metric(&text, &series("kvroute_index_bytes")).unwrap();
+    let evicted = metric(&text, &series("kvroute_index_evictions_total")).unwrap();
+    assert!(bytes <= (16 << 10) as f64, "{bytes}");
+    assert!(evicted > 0.0, "{text}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn load_signals_are_polled_from_the_workers_metrics() {
+    let pool = sim(2).await;
+    let mut cfg = config(&pool);
+    cfg.load_signals.interval_seconds = 0.05;
+    let state = kvroute::routes::AppState::new(cfg).unwrap();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let stop = CancellationToken::new();
+    let up = state.upstreams.clone();
+    let task = tokio::spawn(kvroute::server::serve_state(
+        listener,
+        state,
+        Duration::from_secs(1),
+        stop.clone(),
+    ));
+    // The simulator serves vLLM's gauges: once polled, a worker's queue reads from them.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    let workers = up.pool.snapshot();
+    while workers.iter().any(|w| w.load.kv_usage().is_none()) {
+        assert!(tokio::time::Instant::now() < deadline, "never polled");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    stop.cancel();
+    task.await.unwrap().unwrap();
+}
