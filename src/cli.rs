@@ -16,6 +16,15 @@ use crate::sim::{self, presets, SimConfig};
     about = "Prefix-aware routing gateway for vLLM pools"
 )]
 pub struct Cli {
+    /// Log lines as text (coloured only on a terminal) or as JSON objects.
+    #[arg(
+        long,
+        global = true,
+        value_enum,
+        default_value_t,
+        env = "KVROUTE_LOG_FORMAT"
+    )]
+    log_format: crate::logging::LogFormat,
     #[command(subcommand)]
     command: Command,
 }
@@ -133,7 +142,9 @@ impl SimArgs {
 }
 
 pub fn main() -> ExitCode {
-    match Cli::parse().command {
+    let cli = Cli::parse();
+    crate::logging::init(cli.log_format);
+    match cli.command {
         Command::Serve {
             config,
             check,

@@ -24,6 +24,8 @@ pub enum ApiError {
     Saturated,
     #[error("no healthy worker is available")]
     NoWorker,
+    #[error("the gateway is out of resources ({0}); retry later")]
+    GatewayExhausted(String),
     #[error("worker {worker} could not be reached: {detail}")]
     UpstreamConnect { worker: String, detail: String },
     #[error("worker {worker} failed: {detail}")]
@@ -41,11 +43,37 @@ impl ApiError {
             BodyTooLarge { .. } => (StatusCode::PAYLOAD_TOO_LARGE, "RequestTooLargeError"),
             ModelNotFound(_) | RouteNotFound(_) => (StatusCode::NOT_FOUND, "NotFoundError"),
             Saturated => (StatusCode::TOO_MANY_REQUESTS, "RateLimitError"),
-            NoWorker => (StatusCode::SERVICE_UNAVAILABLE, "ServiceUnavailableError"),
+            NoWorker | GatewayExhausted(_) => {
+                (StatusCode::SERVICE_UNAVAILABLE, "ServiceUnavailableError")
+            }
             UpstreamConnect { .. } | UpstreamFailed { .. } => {
                 (StatusCode::BAD_GATEWAY, "BadGatewayError")
             }
             UpstreamTimeout { .. } => (StatusCode::GATEWAY_TIMEOUT, "GatewayTimeoutError"),
+        }
+    }
+
+    /// The worker the error concerns, when one was chosen (for the `worker` label).
+    pub fn worker(&self) -> Option<&str> {
+        match self {
+            ApiError::UpstreamConnect { worker, .. }
+            | ApiError::UpstreamFailed { worker, .. }
+            | ApiError::UpstreamTimeout { worker, .. } => Some(worker),
+            _ => None,
+        }
+    }
+
+    /// What the client is told: the log line (`Display`) names workers and their addresses and
+    /// errors; the response does not.
+    fn client_message(&self) -> String {
+        match self {
+            ApiError::UpstreamConnect { .. } => "no worker could be reached".into(),
+            ApiError::UpstreamFailed { .. } => "the worker failed to answer".into(),
+            ApiError::UpstreamTimeout { seconds, .. } => {
+                format!("the worker did not answer within {seconds}s")
+            }
+            ApiError::GatewayExhausted(_) => "the gateway is out of resources; retry later".into(),
+            other => other.to_string(),
         }
     }
 
@@ -78,7 +106,7 @@ pub fn error_response(
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let (status, kind) = self.status_and_type();
-        error_response(status, kind, &self.to_string(), self.param())
+        error_response(status, kind, &self.client_message(), self.param())
     }
 }
 

@@ -15,6 +15,7 @@ pub mod error;
 pub mod health;
 pub mod index;
 pub mod load;
+pub mod logging;
 pub mod metrics;
 pub mod policy;
 pub mod proxy;

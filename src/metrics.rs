@@ -16,6 +16,10 @@ const LATENCY_BUCKETS: &[f64] = &[
 #[derive(Clone)]
 pub struct Metrics {
     registry: Registry,
+    /// Live `Worker` objects per worker name: a name's series are removed when its count drops
+    /// to zero (the worker left the pool and its last request ended), so churn does not grow
+    /// `/metrics` without bound.
+    worker_names: std::sync::Arc<std::sync::Mutex<std::collections::HashMap<String, usize>>>,
     /// `route`, `policy`, `arm`, `worker` ("none" when no worker was picked), `status`.
     pub requests: IntCounterVec,
     /// `policy`, `arm`, `outcome` (preferred, spilled, least_conn_fallback, longest_match,
@@ -191,7 +195,39 @@ impl Metrics {
                 &["policy", "arm"],
             ),
             registry,
+            worker_names: Default::default(),
         }
+    }
+
+    /// A `Worker` named `name` was made.
+    pub fn worker_born(&self, name: &str) {
+        let mut names = self.worker_names.lock().unwrap_or_else(|e| e.into_inner());
+        *names.entry(name.to_owned()).or_default() += 1;
+    }
+
+    /// A `Worker` named `name` was dropped; the last one takes the name's series with it.
+    pub fn worker_gone(&self, name: &str) {
+        let mut names = self.worker_names.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(n) = names.get_mut(name) else {
+            return;
+        };
+        *n -= 1;
+        if *n > 0 {
+            return;
+        }
+        names.remove(name);
+        drop(names);
+        let by_worker = std::collections::HashMap::from([("worker", name)]);
+        forget(&self.requests, &by_worker);
+        forget(&self.health_checks, &by_worker);
+        forget(&self.upstream_errors, &by_worker);
+        forget(&self.upstream_aborts, &by_worker);
+        forget(&self.predicted_cached_tokens, &by_worker);
+        forget(&self.reported_cached_tokens, &by_worker);
+        forget(&self.ttfb, &by_worker);
+        forget(&self.duration, &by_worker);
+        self.worker_inflight.remove_label_values(&[name]).ok();
+        self.worker_healthy.remove_label_values(&[name]).ok();
     }
 
     /// Publishes a prefix index's figures (called at scrape time).
@@ -214,6 +250,32 @@ impl Metrics {
             .encode(&self.registry.gather(), &mut buf)
             .expect("text encoding into a Vec cannot fail");
         String::from_utf8(buf).expect("the text format is UTF-8")
+    }
+}
+
+impl std::fmt::Debug for Metrics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Metrics")
+    }
+}
+
+/// Removes every series of `vec` whose labels include all of `labels`.
+fn forget<T: prometheus::core::MetricVecBuilder>(
+    vec: &prometheus::core::MetricVec<T>,
+    labels: &std::collections::HashMap<&str, &str>,
+) {
+    use prometheus::core::Collector;
+    for family in vec.collect() {
+        for m in family.get_metric() {
+            let pairs: std::collections::HashMap<&str, &str> = m
+                .get_label()
+                .iter()
+                .map(|p| (p.name(), p.value()))
+                .collect();
+            if labels.iter().all(|(k, v)| pairs.get(k) == Some(v)) {
+                vec.remove(&pairs).ok();
+            }
+        }
     }
 }
 

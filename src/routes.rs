@@ -96,10 +96,19 @@ fn respond(
             s.upstreams
                 .metrics
                 .requests
-                .with_label_values(&[route.as_str(), policy, arm, "none", status.as_str()])
+                .with_label_values(&[
+                    route.as_str(),
+                    policy,
+                    arm,
+                    e.worker().unwrap_or("none"),
+                    status.as_str(),
+                ])
                 .inc();
+            static FAILED: crate::logging::Throttle = crate::logging::Throttle::new(10);
             if status.is_server_error() {
-                tracing::warn!(route = route.as_str(), error = %e, "request failed");
+                if let Some(suppressed) = FAILED.allow() {
+                    tracing::warn!(route = route.as_str(), error = %e, suppressed, "request failed");
+                }
             }
             e.into_response()
         }
@@ -204,6 +213,32 @@ pub async fn metrics(State(s): State<AppState>) -> Response {
         s.upstreams.metrics.render(),
     )
         .into_response()
+}
+
+/// Refuses what no route should see: an HTTP/1.1 request without exactly one `Host` header
+/// (RFC 9112 §3.2) and a path with dot segments (`.`/`..`, also percent-encoded), which a worker
+/// or a proxy behind it might resolve to another path than the one routed.
+pub async fn guard(req: Request, next: axum::middleware::Next) -> Response {
+    let hosts = req.headers().get_all(header::HOST).iter().count();
+    if req.version() == http::Version::HTTP_11 && hosts != 1 {
+        let msg = if hosts == 0 {
+            "missing Host header"
+        } else {
+            "more than one Host header"
+        };
+        return ApiError::InvalidRequest(msg.into()).into_response();
+    }
+    let dotted = req.uri().path().split('/').any(|seg| {
+        let seg = seg.to_ascii_lowercase().replace("%2e", ".");
+        seg == "." || seg == ".."
+    });
+    if dotted {
+        return ApiError::InvalidRequest(
+            "dot segments (`.` or `..`) are not allowed in the path".into(),
+        )
+        .into_response();
+    }
+    next.run(req).await
 }
 
 pub async fn not_found(req: Request) -> Response {

@@ -230,7 +230,11 @@ fn write_messages(messages: &[MessageView], out: &mut Capped) {
                         Some(text) if p.get("type").and_then(|t| t.as_str()) == Some("text") => {
                             out.push(text.as_bytes())
                         }
-                        _ => out.push(p.to_string().as_bytes()),
+                        _ => {
+                            let mut canonical = Vec::new();
+                            write_sorted(p, &mut canonical);
+                            out.push(&canonical)
+                        }
                     };
                     if !more {
                         return;
@@ -243,6 +247,38 @@ fn write_messages(messages: &[MessageView], out: &mut Capped) {
         if !more {
             return;
         }
+    }
+}
+
+/// `v` as JSON with every object's keys sorted, so the client's key order does not change the key.
+fn write_sorted(v: &serde_json::Value, out: &mut Vec<u8>) {
+    use serde_json::Value;
+    match v {
+        Value::Object(map) => {
+            let mut entries: Vec<_> = map.iter().collect();
+            entries.sort_unstable_by(|a, b| a.0.cmp(b.0));
+            out.push(b'{');
+            for (i, (k, v)) in entries.into_iter().enumerate() {
+                if i > 0 {
+                    out.push(b',');
+                }
+                out.extend_from_slice(Value::String(k.clone()).to_string().as_bytes());
+                out.push(b':');
+                write_sorted(v, out);
+            }
+            out.push(b'}');
+        }
+        Value::Array(items) => {
+            out.push(b'[');
+            for (i, item) in items.iter().enumerate() {
+                if i > 0 {
+                    out.push(b',');
+                }
+                write_sorted(item, out);
+            }
+            out.push(b']');
+        }
+        scalar => out.extend_from_slice(scalar.to_string().as_bytes()),
     }
 }
 
@@ -367,6 +403,17 @@ mod tests {
         let k = extract(body.as_bytes(), PromptField::Prompt, &c).unwrap();
         assert_eq!(k.block_ends, [8, 16]);
         assert_eq!(k.prompt_bytes, 100);
+    }
+
+    #[test]
+    fn key_order_inside_a_non_text_part_does_not_change_the_key() {
+        let a = chat_key(serde_json::json!({"messages":[{"role":"user","content":[
+            {"type":"image_url","image_url":{"url":"http://x/a.png","detail":"low"}}]}]}));
+        let b: serde_json::Value = serde_json::from_str(
+            r#"{"messages":[{"role":"user","content":[{"image_url":{"detail":"low","url":"http://x/a.png"},"type":"image_url"}]}]}"#,
+        )
+        .unwrap();
+        assert_eq!(a.block_hashes, chat_key(b).block_hashes);
     }
 
     #[test]

@@ -56,7 +56,9 @@ pub fn app(state: AppState) -> Router {
         .route("/metrics", get(routes::metrics))
         .fallback(routes::not_found)
         .method_not_allowed_fallback(routes::method_not_allowed)
-        .layer(TraceLayer::new_for_http())
+        .layer(axum::middleware::from_fn(routes::guard))
+        // Failures are logged once, throttled, where they are understood (routes, proxy).
+        .layer(TraceLayer::new_for_http().on_failure(()))
         .with_state(state)
 }
 

@@ -47,18 +47,28 @@ pub struct Worker {
     /// 5xx answers in a row, for passive ejection.
     error_streak: AtomicU32,
     healthy_gauge: prometheus::IntGauge,
+    metrics: Metrics,
+}
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        self.metrics.worker_gone(&self.name);
+    }
 }
 
 impl Worker {
     pub fn new(cfg: &WorkerConfig, metrics: &Metrics) -> Result<Self, String> {
         let uri: http::Uri = cfg.url.parse().map_err(|e| format!("{}: {e}", cfg.url))?;
         let name = worker_name(cfg);
+        let authority = uri
+            .authority()
+            .cloned()
+            .ok_or_else(|| format!("{}: no host", cfg.url))?;
+        metrics.worker_born(&name);
         Ok(Self {
+            metrics: metrics.clone(),
             scheme: uri.scheme().cloned().unwrap_or(Scheme::HTTP),
-            authority: uri
-                .authority()
-                .cloned()
-                .ok_or_else(|| format!("{}: no host", cfg.url))?,
+            authority,
             models: cfg.models.clone(),
             id_hash: xxh3_64(name.as_bytes()),
             inflight_gauge: metrics.worker_inflight.with_label_values(&[&name]),
@@ -138,6 +148,23 @@ impl Worker {
 
     fn now_ms(&self) -> u64 {
         self.born.elapsed().as_millis() as u64
+    }
+
+    /// Like [`Worker::acquire`], unless `cap` (0: none) requests are already in flight.
+    pub fn try_acquire(self: &Arc<Self>, cap: usize) -> Option<InflightGuard> {
+        if cap > 0 {
+            self.inflight
+                .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| {
+                    (n < cap).then_some(n + 1)
+                })
+                .ok()?;
+        } else {
+            self.inflight.fetch_add(1, Ordering::Relaxed);
+        }
+        self.inflight_gauge.inc();
+        Some(InflightGuard {
+            worker: Arc::clone(self),
+        })
     }
 
     /// Counts one request in flight on `self` until the guard drops.
@@ -228,7 +255,6 @@ impl Pool {
             if !next.iter().any(|n| Arc::ptr_eq(n, w)) {
                 removed += 1;
                 w.set_draining(true);
-                metrics.worker_healthy.remove_label_values(&[&w.name]).ok();
             }
         }
         metrics.workers.set(next.len() as i64);
@@ -369,5 +395,35 @@ mod tests {
             "a drains"
         );
         assert_eq!(metrics.workers.get(), 2);
+    }
+}
+
+#[cfg(test)]
+mod series_tests {
+    use super::*;
+
+    #[test]
+    fn a_departed_workers_series_go_when_its_last_request_ends() {
+        let metrics = Metrics::new();
+        let cfg = |urls: &[&str]| -> Vec<WorkerConfig> {
+            urls.iter().map(|u| WorkerConfig::from_url(*u)).collect()
+        };
+        let pool = Pool::from_config(&cfg(&["http://a:1", "http://b:1"]), &metrics).unwrap();
+        for w in ["a:1", "b:1"] {
+            metrics
+                .requests
+                .with_label_values(&["completions", "prefix", "prefix", w, "200"])
+                .inc();
+        }
+        let in_flight = pool.snapshot()[1].acquire();
+        pool.reconcile(&cfg(&["http://a:1"]), &metrics).unwrap();
+        assert!(
+            metrics.render().contains(r#"worker="b:1""#),
+            "kept while a request runs"
+        );
+        drop(in_flight);
+        let text = metrics.render();
+        assert!(!text.contains(r#"worker="b:1""#), "{text}");
+        assert!(text.contains(r#"worker="a:1""#));
     }
 }

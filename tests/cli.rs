@@ -89,25 +89,127 @@ fn flags_and_env_override_the_policy() {
     assert!(!out.status.success());
 }
 
-#[test]
-fn every_example_config_checks_and_names_its_policy() {
-    let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/config");
-    let mut seen = 0;
-    for entry in std::fs::read_dir(dir).unwrap() {
-        let path = entry.unwrap().path();
-        let policy = path.file_stem().unwrap().to_string_lossy().into_owned();
-        let out = Command::new(env!("CARGO_BIN_EXE_kvroute"))
-            .args(["serve", "--config", path.to_str().unwrap(), "--check"])
-            .env_remove("KVROUTE_POLICY")
-            .output()
-            .unwrap();
-        let stdout = String::from_utf8_lossy(&out.stdout);
-        assert!(out.status.success(), "{path:?}: {out:?}");
+/// Starts `kvroute serve` in front of a closed port, with stderr piped; returns the child, the
+/// gateway's address (read from its "listening" line) and the lines read so far.
+fn serve_dead_pool(log_format: &str) -> (std::process::Child, String, Vec<String>) {
+    use std::io::BufRead;
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kvroute"))
+        .args([
+            "--log-format",
+            log_format,
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--worker",
+            "http://127.0.0.1:1",
+            "--policy",
+            "round_robin",
+        ])
+        .env_remove("KVROUTE_POLICY")
+        .env_remove("RUST_LOG")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = Vec::new();
+    let mut reader = std::io::BufReader::new(child.stderr.take().unwrap());
+    let addr = loop {
+        let mut line = String::new();
         assert!(
-            stdout.contains(&format!("policy {policy}")),
-            "{path:?}: {stdout}"
+            reader.read_line(&mut line).unwrap() > 0,
+            "exited: {lines:?}"
         );
-        seen += 1;
+        lines.push(line.clone());
+        if let Some(rest) = line.split("127.0.0.1:").nth(1) {
+            if line.contains("listening") {
+                let port: String = rest.chars().take_while(|c| c.is_ascii_digit()).collect();
+                break format!("127.0.0.1:{port}");
+            }
+        }
+    };
+    std::thread::spawn(move || {
+        // Keep draining so the child never blocks on a full pipe; hand the rest back via a file.
+        let rest: Vec<String> = reader.lines().map_while(Result::ok).collect();
+        let _ = std::fs::write(
+            std::env::temp_dir().join(format!("kvroute-log-{}", std::process::id())),
+            rest.join("\n"),
+        );
+    });
+    (child, addr, lines)
+}
+
+fn post_completion(addr: &str) -> u16 {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    let body = r#"{"prompt":"x"}"#;
+    write!(
+        s,
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    out[9..12].parse().unwrap()
+}
+
+#[test]
+fn failures_are_logged_throttled_as_json_lines_without_colour() {
+    let (mut child, addr, mut lines) = serve_dead_pool("json");
+    // Failing requests for a little over one second: two throttle windows at least.
+    let start = std::time::Instant::now();
+    let mut sent = 0;
+    while sent < 300 || start.elapsed() < std::time::Duration::from_millis(1200) {
+        assert!(matches!(post_completion(&addr), 502 | 503));
+        sent += 1;
     }
-    assert!(seen >= 4);
+    child.kill().unwrap();
+    child.wait().unwrap();
+    // The drain thread writes the rest once the pipe closes.
+    let file = std::env::temp_dir().join(format!("kvroute-log-{}", std::process::id()));
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    let rest = loop {
+        if let Ok(t) = std::fs::read_to_string(&file) {
+            break t;
+        }
+        assert!(std::time::Instant::now() < deadline, "no log tail");
+        std::thread::yield_now();
+    };
+    let _ = std::fs::remove_file(&file);
+    lines.extend(rest.lines().map(str::to_owned));
+    let lines: Vec<_> = lines.iter().filter(|l| !l.trim().is_empty()).collect();
+    for l in &lines {
+        assert!(!l.contains('\u{1b}'), "colour code in {l}");
+        serde_json::from_str::<serde_json::Value>(l).unwrap_or_else(|e| panic!("{e}: {l}"));
+    }
+    // Hundreds of failed requests; at most 10 lines a second per kind of line.
+    let failures = lines.iter().filter(|l| l.contains("failed")).count();
+    let seconds = start.elapsed().as_secs() + 1;
+    assert!(
+        failures >= 1 && failures as u64 <= 2 * 10 * seconds,
+        "{failures} lines for {sent} requests: {lines:#?}"
+    );
+    // A line after a throttled burst says how many were held back.
+    assert!(lines.iter().any(|l| {
+        let v: serde_json::Value = serde_json::from_str(l).unwrap();
+        v["fields"]["suppressed"].as_u64() > Some(0)
+    }));
+}
+
+#[test]
+fn bad_bench_numbers_are_refused_without_a_panic() {
+    for bad in [
+        "--rate=0",
+        "--request-timeout=-1",
+        "--rate=NaN",
+        "--duration=1e30",
+        "--warmup=-3",
+    ] {
+        let args = ["bench", "run", "--url", "http://127.0.0.1:1", bad];
+        let out = kvroute(&args);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{bad:?}");
+        assert!(!stderr.contains("panicked"), "{bad:?}: {stderr}");
+        assert!(stderr.contains("must be"), "{bad:?}: {stderr}");
+    }
 }

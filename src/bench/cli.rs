@@ -160,13 +160,21 @@ impl LoadArgs {
                 ))
             })?,
         };
-        if self.duration <= 0.0
-            || self.warmup < 0.0
-            || self.concurrency == 0
-            || self.time_scale <= 0.0
-        {
+        // Seconds that `Duration::from_secs_f64` takes without panicking, and more than enough.
+        let seconds = |v: f64| v.is_finite() && (0.0..1e9).contains(&v);
+        let ok = seconds(self.duration)
+            && self.duration > 0.0
+            && seconds(self.warmup)
+            && seconds(self.request_timeout)
+            && self.request_timeout > 0.0
+            && self.concurrency > 0
+            && self.time_scale.is_finite()
+            && self.time_scale > 0.0
+            && self.rate.is_none_or(|r| r.is_finite() && r > 0.0)
+            && (0.0..=1.0).contains(&self.cancel_fraction);
+        if !ok {
             return Err(BenchError::Setup(
-                "duration and concurrency must be positive, warmup not negative".into(),
+                "--duration, --request-timeout, --time-scale, --rate and --concurrency must be positive numbers, --warmup not negative, --cancel-fraction in [0, 1]".into(),
             ));
         }
         Ok(LoadSpec {

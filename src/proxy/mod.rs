@@ -10,7 +10,7 @@
 
 mod relay;
 
-use std::{sync::Arc, time::Duration};
+use std::{borrow::Cow, sync::Arc, time::Duration};
 
 use axum::response::Response;
 use bytes::Bytes;
@@ -31,7 +31,7 @@ use crate::{
     metrics::Metrics,
     policy::arms::Arm,
     routing_key::RequestInfo,
-    workers::{eligible, Pool},
+    workers::{eligible, Pool, Worker},
 };
 
 /// Response header naming the worker that served the request.
@@ -92,17 +92,30 @@ pub async fn forward(
     // The request's key, shared with the trackers of learning policies (made on first need).
     let mut shared: Option<Arc<RequestInfo>> = None;
     for _attempt in 0..=up.config.connect_retries {
-        if cap > 0
-            && workers
-                .iter()
-                .all(|w| !w.is_usable() || w.inflight() >= cap)
-            && workers.iter().any(|w| w.is_usable())
-        {
+        // With a per-worker cap, the policy chooses among the workers under it.
+        let open: Cow<[Arc<Worker>]> = if cap == 0 {
+            Cow::Borrowed(&workers)
+        } else {
+            Cow::Owned(
+                workers
+                    .iter()
+                    .filter(|w| w.inflight() < cap)
+                    .cloned()
+                    .collect(),
+            )
+        };
+        if cap > 0 && !open.iter().any(|w| w.is_usable()) && workers.iter().any(|w| w.is_usable()) {
             return Err(ApiError::Saturated);
         }
         let policy = arm.policy.as_ref();
-        let Some(selection) = policy.select(&workers, &info) else {
+        let Some(selection) = policy.select(&open, &info) else {
             return Err(last_error);
+        };
+        let worker = &open[selection.index];
+        // Taken before anything else is counted, so the cap holds under concurrent choices.
+        let Some(slot) = worker.try_acquire(cap) else {
+            last_error = ApiError::Saturated;
+            continue;
         };
         if route != Route::Passthrough {
             up.metrics
@@ -110,7 +123,6 @@ pub async fn forward(
                 .with_label_values(&[policy.name(), &arm.name, selection.outcome.as_str()])
                 .inc();
         }
-        let worker = &workers[selection.index];
         let feedback = policy.learns().then(|| Feedback {
             policy: Arc::clone(&arm.policy),
             info: Arc::clone(shared.get_or_insert_with(|| Arc::new(info.clone()))),
@@ -123,7 +135,7 @@ pub async fn forward(
             failed: false,
         });
         let tracker = Tracker {
-            slot: worker.acquire(),
+            slot,
             metrics: up.metrics.clone(),
             policy: policy.name(),
             arm: arm.name.clone(),
@@ -147,10 +159,18 @@ pub async fn forward(
                 );
                 return Ok(tracker.into_response(resp, route, up.config.timeouts.idle_stream()));
             }
+            Ok(Err(e)) if e.is_connect() && out_of_descriptors(&e) => {
+                // The gateway's own failure (too many open files): not the worker's fault.
+                tracker.failed("gateway_fd_exhausted");
+                return Err(ApiError::GatewayExhausted(error_chain(&e)));
+            }
             Ok(Err(e)) if e.is_connect() => {
                 tracker.failed("connect");
                 worker.eject_for(Duration::from_secs_f64(up.config.eject_seconds));
-                tracing::warn!(worker = %worker.name, error = %e, "connect failed; trying another worker");
+                static CONNECT: crate::logging::Throttle = crate::logging::Throttle::new(10);
+                if let Some(suppressed) = CONNECT.allow() {
+                    tracing::warn!(worker = %worker.name, error = %e, suppressed, "connect failed; trying another worker");
+                }
                 last_error = ApiError::UpstreamConnect {
                     worker: worker.name.clone(),
                     detail: error_chain(&e),
@@ -165,6 +185,12 @@ pub async fn forward(
             }
             Err(_) => {
                 tracker.failed("timeout");
+                // Repeated timeouts eject a hung worker, as repeated 5xx do.
+                worker.record_status(
+                    http::StatusCode::GATEWAY_TIMEOUT,
+                    up.config.health.passive_failures,
+                    Duration::from_secs_f64(up.config.eject_seconds),
+                );
                 return Err(ApiError::UpstreamTimeout {
                     worker: worker.name.clone(),
                     seconds: timeout.as_secs_f64(),
@@ -173,6 +199,20 @@ pub async fn forward(
         }
     }
     Err(last_error)
+}
+
+/// Whether `e` comes from this process running out of file descriptors (`EMFILE`, `ENFILE`).
+fn out_of_descriptors(e: &(dyn std::error::Error + 'static)) -> bool {
+    let mut cur = Some(e);
+    while let Some(err) = cur {
+        if let Some(io) = err.downcast_ref::<std::io::Error>() {
+            if matches!(io.raw_os_error(), Some(23 | 24)) {
+                return true;
+            }
+        }
+        cur = err.source();
+    }
+    false
 }
 
 /// An error and its sources, joined: hyper's top-level messages alone say little.

@@ -112,10 +112,17 @@ impl Tracker {
         } else {
             Phase::Streaming
         };
+        let sse = parts
+            .headers
+            .get(http::header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|v| v.starts_with("text/event-stream"));
         let mut out = Response::new(Body::new(RelayBody {
             inner: incoming,
             idle_timer: Box::pin(tokio::time::sleep(idle)),
             idle,
+            sse,
+            ended: false,
             tracker: (self.phase == Phase::Streaming).then_some(self),
         }));
         *out.status_mut() = parts.status;
@@ -244,11 +251,47 @@ pub(super) struct RelayBody {
     inner: Incoming,
     idle_timer: Pin<Box<Sleep>>,
     idle: Duration,
+    /// An SSE stream: a failure mid-stream is told to the client as a last `error` event.
+    sse: bool,
+    /// The stream was ended by the gateway after such an event.
+    ended: bool,
     /// `Some` until the stream ends; dropping it (with the body) settles the accounting.
     tracker: Option<Tracker>,
 }
 
 impl RelayBody {
+    /// The worker failed mid-stream: an SSE client gets a final `data: {"error": ...}` event (the
+    /// shape vLLM itself sends when generation fails) and a clean end; other bodies end in error.
+    fn fail(
+        &mut self,
+        kind: &str,
+        error: axum::BoxError,
+        status: http::StatusCode,
+    ) -> Poll<Option<Result<Frame<Bytes>, axum::BoxError>>> {
+        let worker = self
+            .tracker
+            .as_ref()
+            .map(|t| t.worker().to_owned())
+            .unwrap_or_default();
+        self.finish(Some(kind));
+        static MID_STREAM: crate::logging::Throttle = crate::logging::Throttle::new(10);
+        if let Some(suppressed) = MID_STREAM.allow() {
+            tracing::warn!(worker = %worker, kind, error = %error, suppressed, "stream failed mid-way");
+        }
+        if !self.sse {
+            return Poll::Ready(Some(Err(error)));
+        }
+        self.ended = true;
+        let body = serde_json::json!({"error": {
+            "message": format!("the worker failed mid-stream: {error}"),
+            "type": if status == http::StatusCode::GATEWAY_TIMEOUT { "GatewayTimeoutError" } else { "BadGatewayError" },
+            "param": null,
+            "code": status.as_u16(),
+        }});
+        let event = format!("data: {body}\n\ndata: [DONE]\n\n");
+        Poll::Ready(Some(Ok(Frame::data(Bytes::from(event)))))
+    }
+
     fn finish(&mut self, error_kind: Option<&str>) {
         if let Some(mut t) = self.tracker.take() {
             if let Some(kind) = error_kind {
@@ -271,6 +314,9 @@ impl HttpBody for RelayBody {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
         let this = &mut *self;
+        if this.ended {
+            return Poll::Ready(None);
+        }
         match Pin::new(&mut this.inner).poll_frame(cx) {
             Poll::Ready(Some(Ok(frame))) => {
                 if let (Some(t), Some(data)) = (&mut this.tracker, frame.data_ref()) {
@@ -285,18 +331,15 @@ impl HttpBody for RelayBody {
                 }
                 Poll::Ready(Some(Ok(frame)))
             }
-            Poll::Ready(Some(Err(e))) => {
-                this.finish(Some("body"));
-                Poll::Ready(Some(Err(e.into())))
-            }
+            Poll::Ready(Some(Err(e))) => this.fail("body", e.into(), http::StatusCode::BAD_GATEWAY),
             Poll::Ready(None) => {
                 this.finish(None);
                 Poll::Ready(None)
             }
             Poll::Pending => {
                 if this.tracker.is_some() && this.idle_timer.as_mut().poll(cx).is_ready() {
-                    this.finish(Some("idle_timeout"));
-                    return Poll::Ready(Some(Err(IdleTimeout(this.idle).into())));
+                    let e = IdleTimeout(this.idle).into();
+                    return this.fail("idle_timeout", e, http::StatusCode::GATEWAY_TIMEOUT);
                 }
                 Poll::Pending
             }
@@ -304,7 +347,7 @@ impl HttpBody for RelayBody {
     }
 
     fn is_end_stream(&self) -> bool {
-        self.inner.is_end_stream()
+        self.ended || self.inner.is_end_stream()
     }
 
     fn size_hint(&self) -> SizeHint {

@@ -18,6 +18,7 @@ use axum::{
     routing::{any, get},
     Json, Router,
 };
+use futures_util::StreamExt as _;
 use kvroute::config::{Config, WorkerConfig};
 use tokio::{
     io::{AsyncReadExt, AsyncWriteExt},
@@ -28,7 +29,8 @@ use tokio_util::sync::CancellationToken;
 
 /// How the scripted upstream behaves; set per request by fields in the JSON body:
 /// `max_tokens` = events, `delay_ms` between events (or before a non-streaming answer), `gate`
-/// = wait after the first event until the test opens the gate.
+/// = wait after the first event until the test opens the gate, `die_after` = break the
+/// connection after that many events (a worker killed mid-stream).
 pub struct Upstream {
     pub addr: SocketAddr,
     pub name: String,
@@ -116,6 +118,7 @@ async fn generate(State(s): State<UpState>, req: Request) -> Response {
     let delay = Duration::from_millis(v["delay_ms"].as_u64().unwrap_or(0));
     let prompt = v["prompt"].as_str().unwrap_or("").to_owned();
     let gated = v["gate"].as_bool().unwrap_or(false);
+    let die_after = v["die_after"].as_u64().map(|d| d as usize);
     let mut alarm = AbandonAlarm(Some(s.disconnects.clone()));
     if !v["stream"].as_bool().unwrap_or(false) {
         tokio::time::sleep(delay).await;
@@ -129,6 +132,10 @@ async fn generate(State(s): State<UpState>, req: Request) -> Response {
     }
     let gate = s.gate.clone();
     let stream = async_stream(n, delay, prompt, gated, gate, alarm);
+    let stream = futures_util::StreamExt::enumerate(stream).map(move |(i, item)| match die_after {
+        Some(d) if i >= d => Err(std::io::Error::other("worker killed")),
+        _ => item,
+    });
     (
         [
             ("content-type", "text/event-stream"),

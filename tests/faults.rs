@@ -1,0 +1,208 @@
+//! What clients see when workers fail, and what the gateway does about it (real HTTP on loopback).
+
+mod common;
+
+use std::time::Duration;
+
+use common::{config_for, gateway, metric, metrics_text, read_until, request, send, upstream};
+use serde_json::json;
+use tokio::{io::AsyncReadExt, net::TcpListener};
+
+fn body(v: serde_json::Value) -> Vec<u8> {
+    v.to_string().into_bytes()
+}
+
+async fn read_all(mut s: tokio::net::TcpStream) -> String {
+    let mut raw = Vec::new();
+    tokio::time::timeout(Duration::from_secs(10), s.read_to_end(&mut raw))
+        .await
+        .expect("the response ends")
+        .unwrap();
+    String::from_utf8_lossy(&raw).into_owned()
+}
+
+#[tokio::test]
+async fn a_worker_dying_mid_stream_ends_the_stream_with_an_error_event() {
+    let up = upstream("w0", &[]).await;
+    let gw = gateway(config_for(&[&up], "round_robin")).await;
+    let s = send(
+        gw.addr,
+        "POST",
+        "/v1/completions",
+        &body(json!({"prompt": "p", "stream": true, "max_tokens": 10, "die_after": 3})),
+    )
+    .await;
+    let text = read_all(s).await;
+    assert_eq!(text.matches("\"text\":\"tok").count(), 3, "{text}");
+    let at = text.find("data: {\"error\"").expect("an error event");
+    let event: serde_json::Value =
+        serde_json::from_str(text[at + 6..].lines().next().unwrap()).unwrap();
+    assert_eq!(event["error"]["code"], 502);
+    assert!(text[at..].contains("data: [DONE]"));
+    assert!(
+        text.ends_with("0\r\n\r\n"),
+        "a clean end of the chunked body: {text}"
+    );
+    let m = metrics_text(gw.addr).await;
+    assert_eq!(
+        metric(
+            &m,
+            r#"kvroute_upstream_errors_total{kind="body",worker="w0"}"#
+        ),
+        Some(1.0)
+    );
+    assert_eq!(
+        metric(&m, r#"kvroute_worker_inflight{worker="w0"}"#),
+        Some(0.0)
+    );
+}
+
+#[tokio::test]
+async fn a_silent_stream_ends_with_a_timeout_event() {
+    let up = upstream("w0", &[]).await;
+    let mut cfg = config_for(&[&up], "round_robin");
+    cfg.timeouts.idle_stream_seconds = 0.3;
+    let gw = gateway(cfg).await;
+    let s = send(
+        gw.addr,
+        "POST",
+        "/v1/completions",
+        &body(json!({"prompt": "p", "stream": true, "max_tokens": 5, "gate": true})),
+    )
+    .await;
+    let text = read_all(s).await;
+    assert_eq!(text.matches("\"text\":\"tok").count(), 1, "{text}");
+    assert!(text.contains("\"code\":504"), "{text}");
+}
+
+#[tokio::test]
+async fn repeated_timeouts_eject_a_hung_worker() {
+    // A worker that accepts connections and never answers.
+    let hung = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let hung_addr = hung.local_addr().unwrap();
+    tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((s, _)) = hung.accept().await {
+            held.push(s);
+        }
+    });
+    let good = upstream("good", &[]).await;
+    let mut cfg = config_for(&[&good], "round_robin");
+    cfg.workers.insert(
+        0,
+        kvroute::config::WorkerConfig {
+            name: Some("hung".into()),
+            ..kvroute::config::WorkerConfig::from_url(format!("http://{hung_addr}"))
+        },
+    );
+    cfg.timeouts.first_byte_seconds = 0.2;
+    cfg.health.interval_seconds = 0.0;
+    cfg.health.passive_failures = 2;
+    cfg.eject_seconds = 60.0;
+    let gw = gateway(cfg).await;
+    let ask = || request(gw.addr, "POST", "/v1/completions", br#"{"prompt":"x"}"#);
+    let mut statuses = Vec::new();
+    for _ in 0..8 {
+        let r = ask().await;
+        let text = String::from_utf8_lossy(&r.body).into_owned();
+        assert!(
+            !text.contains(&hung_addr.to_string()),
+            "no worker address in {text}"
+        );
+        statuses.push(r.status);
+    }
+    // Round-robin alternates until the second timeout ejects the hung worker; then all succeed.
+    assert_eq!(statuses, [504, 200, 504, 200, 200, 200, 200, 200]);
+    let m = metrics_text(gw.addr).await;
+    assert_eq!(
+        metric(&m, r#"kvroute_worker_healthy{worker="hung"}"#),
+        Some(0.0)
+    );
+}
+
+#[tokio::test]
+async fn the_in_flight_cap_holds_for_each_worker() {
+    let (a, b) = (upstream("a", &[]).await, upstream("b", &[]).await);
+    let mut cfg = config_for(&[&a, &b], "prefix");
+    cfg.max_inflight_per_worker = 1;
+    let gw = gateway(cfg).await;
+    // The same prompt twice: prefix routing prefers one worker for both, and the cap must send
+    // the second elsewhere instead of over the cap.
+    let held = |_| async {
+        let mut s = send(
+            gw.addr,
+            "POST",
+            "/v1/completions",
+            &body(json!({"prompt": "same prompt", "stream": true, "max_tokens": 3, "gate": true})),
+        )
+        .await;
+        let head = read_until(&mut s, b"tok0", Duration::from_secs(5)).await;
+        let head = String::from_utf8_lossy(&head).to_string();
+        let worker = head
+            .lines()
+            .find_map(|l| l.strip_prefix("x-kvroute-worker: "))
+            .unwrap()
+            .to_owned();
+        (s, worker)
+    };
+    let (_s1, w1) = held(0).await;
+    let (_s2, w2) = held(1).await;
+    assert_ne!(w1, w2);
+    let r = request(
+        gw.addr,
+        "POST",
+        "/v1/completions",
+        br#"{"prompt":"same prompt"}"#,
+    )
+    .await;
+    assert_eq!(r.status, 429);
+    let m = metrics_text(gw.addr).await;
+    for w in ["a", "b"] {
+        assert_eq!(
+            metric(&m, &format!(r#"kvroute_worker_inflight{{worker="{w}"}}"#)),
+            Some(1.0)
+        );
+    }
+}
+
+#[tokio::test]
+async fn malformed_requests_are_refused_before_routing() {
+    use tokio::io::AsyncWriteExt;
+    let up = upstream("w0", &[]).await;
+    let gw = gateway(config_for(&[&up], "round_robin")).await;
+    let raw = |req: &'static str| async move {
+        let mut s = tokio::net::TcpStream::connect(gw.addr).await.unwrap();
+        s.write_all(req.as_bytes()).await.unwrap();
+        let text = read_all(s).await;
+        text[9..12].parse::<u16>().unwrap()
+    };
+    for path in [
+        "/v1/../metrics",
+        "/v1/%2e%2e/x",
+        "/v1/./models",
+        "/v1/%2E/models",
+    ] {
+        let req = format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+        let req: &'static str = Box::leak(req.into_boxed_str());
+        assert_eq!(raw(req).await, 400, "{path}");
+    }
+    assert_eq!(
+        raw("GET /v1/models HTTP/1.1\r\nConnection: close\r\n\r\n").await,
+        400
+    );
+    assert_eq!(
+        raw("GET /v1/models HTTP/1.1\r\nHost: a\r\nHost: b\r\nConnection: close\r\n\r\n").await,
+        400
+    );
+    assert_eq!(
+        raw("GET /v1/models HTTP/1.0\r\n\r\n").await,
+        200,
+        "HTTP/1.0 needs no Host"
+    );
+    assert_eq!(
+        raw("GET /v1/models HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n").await,
+        200
+    );
+    // None of the refused paths reached the worker (its `/v1/*` handler counts every request).
+    assert_eq!(up.requests.load(std::sync::atomic::Ordering::SeqCst), 0);
+}
