@@ -206,3 +206,93 @@ async fn malformed_requests_are_refused_before_routing() {
     // None of the refused paths reached the worker (its `/v1/*` handler counts every request).
     assert_eq!(up.requests.load(std::sync::atomic::Ordering::SeqCst), 0);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn running_out_of_descriptors_is_the_gateways_503_not_the_workers_fault() {
+    use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
+    let up = upstream("w0", &[]).await;
+    // The gateway binary with a small descriptor limit, in front of a healthy worker; no health
+    // checks or load polls, so no pooled connection to the worker exists to be reused.
+    let dir = std::env::temp_dir().join(format!("kvroute-fd-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let cfg = dir.join("gw.yaml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "listen: 127.0.0.1:0\nworkers: [{{url: \"{}\", name: w0}}]\npolicy: {{kind: round_robin}}\nhealth: {{interval_seconds: 0}}\nload_signals: {{interval_seconds: 0}}\n",
+            up.url()
+        ),
+    )
+    .unwrap();
+    let script = format!(
+        "ulimit -n 48 && exec {} serve --config {}",
+        env!("CARGO_BIN_EXE_kvroute"),
+        cfg.display()
+    );
+    let mut child = tokio::process::Command::new("sh")
+        .args(["-c", &script])
+        .env_remove("KVROUTE_POLICY")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let mut out = tokio::io::BufReader::new(child.stdout.take().unwrap()).lines();
+    let line = tokio::time::timeout(Duration::from_secs(10), out.next_line())
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    let addr: std::net::SocketAddr = line.rsplit("http://").next().unwrap().parse().unwrap();
+    let mut first = tokio::net::TcpStream::connect(addr).await.unwrap();
+    // Hold kept-alive connections until one is not answered: the gateway cannot accept more,
+    // every descriptor is in use.
+    let mut idle = Vec::new();
+    for _ in 0..64 {
+        let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+        s.write_all(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            .await
+            .unwrap();
+        let mut buf = [0u8; 256];
+        let answered = tokio::time::timeout(Duration::from_secs(2), s.read(&mut buf)).await;
+        idle.push(s);
+        if answered.is_err() {
+            break;
+        }
+    }
+    let req = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 14\r\n\r\n{\"prompt\":\"x\"}";
+    first.write_all(req.as_bytes()).await.unwrap();
+    let head = read_until(&mut first, b"\r\n\r\n", Duration::from_secs(10)).await;
+    let head = String::from_utf8_lossy(&head).into_owned();
+    assert!(head.starts_with("HTTP/1.1 503"), "{head}");
+    assert_eq!(up.requests.load(std::sync::atomic::Ordering::SeqCst), 0);
+    // With descriptors free again, the worker was never blamed.
+    drop(idle);
+    drop(first);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    let m = loop {
+        let m =
+            String::from_utf8_lossy(&request(addr, "GET", "/metrics", b"").await.body).into_owned();
+        if m.contains("kvroute_upstream_errors_total") || tokio::time::Instant::now() > deadline {
+            break m;
+        }
+    };
+    assert_eq!(
+        metric(
+            &m,
+            r#"kvroute_upstream_errors_total{kind="gateway_fd_exhausted",worker="w0"}"#
+        ),
+        Some(1.0),
+        "{m}"
+    );
+    assert_eq!(
+        metric(&m, r#"kvroute_worker_healthy{worker="w0"}"#),
+        Some(1.0)
+    );
+    assert_eq!(
+        request(addr, "POST", "/v1/completions", br#"{"prompt":"x"}"#)
+            .await
+            .status,
+        200
+    );
+}
