@@ -166,11 +166,16 @@ pub fn main() -> ExitCode {
             let poll = std::time::Duration::from_secs(2);
             let source = path.map(|p| crate::reload::Source::new(p, overrides, poll));
             if check {
-                println!(
-                    "config ok: policy {}, {} worker(s)",
-                    config.policy.name(),
-                    config.workers.len()
-                );
+                // With an `ab` section the arms decide, not `policy`.
+                let routing = match &config.ab {
+                    None => format!("policy {}", config.policy.name()),
+                    Some(_) => format!(
+                        "ab arms {}",
+                        crate::policy::arms::Arms::new(&config.policy, config.ab.as_ref())
+                            .describe()
+                    ),
+                };
+                println!("config ok: {routing}, {} worker(s)", config.workers.len());
                 return ExitCode::SUCCESS;
             }
             run(async move {

@@ -110,7 +110,15 @@ fn respond(
                     tracing::warn!(route = route.as_str(), error = %e, suppressed, "request failed");
                 }
             }
-            e.into_response()
+            let mut resp = e.into_response();
+            // Every response names its arm, the gateway's own errors too (none before an arm is picked).
+            if let Ok(v) = http::HeaderValue::from_str(arm) {
+                if arm != "none" {
+                    resp.headers_mut()
+                        .insert(crate::policy::arms::ARM_HEADER, v);
+                }
+            }
+            resp
         }
     }
 }

@@ -129,3 +129,48 @@ fn bad_ab_sections_are_rejected() {
     cfg.ab.as_mut().unwrap().arms.truncate(1);
     assert!(cfg.validate().is_err());
 }
+
+#[tokio::test]
+async fn the_gateways_own_errors_name_the_arm_too() {
+    // A worker that refuses connections: the answer is the gateway's 502, in the session's arm.
+    let mut cfg = ab_config(vec![kvroute::config::WorkerConfig::from_url(
+        "http://127.0.0.1:1",
+    )]);
+    cfg.health.interval_seconds = 0.0;
+    let gw = common::gateway(cfg).await;
+    let r = request_with(
+        gw.addr,
+        "POST",
+        "/v1/completions",
+        &[("x-session-id", "user-1")],
+        br#"{"prompt": "x"}"#,
+    )
+    .await;
+    assert!(matches!(r.status, 502 | 503), "{}", r.status);
+    let arm = r.header("x-kvroute-arm").expect("arm header on an error");
+    assert!(arm == "control" || arm == "candidate", "{arm}");
+}
+
+#[test]
+fn check_reports_the_arms_of_an_ab_config() {
+    let dir = std::env::temp_dir().join(format!("kvroute-ab-check-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("ab.yaml");
+    std::fs::write(
+        &file,
+        "workers: [{url: \"http://127.0.0.1:9\"}]\nab:\n  arms:\n    - {name: a, weight: 1, policy: {kind: round_robin}}\n    - {name: b, weight: 3, policy: {kind: cache_aware}}\n",
+    )
+    .unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvroute"))
+        .args(["serve", "--config", file.to_str().unwrap(), "--check"])
+        .env_remove("KVROUTE_POLICY")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{out:?}");
+    assert!(
+        stdout.contains("ab arms a=round_robin:1, b=cache_aware:3"),
+        "{stdout}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
