@@ -123,6 +123,13 @@ pub struct CacheAwareParams {
     /// Share of the prompt that no worker is known to hold that the request's rendezvous home is
     /// credited with: another replica may have sent that prefix there.
     pub home_affinity: f64,
+    /// Weight of the prefill a worker would have to do (the tokens it does not hold). Above 1
+    /// because a miss costs more than the request's own wait: its prefill stalls every sequence
+    /// decoding on that worker, and the copy it makes evicts other prefixes.
+    pub miss_weight: f64,
+    /// Weight of the prefill this gateway has queued on a worker that it has not started
+    /// (chunked prefill overlaps part of it with decoding).
+    pub pending_weight: f64,
 }
 
 impl Default for CacheAwareParams {
@@ -132,6 +139,8 @@ impl Default for CacheAwareParams {
             request_cost_tokens: 64.0,
             bytes_per_token: 4.0,
             home_affinity: 0.5,
+            miss_weight: 3.0,
+            pending_weight: 0.5,
         }
     }
 }
@@ -145,9 +154,12 @@ impl CacheAwareParams {
         let ok = self.request_cost_tokens.is_finite()
             && self.request_cost_tokens >= 0.0
             && finite_pos(self.bytes_per_token)
-            && (0.0..=1.0).contains(&self.home_affinity);
+            && (0.0..=1.0).contains(&self.home_affinity)
+            && finite_pos(self.miss_weight)
+            && self.pending_weight.is_finite()
+            && self.pending_weight >= 0.0;
         if !ok {
-            return Err("cache_aware: request_cost_tokens >= 0, bytes_per_token > 0, home_affinity in [0, 1]".into());
+            return Err("cache_aware: request_cost_tokens >= 0, bytes_per_token > 0, home_affinity in [0, 1], miss_weight > 0, pending_weight >= 0".into());
         }
         Ok(())
     }

@@ -154,8 +154,8 @@ impl Policy for CacheAware {
             };
             let c = Candidate {
                 index,
-                cost: prompt - held
-                    + w.load.pending_prefill() as f64
+                cost: self.params.miss_weight * (prompt - held)
+                    + self.params.pending_weight * w.load.pending_prefill() as f64
                     + queue_weight * w.load.queued(w.inflight()) as f64,
                 score: mix(key, w.id_hash),
                 depth,
@@ -169,7 +169,7 @@ impl Policy for CacheAware {
         }
         let (mut chosen, home) = (best?, home?);
         let credited = Candidate {
-            cost: home.cost - self.params.home_affinity * unknown,
+            cost: home.cost - self.params.miss_weight * self.params.home_affinity * unknown,
             ..home
         };
         if credited.beats(&chosen) {
@@ -258,6 +258,15 @@ mod tests {
         CacheAware::new(CacheAwareParams::default())
     }
 
+    /// Weights 1, so the arithmetic in the comments is plain tokens.
+    fn unit() -> CacheAware {
+        CacheAware::new(CacheAwareParams {
+            miss_weight: 1.0,
+            pending_weight: 1.0,
+            ..CacheAwareParams::default()
+        })
+    }
+
     /// A conversation: `shared` blocks common to all, then `own` blocks of conversation `c`.
     fn convo(c: u64, shared: u64, own: u64) -> RequestInfo {
         let hashes = (0..shared)
@@ -273,7 +282,7 @@ mod tests {
     #[test]
     fn a_conversation_follows_its_deepest_blocks_although_all_share_the_first() {
         let ws = test_workers(4);
-        let p = policy();
+        let p = unit();
         // Two conversations with the same 4-block system prompt, placed on different workers by load.
         let first = pick(&p, &ws, &convo(1, 4, 1));
         // 6 in flight cost 384 tokens: more than the 320-token prompt would cost elsewhere.
@@ -323,7 +332,7 @@ mod tests {
     #[test]
     fn a_hot_prefix_is_copied_when_its_holder_is_busy() {
         let ws = test_workers(3);
-        let p = policy();
+        let p = unit();
         let shared = convo(0, 8, 0); // 2,048 bytes: ~512 tokens at 4 bytes per token
         let home = pick(&p, &ws, &shared).index;
         // 6 requests in flight (384 tokens) cost less than recomputing the prefix elsewhere: it stays.
@@ -343,6 +352,20 @@ mod tests {
     }
 
     #[test]
+    fn the_default_weighs_a_miss_three_times_its_tokens() {
+        // The same 512-token prefix stays with its holder at 20 in flight (1,280 tokens of queue
+        // against 1,536 of weighted prefill elsewhere) and is copied at 26 (1,664).
+        let ws = test_workers(3);
+        let p = policy();
+        let home = pick(&p, &ws, &convo(0, 8, 0)).index;
+        let held: Vec<_> = (0..20).map(|_| ws[home].acquire()).collect();
+        assert_eq!(pick(&p, &ws, &convo(5, 8, 1)).index, home);
+        let more: Vec<_> = (0..6).map(|_| ws[home].acquire()).collect();
+        assert_ne!(pick(&p, &ws, &convo(6, 8, 1)).index, home);
+        drop((held, more));
+    }
+
+    #[test]
     fn simultaneous_arrivals_spread_instead_of_herding() {
         let ws = test_workers(4);
         let p = policy();
@@ -353,10 +376,10 @@ mod tests {
             per_worker[s.index] += 1;
             held.push(ws[s.index].acquire()); // in flight, as the proxy would hold it
         }
-        assert!(
-            per_worker.iter().all(|&n| (7..=13).contains(&n)),
-            "{per_worker:?}"
-        );
+        // Each new prompt's home is credited its unknown 256 tokens × 0.5 × 3 = 384 tokens, six
+        // requests' worth: no worker gets further ahead of the least loaded than that.
+        let (min, max) = (per_worker.iter().min(), per_worker.iter().max());
+        assert!(max.zip(min).is_some_and(|(a, b)| a - b <= 7), "{per_worker:?}");
     }
 
     #[test]
