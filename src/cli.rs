@@ -179,7 +179,7 @@ pub fn main() -> ExitCode {
                 return ExitCode::SUCCESS;
             }
             run(async move {
-                let listener = tokio::net::TcpListener::bind(config.listen).await?;
+                let listener = crate::listener::bind(config.listen, config.limits.listen_backlog)?;
                 let hup = source
                     .as_ref()
                     .and_then(|_| crate::reload::install_hangup());

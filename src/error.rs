@@ -16,6 +16,8 @@ pub enum ApiError {
     InvalidRequest(String),
     #[error("request body is larger than the limit of {limit} bytes")]
     BodyTooLarge { limit: usize },
+    #[error("the request body did not arrive within {0}s")]
+    BodyTimeout(f64),
     #[error("the model `{0}` does not exist")]
     ModelNotFound(String),
     #[error("no route for {0}")]
@@ -41,6 +43,7 @@ impl ApiError {
         match self {
             InvalidJson(_) | InvalidRequest(_) => (StatusCode::BAD_REQUEST, "BadRequestError"),
             BodyTooLarge { .. } => (StatusCode::PAYLOAD_TOO_LARGE, "RequestTooLargeError"),
+            BodyTimeout(_) => (StatusCode::REQUEST_TIMEOUT, "RequestTimeoutError"),
             ModelNotFound(_) | RouteNotFound(_) => (StatusCode::NOT_FOUND, "NotFoundError"),
             Saturated => (StatusCode::TOO_MANY_REQUESTS, "RateLimitError"),
             NoWorker | GatewayExhausted(_) => {

@@ -14,6 +14,7 @@ pub mod discovery;
 pub mod error;
 pub mod health;
 pub mod index;
+pub mod listener;
 pub mod load;
 pub mod logging;
 pub mod metrics;

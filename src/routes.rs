@@ -48,7 +48,7 @@ async fn routed(s: AppState, route: Route, field: PromptField, req: Request) -> 
     let arms = s.arms.load_full();
     let (parts, body) = req.into_parts();
     let keyed = async {
-        let body = read_body(&parts.headers, body, up.config.body_limit_bytes).await?;
+        let body = read_body(&parts.headers, body, &up.config).await?;
         let info = routing_key::extract(&body, field, &up.config.routing_key)?;
         Ok::<_, ApiError>((body, info))
     };
@@ -66,7 +66,7 @@ pub async fn passthrough(State(s): State<AppState>, req: Request) -> Response {
     let up = &s.upstreams;
     let (parts, body) = req.into_parts();
     let result = async {
-        let body = read_body(&parts.headers, body, up.config.body_limit_bytes).await?;
+        let body = read_body(&parts.headers, body, &up.config).await?;
         forward(
             up,
             &s.passthrough,
@@ -123,7 +123,14 @@ fn respond(
     }
 }
 
-async fn read_body(headers: &http::HeaderMap, body: Body, limit: usize) -> Result<Bytes, ApiError> {
+/// The whole body, within the size limit and the body read timeout.
+async fn read_body(
+    headers: &http::HeaderMap,
+    body: Body,
+    cfg: &crate::config::Config,
+) -> Result<Bytes, ApiError> {
+    let limit = cfg.body_limit_bytes;
+    let timeout = Duration::from_secs_f64(cfg.limits.body_read_timeout_seconds);
     let declared = headers
         .get(header::CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok())
@@ -131,7 +138,10 @@ async fn read_body(headers: &http::HeaderMap, body: Body, limit: usize) -> Resul
     if declared.is_some_and(|n| n > limit as u64) {
         return Err(ApiError::BodyTooLarge { limit });
     }
-    match Limited::new(body, limit).collect().await {
+    let collected = tokio::time::timeout(timeout, Limited::new(body, limit).collect())
+        .await
+        .map_err(|_| ApiError::BodyTimeout(timeout.as_secs_f64()))?;
+    match collected {
         Ok(collected) => Ok(collected.to_bytes()),
         Err(e) if e.downcast_ref::<LengthLimitError>().is_some() => {
             Err(ApiError::BodyTooLarge { limit })

@@ -118,14 +118,14 @@ pub async fn serve_state(
         state.resolver.clone(),
         background.clone(),
     ));
-    let server = axum::serve(no_delay(listener), app(state))
-        .with_graceful_shutdown(shutdown.clone().cancelled_owned());
+    let limits = state.upstreams.config.limits.clone();
+    let server = crate::listener::serve(listener, app(state), &limits, shutdown.clone());
     let deadline = async {
         shutdown.cancelled().await;
         tokio::time::sleep(drain).await;
     };
     tokio::select! {
-        r = std::future::IntoFuture::into_future(server) => r,
+        r = server => r,
         () = deadline => {
             tracing::warn!(?drain, "drain deadline passed with requests still in flight; exiting");
             Ok(())

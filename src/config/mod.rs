@@ -11,7 +11,7 @@ use serde::{Deserialize, Serialize};
 mod operations;
 mod routing;
 
-pub use operations::{DiscoveryConfig, HealthConfig, LoadSignalsConfig};
+pub use operations::{DiscoveryConfig, HealthConfig, LimitsConfig, LoadSignalsConfig};
 pub use routing::{
     AbConfig, ArmConfig, CacheAwareParams, PolicyConfig, PrefixParams, RoutingConfig,
     RoutingKeyConfig,
@@ -59,6 +59,8 @@ pub struct Config {
     pub health: HealthConfig,
     /// Polling of the workers' load figures.
     pub load_signals: LoadSignalsConfig,
+    /// Connection and read limits on clients.
+    pub limits: LimitsConfig,
     /// Where the worker list comes from: this file (`static`), DNS, or the Kubernetes API.
     pub discovery: DiscoveryConfig,
     /// A weighted split of traffic between policies; when set, it replaces `policy`.
@@ -80,6 +82,7 @@ impl Default for Config {
             drain_seconds: 30.0,
             health: HealthConfig::default(),
             load_signals: LoadSignalsConfig::default(),
+            limits: LimitsConfig::default(),
             discovery: DiscoveryConfig::default(),
             ab: None,
         }
@@ -269,6 +272,19 @@ impl Config {
             || !h.path.starts_with('/')
         {
             return bad("health: interval_seconds >= 0, timeout_seconds > 0, thresholds >= 1, path starting with /".into());
+        }
+        let lim = &self.limits;
+        if lim.max_connections == 0
+            || lim.listen_backlog == 0
+            || !positive(lim.header_read_timeout_seconds)
+            || !positive(lim.body_read_timeout_seconds)
+            || lim.header_read_timeout_seconds > 1e6
+            || lim.body_read_timeout_seconds > 1e6
+        {
+            return bad(
+                "limits: max_connections and listen_backlog >= 1, read timeouts positive seconds"
+                    .into(),
+            );
         }
         let l = &self.load_signals;
         if !(l.interval_seconds == 0.0 || positive(l.interval_seconds))

@@ -30,6 +30,29 @@ impl Default for HealthConfig {
     }
 }
 
+/// What one client may hold. `max_connections` open connections at most (more wait in the listen
+/// backlog of `listen_backlog`); request headers must arrive within `header_read_timeout_seconds`
+/// and a request body within `body_read_timeout_seconds` (408 after).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct LimitsConfig {
+    pub max_connections: usize,
+    pub listen_backlog: u32,
+    pub header_read_timeout_seconds: f64,
+    pub body_read_timeout_seconds: f64,
+}
+
+impl Default for LimitsConfig {
+    fn default() -> Self {
+        Self {
+            max_connections: 8192,
+            listen_backlog: 4096,
+            header_read_timeout_seconds: 10.0,
+            body_read_timeout_seconds: 30.0,
+        }
+    }
+}
+
 /// Polling of the workers' own load figures (vLLM's `/metrics`) for the policies that weigh them.
 /// `interval_seconds` 0 turns it off; a poll that fails or times out makes the policies fall
 /// back to this gateway's own accounting for that worker until the next one succeeds.

@@ -379,7 +379,10 @@ mod tests {
         // Each new prompt's home is credited its unknown 256 tokens × 0.5 × 3 = 384 tokens, six
         // requests' worth: no worker gets further ahead of the least loaded than that.
         let (min, max) = (per_worker.iter().min(), per_worker.iter().max());
-        assert!(max.zip(min).is_some_and(|(a, b)| a - b <= 7), "{per_worker:?}");
+        assert!(
+            max.zip(min).is_some_and(|(a, b)| a - b <= 7),
+            "{per_worker:?}"
+        );
     }
 
     #[test]

@@ -1,0 +1,98 @@
+//! Client limits on the real listener: slow headers, slow bodies, the connection cap.
+
+mod common;
+
+use std::time::Duration;
+
+use common::{config_for, gateway, request, upstream};
+use tokio::{
+    io::{AsyncReadExt, AsyncWriteExt},
+    net::TcpStream,
+};
+
+/// Reads until the peer closes or `limit` passes; returns what was read and whether it closed.
+async fn read_to_close(s: &mut TcpStream, limit: Duration) -> (Vec<u8>, bool) {
+    let mut out = Vec::new();
+    let closed = tokio::time::timeout(limit, s.read_to_end(&mut out))
+        .await
+        .is_ok();
+    (out, closed)
+}
+
+#[tokio::test]
+async fn headers_that_trickle_in_are_cut_off_while_others_are_served() {
+    let up = upstream("w0", &[]).await;
+    let mut cfg = config_for(&[&up], "round_robin");
+    cfg.limits.header_read_timeout_seconds = 0.3;
+    let gw = gateway(cfg).await;
+    let mut slow = Vec::new();
+    for _ in 0..50 {
+        let mut s = TcpStream::connect(gw.addr).await.unwrap();
+        s.write_all(b"GET /health HTTP/1.1\r\nHo").await.unwrap();
+        slow.push(s);
+    }
+    // Meanwhile a normal client is served.
+    assert_eq!(request(gw.addr, "GET", "/health", b"").await.status, 200);
+    for mut s in slow {
+        let (_, closed) = read_to_close(&mut s, Duration::from_secs(5)).await;
+        assert!(
+            closed,
+            "a slow-header connection was kept past the deadline"
+        );
+    }
+}
+
+#[tokio::test]
+async fn a_body_that_never_finishes_gets_408() {
+    let up = upstream("w0", &[]).await;
+    let mut cfg = config_for(&[&up], "round_robin");
+    cfg.limits.body_read_timeout_seconds = 0.3;
+    let gw = gateway(cfg).await;
+    let mut s = TcpStream::connect(gw.addr).await.unwrap();
+    s.write_all(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"prompt\":",
+    )
+    .await
+    .unwrap();
+    let mut head = [0u8; 12];
+    tokio::time::timeout(Duration::from_secs(5), s.read_exact(&mut head))
+        .await
+        .expect("an answer before the body is complete")
+        .unwrap();
+    assert_eq!(&head, b"HTTP/1.1 408");
+    assert_eq!(up.requests.load(std::sync::atomic::Ordering::SeqCst), 0);
+}
+
+#[tokio::test]
+async fn past_the_connection_cap_new_clients_wait_until_one_leaves() {
+    let up = upstream("w0", &[]).await;
+    let mut cfg = config_for(&[&up], "round_robin");
+    cfg.limits.max_connections = 4;
+    let gw = gateway(cfg).await;
+    // Four kept-alive connections, each answered once: the cap is full.
+    let mut held = Vec::new();
+    for _ in 0..4 {
+        let mut s = TcpStream::connect(gw.addr).await.unwrap();
+        s.write_all(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            .await
+            .unwrap();
+        let mut buf = [0u8; 12];
+        s.read_exact(&mut buf).await.unwrap();
+        assert_eq!(&buf, b"HTTP/1.1 200");
+        held.push(s);
+    }
+    let mut fifth = TcpStream::connect(gw.addr).await.unwrap();
+    fifth
+        .write_all(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        .await
+        .unwrap();
+    let (got, _) = read_to_close(&mut fifth, Duration::from_millis(300)).await;
+    assert!(got.is_empty(), "served past the cap");
+    drop(held.pop());
+    let (got, closed) = read_to_close(&mut fifth, Duration::from_secs(5)).await;
+    assert!(
+        closed && got.starts_with(b"HTTP/1.1 200"),
+        "{}",
+        String::from_utf8_lossy(&got)
+    );
+}
