@@ -37,6 +37,17 @@ fn routing_key(c: &mut Criterion) {
             b.iter(|| extract(body, PromptField::Messages, &cfg).expect("valid body"))
         });
     }
+    // The worst body for a parser: 8 MiB of one-token batches, `{"prompt": [[1],[1],…]}`.
+    let mut tokens = String::from(r#"{"prompt":[[1]"#);
+    while tokens.len() < (8 << 20) - 8 {
+        tokens.push_str(",[1]");
+    }
+    tokens.push_str("]}");
+    g.throughput(Throughput::Bytes(tokens.len() as u64));
+    g.sample_size(10);
+    g.bench_function("token_batches_8MiB", |b| {
+        b.iter(|| extract(tokens.as_bytes(), PromptField::Prompt, &cfg).expect("valid body"))
+    });
     g.finish();
 }
 

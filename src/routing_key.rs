@@ -82,13 +82,122 @@ struct RequestView<'a> {
     messages: Option<Vec<MessageView<'a>>>,
 }
 
-#[derive(Deserialize)]
-#[serde(untagged)]
+/// `prompt` as the worker accepts it: a string, a list of strings, a list of token ids, or a
+/// list of lists of token ids (batches are flattened: their concatenation is what is hashed).
+/// Read in one pass with no intermediate tree (an untagged enum would buffer the whole value
+/// first, which made an 8 MiB `[[1],[1],…]` cost about a second): strings stay borrowed from the
+/// body, and token ids past [`KEPT_TOKENS`] are checked but not kept.
 enum PromptView<'a> {
-    Text(#[serde(borrow)] Cow<'a, str>),
-    Texts(#[serde(borrow)] Vec<Cow<'a, str>>),
+    Text(Cow<'a, str>),
+    Texts(Vec<Cow<'a, str>>),
     Tokens(Vec<u32>),
-    TokenBatches(Vec<Vec<u32>>),
+}
+
+/// Token ids kept from a prompt: more than any routing key reads (`block_bytes × max_blocks`
+/// is 64 KiB, 16k ids, by default).
+const KEPT_TOKENS: usize = 1 << 18;
+
+impl<'de: 'a, 'a> Deserialize<'de> for PromptView<'a> {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        d.deserialize_any(PromptVisitor(std::marker::PhantomData))
+    }
+}
+
+struct PromptVisitor<'a>(std::marker::PhantomData<&'a ()>);
+
+const PROMPT_EXPECTED: &str = "a string, a list of strings, or token ids";
+
+impl<'de: 'a, 'a> serde::de::Visitor<'de> for PromptVisitor<'a> {
+    type Value = PromptView<'a>;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str(PROMPT_EXPECTED)
+    }
+
+    fn visit_borrowed_str<E: serde::de::Error>(self, v: &'de str) -> Result<Self::Value, E> {
+        Ok(PromptView::Text(Cow::Borrowed(v)))
+    }
+
+    fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<Self::Value, E> {
+        Ok(PromptView::Text(Cow::Owned(v.to_owned())))
+    }
+
+    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+        let mut items = PromptItems::default();
+        while seq.next_element_seed(&mut items)?.is_some() {}
+        Ok(match items.texts {
+            Some(texts) => PromptView::Texts(texts),
+            None => PromptView::Tokens(items.tokens),
+        })
+    }
+}
+
+/// The elements of a `prompt` list, all strings or all token ids (or lists of them).
+#[derive(Default)]
+struct PromptItems<'a> {
+    texts: Option<Vec<Cow<'a, str>>>,
+    tokens: Vec<u32>,
+    ids_seen: bool,
+}
+
+impl PromptItems<'_> {
+    fn id<E: serde::de::Error>(&mut self, v: u64) -> Result<(), E> {
+        let id = u32::try_from(v).map_err(|_| E::custom("token id out of range"))?;
+        if self.texts.is_some() {
+            return Err(E::custom(PROMPT_EXPECTED));
+        }
+        self.ids_seen = true;
+        if self.tokens.len() < KEPT_TOKENS {
+            self.tokens.push(id);
+        }
+        Ok(())
+    }
+}
+
+impl<'de: 'a, 'a> serde::de::DeserializeSeed<'de> for &mut PromptItems<'a> {
+    type Value = ();
+
+    fn deserialize<D: serde::Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
+        d.deserialize_any(self)
+    }
+}
+
+impl<'de: 'a, 'a> serde::de::Visitor<'de> for &mut PromptItems<'a> {
+    type Value = ();
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str(PROMPT_EXPECTED)
+    }
+
+    fn visit_borrowed_str<E: serde::de::Error>(self, v: &'de str) -> Result<(), E> {
+        self.text(Cow::Borrowed(v))
+    }
+
+    fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<(), E> {
+        self.text(Cow::Owned(v.to_owned()))
+    }
+
+    fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<(), E> {
+        self.id(v)
+    }
+
+    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
+        // A batch: a list of token ids.
+        while let Some(v) = seq.next_element::<u64>()? {
+            self.id(v)?;
+        }
+        Ok(())
+    }
+}
+
+impl<'a> PromptItems<'a> {
+    fn text<E: serde::de::Error>(&mut self, t: Cow<'a, str>) -> Result<(), E> {
+        if self.ids_seen {
+            return Err(E::custom(PROMPT_EXPECTED));
+        }
+        self.texts.get_or_insert_with(Vec::new).push(t);
+        Ok(())
+    }
 }
 
 #[derive(Deserialize)]
@@ -198,11 +307,6 @@ fn write_prompt(prompt: &PromptView, out: &mut Capped) {
             }
         }
         PromptView::Tokens(ids) => write_tokens(ids, out),
-        PromptView::TokenBatches(batches) => {
-            for ids in batches {
-                write_tokens(ids, out);
-            }
-        }
     }
 }
 
@@ -442,6 +546,49 @@ mod tests {
         .unwrap();
         assert_eq!(a.block_hashes.len(), 3); // 36 bytes in 16-byte blocks
         assert_eq!(a.block_hashes, b.block_hashes);
+    }
+
+    #[test]
+    fn a_huge_token_prompt_is_keyed_from_its_start_without_keeping_it() {
+        let c = cfg(16, 4);
+        let mut body = String::from(r#"{"prompt":["#);
+        for i in 0..(KEPT_TOKENS + 1000) {
+            body.push_str(if i == 0 { "[7]" } else { ",[1]" });
+        }
+        body.push_str("]}");
+        let k = extract(body.as_bytes(), PromptField::Prompt, &c).unwrap();
+        let short = extract(
+            br#"{"prompt":[7,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1]}"#,
+            PromptField::Prompt,
+            &c,
+        )
+        .unwrap();
+        assert_eq!(k.block_hashes, short.block_hashes);
+    }
+
+    #[test]
+    fn mixed_prompt_lists_are_client_errors() {
+        let c = cfg(8, 4);
+        for body in [
+            &br#"{"prompt":["a",1]}"#[..],
+            br#"{"prompt":[1,"a"]}"#,
+            br#"{"prompt":[1,[2,"x"]]}"#,
+            br#"{"prompt":[-1]}"#,
+            br#"{"prompt":[4294967296]}"#,
+            br#"{"prompt":[1.5]}"#,
+            br#"{"prompt":null}"#,
+        ] {
+            let e = extract(body, PromptField::Prompt, &c).unwrap_err();
+            assert_eq!(
+                e.status_and_type().0,
+                400,
+                "{}",
+                String::from_utf8_lossy(body)
+            );
+        }
+        // Strings with escapes are not borrowed but still work.
+        let k = extract(br#"{"prompt":["a\nb","c"]}"#, PromptField::Prompt, &c).unwrap();
+        assert!(!k.block_hashes.is_empty());
     }
 
     #[test]
