@@ -285,7 +285,8 @@ pub fn extract(
     }
     let model = view.model.map(Cow::into_owned);
     let seed = xxh3_64(model.as_deref().unwrap_or("").as_bytes());
-    let (block_hashes, block_ends) = chain_blocks(&out.buf, &out.cuts, cfg.block_bytes, seed);
+    let (block_hashes, block_ends) =
+        chain_blocks(&out.buf, &out.cuts, cfg.block_bytes, cfg.max_blocks, seed);
     Ok(RequestInfo {
         model,
         block_hashes,
@@ -388,18 +389,20 @@ fn write_sorted(v: &serde_json::Value, out: &mut Vec<u8>) {
 
 /// Chained block hashes: `h[i] = xxh3(block[i], seed = h[i-1])`, `h[-1] = seed`.
 pub fn chain_hashes(bytes: &[u8], block_bytes: usize, seed: u64) -> Vec<u64> {
-    chain_blocks(bytes, &[], block_bytes, seed).0
+    chain_blocks(bytes, &[], block_bytes, usize::MAX, seed).0
 }
 
-/// Cuts `bytes` into blocks of `block_bytes` that also end at each offset in `cuts` (ascending),
-/// and returns each block's chained hash and end offset.
+/// Cuts `bytes` into at most `max_blocks` blocks of `block_bytes` that also end at each offset in
+/// `cuts` (ascending; many tiny messages cannot make more blocks), and returns each block's
+/// chained hash and end offset.
 fn chain_blocks(
     bytes: &[u8],
     cuts: &[usize],
     block_bytes: usize,
+    max_blocks: usize,
     seed: u64,
 ) -> (Vec<u64>, Vec<u32>) {
-    let n = bytes.len() / block_bytes + cuts.len() + 1;
+    let n = (bytes.len() / block_bytes + cuts.len() + 1).min(max_blocks);
     let (mut hashes, mut ends) = (Vec::with_capacity(n), Vec::with_capacity(n));
     let mut prev = seed;
     let mut start = 0;
@@ -408,7 +411,7 @@ fn chain_blocks(
         .copied()
         .filter(|&c| c <= bytes.len())
         .peekable();
-    while start < bytes.len() {
+    while start < bytes.len() && hashes.len() < max_blocks {
         let mut end = (start + block_bytes).min(bytes.len());
         while let Some(&c) = cuts.peek() {
             if c > start {
@@ -498,6 +501,16 @@ mod tests {
         assert_eq!(k.block_hashes.len(), 5);
         assert_eq!(k.bytes_at_depth(3), 20);
         assert_eq!(k.bytes_at_depth(0), 0);
+    }
+
+    #[test]
+    fn many_tiny_messages_make_no_more_than_max_blocks() {
+        let messages: Vec<_> = (0..500)
+            .map(|_| serde_json::json!({"role": "u", "content": "x"}))
+            .collect();
+        let body = serde_json::json!({ "messages": messages }).to_string();
+        let k = extract(body.as_bytes(), PromptField::Messages, &cfg(256, 16)).unwrap();
+        assert_eq!(k.block_hashes.len(), 16);
     }
 
     #[test]
