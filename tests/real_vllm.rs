@@ -9,7 +9,7 @@ mod common;
 
 use std::{net::SocketAddr, time::Duration};
 
-use common::{gateway, read_until, request, send, Gateway};
+use common::{gateway, metrics_text, read_until, request, send, Gateway};
 use kvroute::config::{Config, Overrides, WorkerConfig};
 use serde_json::{json, Value};
 
@@ -225,7 +225,7 @@ async fn client_disconnect_through_kvroute_aborts_the_request_in_vllm() {
         generated < 3000.0,
         "generated {generated} tokens after the client left"
     );
-    let text = common::metrics_text(gw.addr).await;
+    let text = metrics_text(gw.addr).await;
     let aborts = text
         .lines()
         .filter(|l| l.starts_with("kvroute_upstream_aborts_total"))
@@ -288,6 +288,68 @@ async fn prefix_routing_gets_real_cache_hits_where_round_robin_does_not() {
         "round_robin: cached tokens {rr:?}"
     );
     assert_eq!(rr_hits, 0.0, "round_robin hit tokens");
+}
+
+#[tokio::test]
+async fn cache_aware_keeps_conversations_and_its_predictions_match_vllms_cached_tokens() {
+    let Some(pool) = Pool::from_env() else { return };
+    let _turn = SERIAL.lock().await;
+    let gw = pool.gateway_all("cache_aware").await;
+    pool.reset_caches().await;
+    // Four conversations behind one shared system prompt, three turns each.
+    let system = words(7, 400);
+    let mut worker_of = std::collections::HashMap::new();
+    let mut later_cached = Vec::new();
+    for turn in 0..3 {
+        for c in 0..4u64 {
+            let mut messages = vec![json!({"role": "system", "content": system})];
+            for t in 0..=turn {
+                messages.push(json!({"role": "user", "content": words(c * 10 + t, 60)}));
+                if t < turn {
+                    messages
+                        .push(json!({"role": "assistant", "content": words(c * 10 + t + 5, 20)}));
+                }
+            }
+            let body = json!({"model": pool.model, "messages": messages, "max_tokens": 2});
+            let r = request(
+                gw.addr,
+                "POST",
+                "/v1/chat/completions",
+                body.to_string().as_bytes(),
+            )
+            .await;
+            assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+            let worker = r.header("x-kvroute-worker").unwrap().to_owned();
+            let first = worker_of.entry(c).or_insert_with(|| worker.clone());
+            assert_eq!(*first, worker, "conversation {c} moved at turn {turn}");
+            if turn > 0 {
+                later_cached.push(
+                    r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+                        .as_u64()
+                        .unwrap_or(0),
+                );
+            }
+        }
+    }
+    // vLLM confirms the history was cached: the system prompt and earlier turns, in whole blocks.
+    assert!(
+        later_cached.iter().all(|&c| c >= 12 * 32),
+        "{later_cached:?}"
+    );
+    let m = metrics_text(gw.addr).await;
+    let total = |name: &str| sum_series(&m, name);
+    let (predicted, reported) = (
+        total("kvroute_predicted_cached_tokens_total"),
+        total("kvroute_reported_cached_tokens_total"),
+    );
+    eprintln!(
+        "cache_aware against vLLM: predicted {predicted} cached tokens, vLLM reported {reported}"
+    );
+    assert!(reported > 0.0);
+    assert!(
+        (0.6..1.4).contains(&(predicted / reported)),
+        "predicted {predicted} vs reported {reported}"
+    );
 }
 
 #[tokio::test]
