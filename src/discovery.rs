@@ -203,7 +203,7 @@ impl KubeApi {
     async fn get(&self, url: &str) -> Result<hyper::body::Incoming, String> {
         let uri: http::Uri = url.parse().map_err(|e| format!("{url}: {e}"))?;
         let mut req = http::Request::get(uri);
-        if let Ok(token) = std::fs::read_to_string(&self.token_file) {
+        if let Ok(token) = tokio::fs::read_to_string(&self.token_file).await {
             req = req.header(
                 http::header::AUTHORIZATION,
                 format!("Bearer {}", token.trim()),

@@ -30,7 +30,8 @@ pub struct Source {
 impl Source {
     /// Call right after loading the config from `path`, so a change made after that is seen.
     pub fn new(path: PathBuf, overrides: Overrides, poll: Duration) -> Self {
-        let loaded = modified(&path);
+        // Called at start-up, before the server runs: a blocking read is fine here.
+        let loaded = std::fs::metadata(&path).and_then(|m| m.modified()).ok();
         Self {
             path,
             overrides,
@@ -93,7 +94,7 @@ pub async fn run(
                 tracing::info!(path = %source.path.display(), "SIGHUP: reloading config");
             }
             _ = tick.tick() => {
-                let now = modified(&source.path);
+                let now = modified(&source.path).await;
                 if now == seen || source.poll.is_zero() {
                     continue;
                 }
@@ -101,18 +102,33 @@ pub async fn run(
                 tracing::info!(path = %source.path.display(), "config file changed: reloading");
             }
         }
-        apply(&state, &source);
+        // The file is read on a blocking thread, never on the runtime's workers.
+        let (path, overrides) = (source.path.clone(), source.overrides.clone());
+        let loaded = tokio::task::spawn_blocking(move || Config::load(Some(&path), overrides))
+            .await
+            .unwrap_or_else(|e| Err(crate::config::ConfigError::Invalid(e.to_string())));
+        apply_loaded(&state, loaded);
     }
 }
 
-fn modified(path: &std::path::Path) -> Option<SystemTime> {
-    std::fs::metadata(path).and_then(|m| m.modified()).ok()
+async fn modified(path: &std::path::Path) -> Option<SystemTime> {
+    tokio::fs::metadata(path)
+        .await
+        .and_then(|m| m.modified())
+        .ok()
 }
 
 /// Reads the file again and applies what can change live; returns whether it was applied.
 pub fn apply(state: &AppState, source: &Source) -> bool {
+    apply_loaded(
+        state,
+        Config::load(Some(&source.path), source.overrides.clone()),
+    )
+}
+
+fn apply_loaded(state: &AppState, loaded: Result<Config, crate::config::ConfigError>) -> bool {
     let up = &state.upstreams;
-    let new = match Config::load(Some(&source.path), source.overrides.clone()) {
+    let new = match loaded {
         Ok(c) => c,
         Err(e) => {
             tracing::error!(error = %e, "config reload rejected; keeping the running config");
