@@ -5,8 +5,11 @@
 //! answering yet (its prefill queue as this replica made it). The worker's `/metrics`, polled every
 //! `load_signals.interval_seconds`, sees every replica's traffic but lags: vLLM's
 //! `vllm:num_requests_running`, `vllm:num_requests_waiting` and `vllm:kv_cache_usage_perc`
-//! (summed over engines). A policy combines them as it sees fit; [`Load::queued`] takes the larger
-//! of the two counts, so a lone replica reacts at once and several replicas still see each other.
+//! (summed over engines). [`Load::queued`] adds to this gateway's live in-flight count the
+//! requests the worker had *beyond* this gateway's own at the last poll: other replicas' (and
+//! other clients') traffic. Only that part is stale, so a lone replica reacts at once, and
+//! replicas see each other without all steering away from (and then onto) the same worker for
+//! a whole poll interval, as they would if the stale total replaced their live count.
 
 use std::{
     sync::{
@@ -27,13 +30,15 @@ use crate::{proxy::Upstreams, workers::Worker};
 /// Largest `/metrics` answer read; vLLM's is tens of kilobytes.
 const METRICS_LIMIT: usize = 4 << 20;
 
-/// Laid out in declaration order, 28 bytes: it sits in the worker's first cache line.
+/// Laid out in declaration order, 32 bytes: it sits in the worker's first cache line.
 #[derive(Debug)]
 #[repr(C)]
 pub struct Load {
     pending_prefill: AtomicU64,
     running: AtomicU32,
     waiting: AtomicU32,
+    /// Requests the worker had at the last poll beyond this gateway's own in flight then.
+    others: AtomicU32,
     /// Share of the cached tokens a policy predicted that the worker then reported, in permille,
     /// smoothed: how far a policy may trust its index for this worker.
     cache_trust_permille: AtomicU32,
@@ -48,6 +53,7 @@ impl Default for Load {
             pending_prefill: AtomicU64::new(0),
             running: AtomicU32::new(0),
             waiting: AtomicU32::new(0),
+            others: AtomicU32::new(0),
             kv_usage_permille: AtomicU32::new(0),
             polled: AtomicBool::new(false),
             cache_trust_permille: AtomicU32::new(1000),
@@ -69,14 +75,13 @@ impl Load {
         self.pending_prefill.load(Ordering::Relaxed)
     }
 
-    /// Requests queued or running on the worker: the larger of this gateway's in-flight count and
-    /// the worker's own running + waiting, when a poll has succeeded.
+    /// Requests queued or running on the worker: this gateway's in-flight count now, plus what the
+    /// last successful poll saw beyond this gateway's own.
     pub fn queued(&self, local_inflight: usize) -> usize {
         if !self.polled.load(Ordering::Relaxed) {
             return local_inflight;
         }
-        let remote = self.running.load(Ordering::Relaxed) + self.waiting.load(Ordering::Relaxed);
-        local_inflight.max(remote as usize)
+        local_inflight + self.others.load(Ordering::Relaxed) as usize
     }
 
     /// The worker's KV cache usage in [0, 1], when polled.
@@ -98,7 +103,8 @@ impl Load {
             .store(next.round() as u32, Ordering::Relaxed);
     }
 
-    pub fn store(&self, p: Option<Polled>) {
+    /// Records a poll's result; `local_inflight` is this gateway's in-flight count as it arrived.
+    pub fn store(&self, p: Option<Polled>, local_inflight: usize) {
         let Some(p) = p else {
             self.polled.store(false, Ordering::Relaxed);
             return;
@@ -106,6 +112,8 @@ impl Load {
         let count = |v: f64| v.clamp(0.0, f64::from(u32::MAX)) as u32;
         self.running.store(count(p.running), Ordering::Relaxed);
         self.waiting.store(count(p.waiting), Ordering::Relaxed);
+        let others = (p.running + p.waiting - local_inflight as f64).max(0.0);
+        self.others.store(count(others), Ordering::Relaxed);
         self.kv_usage_permille
             .store(count(p.kv_usage * 1000.0), Ordering::Relaxed);
         self.polled.store(true, Ordering::Relaxed);
@@ -195,7 +203,7 @@ pub async fn run(up: Arc<Upstreams>, cancel: CancellationToken) {
         let workers = up.pool.snapshot();
         let polls = workers.iter().map(|w| poll(&up, w, &cfg.path, timeout));
         for (w, p) in workers.iter().zip(join_all(polls).await) {
-            w.load.store(p);
+            w.load.store(p, w.inflight());
         }
     }
 }
@@ -250,18 +258,25 @@ mod tests {
     }
 
     #[test]
-    fn queued_uses_the_worker_figures_only_after_a_poll() {
+    fn queued_adds_only_what_the_worker_had_beyond_this_gateway() {
         let l = Load::default();
         assert_eq!(l.queued(2), 2);
-        l.store(Some(Polled {
+        // The worker ran 8 when this gateway had 2 in flight: 6 are someone else's.
+        let polled = Polled {
             running: 5.0,
             waiting: 3.0,
             kv_usage: 0.5,
-        }));
+        };
+        l.store(Some(polled), 2);
         assert_eq!(l.queued(2), 8);
-        assert_eq!(l.queued(10), 10);
+        // This gateway's own changes count at once; the others' part waits for the next poll.
+        assert_eq!(l.queued(0), 6);
+        assert_eq!(l.queued(10), 16);
         assert_eq!(l.kv_usage(), Some(0.5));
-        l.store(None);
+        // A lone gateway: the worker's count is its own, nothing is added.
+        l.store(Some(polled), 9);
+        assert_eq!(l.queued(3), 3);
+        l.store(None, 0);
         assert_eq!(l.queued(2), 2);
     }
 
