@@ -95,8 +95,9 @@ impl CacheAware {
         f64::from_bits(self.bytes_per_token.load(Ordering::Relaxed))
     }
 
+    /// The work queued on `w`, in prompt tokens: the one definition both paths price with.
     fn queue_cost(&self, w: &Worker) -> f64 {
-        w.load.pending_prefill() as f64
+        self.params.pending_weight * w.load.pending_prefill() as f64
             + self.params.request_cost_tokens * w.load.queued(w.inflight()) as f64
     }
 
@@ -135,7 +136,6 @@ impl Policy for CacheAware {
             .depths
             .iter()
             .fold(0u64, |m, &(id, _)| m | 1 << (id & 63));
-        let queue_weight = self.params.request_cost_tokens;
         let mut best: Option<Candidate> = None;
         let mut home: Option<Candidate> = None;
         for (index, w) in workers.iter().enumerate() {
@@ -154,9 +154,7 @@ impl Policy for CacheAware {
             };
             let c = Candidate {
                 index,
-                cost: self.params.miss_weight * (prompt - held)
-                    + self.params.pending_weight * w.load.pending_prefill() as f64
-                    + queue_weight * w.load.queued(w.inflight()) as f64,
+                cost: self.params.miss_weight * (prompt - held) + self.queue_cost(w),
                 score: mix(key, w.id_hash),
                 depth,
             };
