@@ -5,12 +5,14 @@
 //! the prompt it was recently sent (blocks end at message ends too, so a conversation's earlier
 //! turns are whole blocks of its later ones). For each usable worker `w`, in prompt tokens:
 //!
-//! `cost(w) = prompt − trust(w) × held(w) + pending_prefill(w) + request_cost × queued(w)`
+//! `cost(w) = miss_weight × (prompt − trust(w) × held(w)) + pending_weight × pending_prefill(w)
+//!           + request_cost × queued(w)`
 //!
 //! where `held` is the matched prefix, `trust` the share of predicted cached tokens the worker
 //! has been confirming (its `usage.prompt_tokens_details.cached_tokens`), `pending_prefill` the
 //! uncached prompt tokens this gateway sent it that it has not started answering, and `queued`
-//! the larger of this gateway's in-flight count and the worker's own running + waiting. Bytes
+//! this gateway's live in-flight count plus what the worker's own running + waiting showed beyond
+//! it at the last poll ([`crate::load::Load::queued`]). Bytes
 //! become tokens at the ratio the workers' `usage` reports teach (start: `bytes_per_token`).
 //!
 //! The request's rendezvous home (highest `mix(key, worker)`, where `key` is the hash of the
