@@ -90,8 +90,16 @@ fn flags_and_env_override_the_policy() {
 }
 
 /// Starts `kvroute serve` in front of a closed port, with stderr piped; returns the child, the
-/// gateway's address (read from its "listening" line) and the lines read so far.
-fn serve_dead_pool(log_format: &str) -> (std::process::Child, String, Vec<String>) {
+/// gateway's address (read from its "listening" line), the lines read so far, and the rest of
+/// its log once its stderr closes.
+fn serve_dead_pool(
+    log_format: &str,
+) -> (
+    std::process::Child,
+    String,
+    Vec<String>,
+    std::sync::mpsc::Receiver<Vec<String>>,
+) {
     use std::io::BufRead;
     let mut child = Command::new(env!("CARGO_BIN_EXE_kvroute"))
         .args([
@@ -127,15 +135,12 @@ fn serve_dead_pool(log_format: &str) -> (std::process::Child, String, Vec<String
             }
         }
     };
+    let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
-        // Keep draining so the child never blocks on a full pipe; hand the rest back via a file.
-        let rest: Vec<String> = reader.lines().map_while(Result::ok).collect();
-        let _ = std::fs::write(
-            std::env::temp_dir().join(format!("kvroute-log-{}", std::process::id())),
-            rest.join("\n"),
-        );
+        // Keep draining so the child never blocks on a full pipe; hand the rest back at the end.
+        let _ = tx.send(reader.lines().map_while(Result::ok).collect());
     });
-    (child, addr, lines)
+    (child, addr, lines, rx)
 }
 
 fn post_completion(addr: &str) -> u16 {
@@ -155,7 +160,7 @@ fn post_completion(addr: &str) -> u16 {
 
 #[test]
 fn failures_are_logged_throttled_as_json_lines_without_colour() {
-    let (mut child, addr, mut lines) = serve_dead_pool("json");
+    let (mut child, addr, mut lines, rest) = serve_dead_pool("json");
     // Failing requests for a little over one second: two throttle windows at least.
     let start = std::time::Instant::now();
     let mut sent = 0;
@@ -165,18 +170,10 @@ fn failures_are_logged_throttled_as_json_lines_without_colour() {
     }
     child.kill().unwrap();
     child.wait().unwrap();
-    // The drain thread writes the rest once the pipe closes.
-    let file = std::env::temp_dir().join(format!("kvroute-log-{}", std::process::id()));
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-    let rest = loop {
-        if let Ok(t) = std::fs::read_to_string(&file) {
-            break t;
-        }
-        assert!(std::time::Instant::now() < deadline, "no log tail");
-        std::thread::yield_now();
-    };
-    let _ = std::fs::remove_file(&file);
-    lines.extend(rest.lines().map(str::to_owned));
+    let rest = rest
+        .recv_timeout(std::time::Duration::from_secs(10))
+        .expect("the log's tail once stderr closes");
+    lines.extend(rest);
     let lines: Vec<_> = lines.iter().filter(|l| !l.trim().is_empty()).collect();
     for l in &lines {
         assert!(!l.contains('\u{1b}'), "colour code in {l}");
