@@ -22,8 +22,14 @@ pub enum ApiError {
     ModelNotFound(String),
     #[error("no route for {0}")]
     RouteNotFound(String),
-    #[error("every worker serving this model is at its in-flight limit; retry later")]
-    Saturated,
+    #[error("every worker serving this model is at its in-flight limit and the wait queue is full; retry later")]
+    QueueFull,
+    #[error("no worker serving this model had room within {0}s; retry later")]
+    QueueTimeout(f64),
+    #[error("client `{client}` has {limit} requests in flight, its limit; retry later")]
+    QuotaExceeded { client: String, limit: usize },
+    #[error("{0}")]
+    Unauthorized(&'static str),
     #[error("no healthy worker is available")]
     NoWorker,
     #[error("the gateway is out of resources ({0}); retry later")]
@@ -45,8 +51,9 @@ impl ApiError {
             BodyTooLarge { .. } => (StatusCode::PAYLOAD_TOO_LARGE, "RequestTooLargeError"),
             BodyTimeout(_) => (StatusCode::REQUEST_TIMEOUT, "RequestTimeoutError"),
             ModelNotFound(_) | RouteNotFound(_) => (StatusCode::NOT_FOUND, "NotFoundError"),
-            Saturated => (StatusCode::TOO_MANY_REQUESTS, "RateLimitError"),
-            NoWorker | GatewayExhausted(_) => {
+            QuotaExceeded { .. } => (StatusCode::TOO_MANY_REQUESTS, "RateLimitError"),
+            Unauthorized(_) => (StatusCode::UNAUTHORIZED, "AuthenticationError"),
+            NoWorker | GatewayExhausted(_) | QueueFull | QueueTimeout(_) => {
                 (StatusCode::SERVICE_UNAVAILABLE, "ServiceUnavailableError")
             }
             UpstreamConnect { .. } | UpstreamFailed { .. } => {

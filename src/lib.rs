@@ -7,6 +7,8 @@
 //! in [`metrics`]; every default in [`config`].
 #![forbid(unsafe_code)]
 
+pub mod admission;
+pub mod auth;
 pub mod bench;
 pub mod cli;
 pub mod config;

@@ -60,6 +60,14 @@ pub struct Metrics {
     pub index_bytes: IntGaugeVec,
     /// `policy`, `arm`: blocks the prefix index dropped to stay within its cap.
     pub index_evictions: IntCounterVec,
+    /// `reason` (queue_full, wait_timeout, client_quota): requests refused for lack of room.
+    pub shed: IntCounterVec,
+    /// `result` (admitted, timed_out): how long requests waited in the admission queue.
+    pub queue_wait: HistogramVec,
+    /// Requests waiting in the admission queue (set at scrape time).
+    pub queue_depth: prometheus::IntGauge,
+    /// `client`: requests refused with 401 have no client; this counts accepted keys' requests.
+    pub client_requests: IntCounterVec,
 }
 
 impl Metrics {
@@ -108,7 +116,39 @@ impl Metrics {
         registry
             .register(Box::new(workers.clone()))
             .expect("metric registered once");
+        let queue_wait = HistogramVec::new(
+            HistogramOpts::new(
+                "kvroute_queue_wait_seconds",
+                "Time requests spent in the admission queue, by result (admitted, timed_out).",
+            )
+            .buckets(LATENCY_BUCKETS.to_vec()),
+            &["result"],
+        )
+        .expect("static metric definition");
+        registry
+            .register(Box::new(queue_wait.clone()))
+            .expect("metric registered once");
+        let queue_depth = prometheus::IntGauge::new(
+            "kvroute_queue_depth",
+            "Requests waiting for an in-flight slot (the signal to scale the pool on).",
+        )
+        .expect("static metric definition");
+        registry
+            .register(Box::new(queue_depth.clone()))
+            .expect("metric registered once");
         Self {
+            shed: counter(
+                "kvroute_shed_total",
+                "Requests refused for lack of room, by reason (queue_full, wait_timeout: 503; client_quota: 429).",
+                &["reason"],
+            ),
+            queue_wait,
+            queue_depth,
+            client_requests: counter(
+                "kvroute_client_requests_total",
+                "Requests that presented a valid client key, by the key's name.",
+                &["client"],
+            ),
             worker_healthy: gauge(
                 "kvroute_worker_healthy",
                 "1 when the worker takes new requests (not down, draining or ejected), else 0.",

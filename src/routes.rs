@@ -218,6 +218,9 @@ pub async fn ready(State(s): State<AppState>) -> Response {
 /// `GET /metrics`: the Prometheus text exposition.
 pub async fn metrics(State(s): State<AppState>) -> Response {
     let metrics = &s.upstreams.metrics;
+    metrics
+        .queue_depth
+        .set(s.upstreams.pool.freed.waiting() as i64);
     for arm in s.arms.load().iter() {
         if let Some(stats) = arm.policy.index_stats() {
             metrics.publish_index(arm.policy.name(), &arm.name, stats);
@@ -260,6 +263,45 @@ pub async fn guard(req: Request, next: axum::middleware::Next) -> Response {
         .into_response();
     }
     next.run(req).await
+}
+
+/// With client keys configured, a `/v1/` request needs a valid one (401) and room in its
+/// client's quota (429); the client's place is held until its response body has ended.
+pub async fn authenticate(
+    State(s): State<AppState>,
+    req: Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let auth = &s.upstreams.auth;
+    if !auth.enabled() || !req.uri().path().starts_with("/v1/") {
+        return next.run(req).await;
+    }
+    let permit = match auth.admit(req.headers()) {
+        Ok(p) => p,
+        Err(e) => {
+            if matches!(e, ApiError::QuotaExceeded { .. }) {
+                s.upstreams
+                    .metrics
+                    .shed
+                    .with_label_values(&["client_quota"])
+                    .inc();
+            }
+            return e.into_response();
+        }
+    };
+    s.upstreams
+        .metrics
+        .client_requests
+        .with_label_values(&[permit.client()])
+        .inc();
+    let resp = next.run(req).await;
+    // The permit lives in the body's frame mapper: dropped when the body is done or dropped.
+    resp.map(|body| {
+        Body::new(body.map_frame(move |frame| {
+            let _held = &permit;
+            frame
+        }))
+    })
 }
 
 pub async fn not_found(req: Request) -> Response {

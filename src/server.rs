@@ -26,6 +26,7 @@ impl AppState {
     pub fn new(config: Config) -> Result<Self, String> {
         let metrics = Metrics::new();
         let pool = Pool::from_config(&config.workers, &metrics)?;
+        let auth = crate::auth::Auth::from_config(&config.auth)?;
         Ok(Self {
             resolver: Arc::new(crate::discovery::SystemResolver),
             arms: Arc::new(arc_swap::ArcSwap::from_pointee(Arms::new(
@@ -39,6 +40,7 @@ impl AppState {
                 client: http_client(&config),
                 metrics,
                 config,
+                auth,
             }),
         })
     }
@@ -56,6 +58,10 @@ pub fn app(state: AppState) -> Router {
         .route("/metrics", get(routes::metrics))
         .fallback(routes::not_found)
         .method_not_allowed_fallback(routes::method_not_allowed)
+        .layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            routes::authenticate,
+        ))
         .layer(axum::middleware::from_fn(routes::guard))
         // Failures are logged once, throttled, where they are understood (routes, proxy).
         .layer(TraceLayer::new_for_http().on_failure(()))

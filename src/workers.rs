@@ -16,6 +16,7 @@ use tokio::time::Instant;
 use xxhash_rust::xxh3::xxh3_64;
 
 use crate::{
+    admission::SlotFreed,
     config::{worker_name, WorkerConfig},
     error::ApiError,
     metrics::Metrics,
@@ -48,6 +49,8 @@ pub struct Worker {
     error_streak: AtomicU32,
     healthy_gauge: prometheus::IntGauge,
     metrics: Metrics,
+    /// The pool's admission signal, told when a slot is released.
+    freed: Arc<SlotFreed>,
 }
 
 impl Drop for Worker {
@@ -58,6 +61,15 @@ impl Drop for Worker {
 
 impl Worker {
     pub fn new(cfg: &WorkerConfig, metrics: &Metrics) -> Result<Self, String> {
+        Self::in_pool(cfg, metrics, Arc::default())
+    }
+
+    /// A worker whose released slots wake the requests waiting on `freed`.
+    pub fn in_pool(
+        cfg: &WorkerConfig,
+        metrics: &Metrics,
+        freed: Arc<SlotFreed>,
+    ) -> Result<Self, String> {
         let uri: http::Uri = cfg.url.parse().map_err(|e| format!("{}: {e}", cfg.url))?;
         let name = worker_name(cfg);
         let authority = uri
@@ -81,6 +93,7 @@ impl Worker {
             ejected_until_ms: AtomicU64::new(0),
             born: Instant::now(),
             load: crate::load::Load::default(),
+            freed,
         })
     }
 
@@ -191,20 +204,24 @@ impl InflightGuard {
 
 impl Drop for InflightGuard {
     fn drop(&mut self) {
-        self.worker.inflight.fetch_sub(1, Ordering::Relaxed);
+        self.worker.inflight.fetch_sub(1, Ordering::Release);
         self.worker.inflight_gauge.dec();
+        self.worker.freed.released();
     }
 }
 
 /// The current worker set, replaced as a whole.
 pub struct Pool {
     set: ArcSwap<Vec<Arc<Worker>>>,
+    /// Signalled by every worker of the pool when it releases a slot (admission control).
+    pub freed: Arc<SlotFreed>,
 }
 
 impl Pool {
     pub fn new(workers: Vec<Arc<Worker>>) -> Self {
         Self {
             set: ArcSwap::from_pointee(workers),
+            freed: Arc::default(),
         }
     }
 
@@ -244,7 +261,7 @@ impl Pool {
                 }
                 None => {
                     added += 1;
-                    Arc::new(Worker::new(c, metrics)?)
+                    Arc::new(Worker::in_pool(c, metrics, Arc::clone(&self.freed))?)
                 }
             };
             w.publish_health();

@@ -155,7 +155,7 @@ async fn the_in_flight_cap_holds_for_each_worker() {
         br#"{"prompt":"same prompt"}"#,
     )
     .await;
-    assert_eq!(r.status, 429);
+    assert_eq!(r.status, 503);
     let m = metrics_text(gw.addr).await;
     for w in ["a", "b"] {
         assert_eq!(

@@ -460,7 +460,7 @@ async fn slow_worker_gives_504() {
 }
 
 #[tokio::test]
-async fn saturated_pool_gives_429() {
+async fn saturated_pool_without_a_queue_gives_503_with_retry_after() {
     let up = upstream("w0", &[]).await;
     let mut cfg = config_for(&[&up], "prefix");
     cfg.max_inflight_per_worker = 1;
@@ -480,8 +480,9 @@ async fn saturated_pool_gives_429() {
         &body(json!({"prompt": "b"})),
     )
     .await;
-    assert_eq!(r.status, 429);
+    assert_eq!(r.status, 503);
     assert_eq!(r.header("retry-after"), Some("1"));
+    assert_eq!(r.json()["error"]["type"], "ServiceUnavailableError");
 }
 
 #[tokio::test]

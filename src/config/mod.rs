@@ -11,7 +11,10 @@ use serde::{Deserialize, Serialize};
 mod operations;
 mod routing;
 
-pub use operations::{DiscoveryConfig, HealthConfig, LimitsConfig, LoadSignalsConfig};
+pub use operations::{
+    AdmissionConfig, AuthConfig, ClientKeyConfig, DiscoveryConfig, HealthConfig, LimitsConfig,
+    LoadSignalsConfig,
+};
 pub use routing::{
     AbConfig, ArmConfig, CacheAwareParams, PolicyConfig, PrefixParams, RoutingConfig,
     RoutingKeyConfig,
@@ -47,8 +50,12 @@ pub struct Config {
     pub timeouts: TimeoutConfig,
     /// Largest accepted request body, in bytes (413 above it).
     pub body_limit_bytes: usize,
-    /// Requests in flight a worker may hold before the gateway answers 429; 0 means no limit.
+    /// Requests in flight a worker may hold; 0 means no limit. Past it, `admission` decides.
     pub max_inflight_per_worker: usize,
+    /// Waiting for a slot when every eligible worker is at `max_inflight_per_worker`.
+    pub admission: AdmissionConfig,
+    /// Client API keys and the key sent to workers.
+    pub auth: AuthConfig,
     /// How many other workers a request may be retried on when its worker refused the connection.
     pub connect_retries: usize,
     /// How long a worker that refused a connection is left out of routing, in seconds.
@@ -77,6 +84,8 @@ impl Default for Config {
             timeouts: TimeoutConfig::default(),
             body_limit_bytes: 8 * 1024 * 1024,
             max_inflight_per_worker: 0,
+            admission: AdmissionConfig::default(),
+            auth: AuthConfig::default(),
             connect_retries: 2,
             eject_seconds: 5.0,
             drain_seconds: 30.0,
@@ -259,6 +268,14 @@ impl Config {
                 return bad(format!("{name} must be a positive number of seconds"));
             }
         }
+        let adm = &self.admission;
+        if !(adm.max_wait_seconds.is_finite()
+            && adm.max_wait_seconds > 0.0
+            && adm.max_wait_seconds < 1e6)
+        {
+            return bad("admission.max_wait_seconds must be a positive number of seconds".into());
+        }
+        crate::auth::Auth::from_config(&self.auth).map_err(ConfigError::Invalid)?;
         if self.body_limit_bytes == 0 {
             return bad("body_limit_bytes must be at least 1".into());
         }

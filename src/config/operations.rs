@@ -53,6 +53,58 @@ impl Default for LimitsConfig {
     }
 }
 
+/// Admission control, when `max_inflight_per_worker` is set and every worker a request could go
+/// to holds that many: up to `queue_size` requests wait (first come, first served) for a slot,
+/// each at most `max_wait_seconds`; a request that finds the queue full or waits too long is
+/// answered 503 with `Retry-After`. `queue_size` 0 answers 503 at once.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct AdmissionConfig {
+    pub queue_size: usize,
+    pub max_wait_seconds: f64,
+}
+
+impl Default for AdmissionConfig {
+    fn default() -> Self {
+        Self {
+            queue_size: 0,
+            max_wait_seconds: 5.0,
+        }
+    }
+}
+
+impl AdmissionConfig {
+    pub fn max_wait(&self) -> std::time::Duration {
+        std::time::Duration::from_secs_f64(self.max_wait_seconds)
+    }
+}
+
+/// Client authentication. With `client_keys`, every `/v1/` request must carry
+/// `Authorization: Bearer <key>` with one of them (401 otherwise); a key's `max_inflight` (0: no
+/// limit) caps that client's requests in flight (429 beyond it). `worker_key_env` names the
+/// environment variable holding the key the gateway sends to workers (vLLM's `--api-key`): when
+/// set, it replaces whatever `Authorization` the client sent, so client keys never reach workers.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct AuthConfig {
+    pub client_keys: Vec<ClientKeyConfig>,
+    pub worker_key_env: Option<String>,
+}
+
+/// One client's key: given inline (`key`) or, better, read from the environment (`key_env`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ClientKeyConfig {
+    /// Who the key belongs to (the `client` label of the metrics).
+    pub name: String,
+    #[serde(default)]
+    pub key: Option<String>,
+    #[serde(default)]
+    pub key_env: Option<String>,
+    #[serde(default)]
+    pub max_inflight: usize,
+}
+
 /// Polling of the workers' own load figures (vLLM's `/metrics`) for the policies that weigh them.
 /// `interval_seconds` 0 turns it off; a poll that fails or times out makes the policies fall
 /// back to this gateway's own accounting for that worker until the next one succeeds.

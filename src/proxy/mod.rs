@@ -25,6 +25,7 @@ use tokio::time::Instant;
 use relay::{Feedback, Phase, Tracker};
 
 use crate::{
+    admission::{self, Shed},
     config::Config,
     error::ApiError,
     load::PrefillGuard,
@@ -54,6 +55,8 @@ pub struct Upstreams {
     pub client: HttpClient,
     pub metrics: Metrics,
     pub config: Config,
+    /// Client keys and the key sent to workers.
+    pub auth: crate::auth::Auth,
 }
 
 /// Which kind of request this is, for the `route` label and for whether routing is counted.
@@ -92,6 +95,9 @@ pub async fn forward(
     // The request's key, shared with the trackers of learning policies (made on first need).
     let mut shared: Option<Arc<RequestInfo>> = None;
     for _attempt in 0..=up.config.connect_retries {
+        if cap > 0 {
+            admit(up, &workers, cap).await?;
+        }
         // With a per-worker cap, the policy chooses among the workers under it.
         let open: Cow<[Arc<Worker>]> = if cap == 0 {
             Cow::Borrowed(&workers)
@@ -104,9 +110,6 @@ pub async fn forward(
                     .collect(),
             )
         };
-        if cap > 0 && !open.iter().any(|w| w.is_usable()) && workers.iter().any(|w| w.is_usable()) {
-            return Err(ApiError::Saturated);
-        }
         let policy = arm.policy.as_ref();
         let Some(selection) = policy.select(&open, &info) else {
             return Err(last_error);
@@ -114,7 +117,8 @@ pub async fn forward(
         let worker = &open[selection.index];
         // Taken before anything else is counted, so the cap holds under concurrent choices.
         let Some(slot) = worker.try_acquire(cap) else {
-            last_error = ApiError::Saturated;
+            // Another request took the last slot between the choice and here: choose again.
+            last_error = ApiError::QueueFull;
             continue;
         };
         if route != Route::Passthrough {
@@ -143,12 +147,18 @@ pub async fn forward(
             phase: Phase::Waiting,
             feedback,
         };
-        let request = upstream_request(
+        let mut request = upstream_request(
             parts,
             worker.scheme.clone(),
             worker.authority.clone(),
             body.clone(),
         )?;
+        if let Some(key) = &up.auth.worker_authorization {
+            // The gateway's own key: the client's never reaches a worker.
+            request
+                .headers_mut()
+                .insert(header::AUTHORIZATION, key.clone());
+        }
         let timeout = up.config.timeouts.first_byte();
         match tokio::time::timeout(timeout, up.client.request(request)).await {
             Ok(Ok(resp)) => {
@@ -199,6 +209,43 @@ pub async fn forward(
         }
     }
     Err(last_error)
+}
+
+/// Admission control under a per-worker cap: returns at once while some usable worker has room
+/// and nobody is queued before this request; otherwise waits in the pool's bounded queue (see
+/// [`crate::admission`]), or answers 503 when there is no queue, it is full, or the wait ran out.
+/// With no usable worker at all it returns, so the caller answers as for an unhealthy pool.
+async fn admit(up: &Upstreams, workers: &[Arc<Worker>], cap: usize) -> Result<(), ApiError> {
+    let room = || workers.iter().any(|w| w.is_usable() && w.inflight() < cap);
+    let adm = &up.config.admission;
+    let freed = &up.pool.freed;
+    if room() && !admission::must_queue(freed, adm) {
+        return Ok(());
+    }
+    if !workers.iter().any(|w| w.is_usable()) {
+        return Ok(());
+    }
+    let m = &up.metrics;
+    match admission::wait_for_slot(freed, adm, room).await {
+        Ok(waited) => {
+            m.queue_wait
+                .with_label_values(&["admitted"])
+                .observe(waited.as_secs_f64());
+            Ok(())
+        }
+        Err(shed) => {
+            m.shed.with_label_values(&[shed.as_str()]).inc();
+            Err(match shed {
+                Shed::QueueFull => ApiError::QueueFull,
+                Shed::WaitTimeout => {
+                    m.queue_wait
+                        .with_label_values(&["timed_out"])
+                        .observe(adm.max_wait_seconds);
+                    ApiError::QueueTimeout(adm.max_wait_seconds)
+                }
+            })
+        }
+    }
 }
 
 /// Whether `e` comes from this process running out of file descriptors (`EMFILE`, `ENFILE`).

@@ -110,6 +110,11 @@ async fn models_handler(State(s): State<UpState>) -> Json<serde_json::Value> {
 async fn generate(State(s): State<UpState>, req: Request) -> Response {
     s.requests.fetch_add(1, Ordering::SeqCst);
     let path = req.uri().path().to_owned();
+    let authorization = req
+        .headers()
+        .get("authorization")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_owned);
     let bytes = axum::body::to_bytes(req.into_body(), 1 << 24)
         .await
         .unwrap();
@@ -126,7 +131,9 @@ async fn generate(State(s): State<UpState>, req: Request) -> Response {
         let text: String = (0..n).map(|i| event_text(&prompt, i)).collect();
         return (
             [("x-upstream", s.name.clone())],
-            Json(serde_json::json!({"text": text, "path": path, "worker": s.name})),
+            Json(serde_json::json!({
+                "text": text, "path": path, "worker": s.name, "authorization": authorization
+            })),
         )
             .into_response();
     }
