@@ -120,6 +120,7 @@ pub async fn run(up: Arc<Upstreams>, resolver: Arc<dyn Resolve>, cancel: Cancell
             api_url,
             ca_file,
             token_file,
+            watch_timeout_seconds,
         } => {
             let api = match KubeApi::new(api_url, &ca_file, token_file) {
                 Ok(api) => api,
@@ -139,7 +140,8 @@ pub async fn run(up: Arc<Upstreams>, resolver: Arc<dyn Resolve>, cancel: Cancell
                 port_name,
                 port,
             };
-            kubernetes(&up, &api, &target, &cancel).await;
+            let timeout = Duration::from_secs_f64(watch_timeout_seconds);
+            kubernetes(&up, &api, &target, &cancel, timeout).await;
         }
     }
 }
@@ -200,8 +202,10 @@ impl KubeApi {
         })
     }
 
-    async fn get(&self, url: &str) -> Result<hyper::body::Incoming, String> {
-        let uri: http::Uri = url.parse().map_err(|e| format!("{url}: {e}"))?;
+    async fn get(&self, url: &str) -> Result<hyper::body::Incoming, GetError> {
+        let uri: http::Uri = url
+            .parse()
+            .map_err(|e| GetError::Other(format!("{url}: {e}")))?;
         let mut req = http::Request::get(uri);
         if let Ok(token) = tokio::fs::read_to_string(&self.token_file).await {
             req = req.header(
@@ -211,16 +215,32 @@ impl KubeApi {
         }
         let req = req
             .body(Full::new(Bytes::new()))
-            .map_err(|e| e.to_string())?;
+            .map_err(|e| GetError::Other(e.to_string()))?;
         let resp = self
             .client
             .request(req)
             .await
-            .map_err(|e| error_chain(&e))?;
+            .map_err(|e| GetError::Other(error_chain(&e)))?;
         if !resp.status().is_success() {
-            return Err(format!("{url}: HTTP {}", resp.status()));
+            return Err(GetError::Status(resp.status().as_u16()));
         }
         Ok(resp.into_body())
+    }
+}
+
+/// A failed API call: an HTTP status (410 Gone matters to a watch) or anything else.
+#[derive(Debug)]
+enum GetError {
+    Status(u16),
+    Other(String),
+}
+
+impl std::fmt::Display for GetError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            GetError::Status(s) => write!(f, "HTTP {s}"),
+            GetError::Other(e) => f.write_str(e),
+        }
     }
 }
 
@@ -234,18 +254,22 @@ pub struct SliceTarget {
 }
 
 impl SliceTarget {
-    fn url(&self, watch_from: Option<&str>) -> String {
-        let mut url = format!(
+    fn url(&self) -> String {
+        format!(
             "{}/apis/discovery.k8s.io/v1/namespaces/{}/endpointslices?labelSelector=kubernetes.io%2Fservice-name%3D{}",
             self.api.trim_end_matches('/'),
             self.namespace,
             self.service
-        );
-        if let Some(rv) = watch_from {
-            url.push_str("&watch=1&allowWatchBookmarks=true&resourceVersion=");
-            url.push_str(rv);
-        }
-        url
+        )
+    }
+
+    /// A watch from `rv` that the server ends after `timeout`, with bookmarks.
+    fn watch_url(&self, rv: &str, timeout: Duration) -> String {
+        format!(
+            "{}&watch=1&allowWatchBookmarks=true&timeoutSeconds={}&resourceVersion={rv}",
+            self.url(),
+            timeout.as_secs().max(1)
+        )
     }
 
     /// The usable endpoints of one EndpointSlice object.
@@ -290,51 +314,127 @@ fn workers_of(slices: &Slices) -> Vec<WorkerConfig> {
     workers_from_addrs(slices.values().flatten().copied().collect())
 }
 
+/// Exponential backoff between failed API calls: 100 ms doubling to 10 s, reset by success.
+struct Backoff(Duration);
+
+impl Backoff {
+    const FIRST: Duration = Duration::from_millis(100);
+    const MAX: Duration = Duration::from_secs(10);
+
+    fn new() -> Self {
+        Self(Self::FIRST)
+    }
+
+    fn reset(&mut self) {
+        self.0 = Self::FIRST;
+    }
+
+    /// The delay to wait now; the next one is twice as long.
+    fn next(&mut self) -> Duration {
+        let d = self.0;
+        self.0 = (self.0 * 2).min(Self::MAX);
+        d
+    }
+}
+
+/// How a watch ended.
+#[derive(Debug)]
+enum WatchEnd {
+    /// The server closed it (its `timeoutSeconds` ran out, or it went away): resume from the
+    /// last resourceVersion seen. `events` counts the events it carried.
+    Closed { events: usize },
+    /// Nothing ended it within `timeoutSeconds` and a grace period: a half-dead connection.
+    Silent,
+    /// 410 Gone: the resourceVersion is too old to resume from; list again.
+    Expired,
+    /// Refused (e.g. 403: RBAC allows list but not watch), or broken: retry after a backoff.
+    Failed(String),
+}
+
+/// List once, then watch from the list's resourceVersion; every watch event, bookmarks
+/// included, moves the resume point, so a watch that ends resumes where it stopped instead of
+/// listing again. Only 410 Gone re-lists. Failed calls back off (100 ms doubling to 10 s).
 async fn kubernetes(
     up: &Upstreams,
     api: &KubeApi,
     target: &SliceTarget,
     cancel: &CancellationToken,
+    watch_timeout: Duration,
 ) {
-    let mut backoff = Duration::from_millis(100);
+    let mut backoff = Backoff::new();
+    let mut listed: Option<(Slices, String)> = None;
     loop {
-        let listed = tokio::select! {
-            _ = cancel.cancelled() => return,
-            r = list(api, target) => r,
-        };
-        let (mut slices, rv) = match listed {
-            Ok(x) => {
-                backoff = Duration::from_millis(100);
-                x
-            }
-            Err(e) => {
-                tracing::warn!(error = %e, "EndpointSlice list failed; keeping the current workers");
-                up.metrics
-                    .discovery_updates
-                    .with_label_values(&["kubernetes", "error"])
-                    .inc();
-                tokio::select! {
+        let (slices, rv) = match &mut listed {
+            Some(x) => x,
+            None => {
+                let r = tokio::select! {
                     _ = cancel.cancelled() => return,
-                    _ = tokio::time::sleep(backoff) => {}
+                    r = list(api, target) => r,
+                };
+                match r {
+                    Ok(x) => {
+                        apply(up, "kubernetes", &workers_of(&x.0));
+                        listed.insert(x)
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "EndpointSlice list failed; keeping the current workers");
+                        discovery_error(up);
+                        if pause(cancel, backoff.next()).await {
+                            return;
+                        }
+                        continue;
+                    }
                 }
-                backoff = (backoff * 2).min(Duration::from_secs(10));
-                continue;
             }
         };
-        apply(up, "kubernetes", &workers_of(&slices));
-        tokio::select! {
+        let end = tokio::select! {
             _ = cancel.cancelled() => return,
-            r = watch(up, api, target, &mut slices, rv) => {
-                if let Err(e) = r {
-                    tracing::info!(error = %e, "EndpointSlice watch ended; re-listing");
+            end = watch(up, api, target, slices, rv, watch_timeout) => end,
+        };
+        match end {
+            WatchEnd::Closed { events } if events > 0 => backoff.reset(),
+            WatchEnd::Closed { .. } => {
+                // Closed before it carried anything: do not spin on a server that hangs up.
+                if pause(cancel, backoff.next()).await {
+                    return;
+                }
+            }
+            WatchEnd::Silent => {
+                tracing::info!("EndpointSlice watch went silent past its timeout; resuming");
+            }
+            WatchEnd::Expired => {
+                tracing::info!("EndpointSlice watch expired (410 Gone); listing again");
+                listed = None;
+            }
+            WatchEnd::Failed(e) => {
+                let wait = backoff.next();
+                tracing::warn!(error = %e, retry_in = ?wait, "EndpointSlice watch failed; keeping the current workers");
+                discovery_error(up);
+                if pause(cancel, wait).await {
+                    return;
                 }
             }
         }
     }
 }
 
+fn discovery_error(up: &Upstreams) {
+    up.metrics
+        .discovery_updates
+        .with_label_values(&["kubernetes", "error"])
+        .inc();
+}
+
+/// Sleeps for `d`; true when cancelled meanwhile.
+async fn pause(cancel: &CancellationToken, d: Duration) -> bool {
+    tokio::select! {
+        _ = cancel.cancelled() => true,
+        _ = tokio::time::sleep(d) => false,
+    }
+}
+
 async fn list(api: &KubeApi, t: &SliceTarget) -> Result<(Slices, String), String> {
-    let body = api.get(&t.url(None)).await?;
+    let body = api.get(&t.url()).await.map_err(|e| e.to_string())?;
     let bytes = body.collect().await.map_err(|e| e.to_string())?.to_bytes();
     let v: Value = serde_json::from_slice(&bytes).map_err(|e| e.to_string())?;
     let rv = v["metadata"]["resourceVersion"]
@@ -350,18 +450,50 @@ async fn list(api: &KubeApi, t: &SliceTarget) -> Result<(Slices, String), String
     Ok((slices, rv))
 }
 
-/// Follows the watch stream, applying each event; returns when it ends or must re-list.
+/// The grace a watch gets past its server-side `timeoutSeconds` before it counts as silent.
+fn watch_grace(timeout: Duration) -> Duration {
+    (timeout / 4).min(Duration::from_secs(15))
+}
+
+/// Follows one watch from `rv`, applying each event and moving `rv` with it.
 async fn watch(
     up: &Upstreams,
     api: &KubeApi,
     t: &SliceTarget,
     slices: &mut Slices,
-    rv: String,
-) -> Result<(), String> {
-    let mut body = api.get(&t.url(Some(&rv))).await?;
+    rv: &mut String,
+    timeout: Duration,
+) -> WatchEnd {
+    let mut events = 0;
+    let followed = tokio::time::timeout(
+        timeout + watch_grace(timeout),
+        follow(up, api, t, slices, rv, timeout, &mut events),
+    )
+    .await;
+    match followed {
+        Err(_) => WatchEnd::Silent,
+        Ok(Ok(())) => WatchEnd::Closed { events },
+        Ok(Err(end)) => end,
+    }
+}
+
+async fn follow(
+    up: &Upstreams,
+    api: &KubeApi,
+    t: &SliceTarget,
+    slices: &mut Slices,
+    rv: &mut String,
+    timeout: Duration,
+    events: &mut usize,
+) -> Result<(), WatchEnd> {
+    let mut body = match api.get(&t.watch_url(rv, timeout)).await {
+        Ok(b) => b,
+        Err(GetError::Status(410)) => return Err(WatchEnd::Expired),
+        Err(e) => return Err(WatchEnd::Failed(e.to_string())),
+    };
     let mut buf = Vec::new();
     while let Some(frame) = body.frame().await {
-        let frame = frame.map_err(|e| e.to_string())?;
+        let frame = frame.map_err(|e| WatchEnd::Failed(e.to_string()))?;
         let Some(data) = frame.data_ref() else {
             continue;
         };
@@ -371,25 +503,37 @@ async fn watch(
             if line.iter().all(u8::is_ascii_whitespace) {
                 continue;
             }
-            let ev: Value = serde_json::from_slice(&line).map_err(|e| e.to_string())?;
+            let ev: Value =
+                serde_json::from_slice(&line).map_err(|e| WatchEnd::Failed(e.to_string()))?;
             let obj = &ev["object"];
+            let kind = ev["type"].as_str().unwrap_or_default();
+            if kind == "ERROR" {
+                return Err(if obj["code"].as_u64() == Some(410) {
+                    WatchEnd::Expired
+                } else {
+                    WatchEnd::Failed(format!("watch error event: {obj}"))
+                });
+            }
+            *events += 1;
+            if let Some(v) = obj["metadata"]["resourceVersion"].as_str() {
+                v.clone_into(rv);
+            }
             let name = obj["metadata"]["name"]
                 .as_str()
                 .unwrap_or_default()
                 .to_string();
-            match ev["type"].as_str() {
-                Some("ADDED") | Some("MODIFIED") => {
+            match kind {
+                "ADDED" | "MODIFIED" => {
                     slices.insert(name, t.endpoints(obj));
                 }
-                Some("DELETED") => {
+                "DELETED" => {
                     slices.remove(&name);
                 }
-                Some("BOOKMARK") => continue,
-                // ERROR (e.g. 410 Gone: our resourceVersion is too old) or anything unknown.
-                _ => return Err(format!("watch event {}", ev["type"])),
+                "BOOKMARK" => continue,
+                other => return Err(WatchEnd::Failed(format!("unknown watch event {other:?}"))),
             }
             apply(up, "kubernetes", &workers_of(slices));
         }
     }
-    Err("watch stream closed".into())
+    Ok(())
 }

@@ -105,7 +105,9 @@ fn respond(
                 ])
                 .inc();
             static FAILED: crate::logging::Throttle = crate::logging::Throttle::new(10);
-            if status.is_server_error() {
+            // Shed load is expected under overload: counted in kvroute_shed_total, not logged.
+            let shed = matches!(e, ApiError::QueueFull | ApiError::QueueTimeout(_));
+            if status.is_server_error() && !shed {
                 if let Some(suppressed) = FAILED.allow() {
                     tracing::warn!(route = route.as_str(), error = %e, suppressed, "request failed");
                 }

@@ -16,7 +16,7 @@ use kvroute::discovery::{self, Resolve, ResolveFuture};
 use kvroute::proxy::Upstreams;
 use kvroute::routes::AppState;
 use serde_json::{json, Value};
-use tokio::sync::{mpsc, Mutex};
+use tokio::sync::Mutex;
 use tokio_util::sync::CancellationToken;
 
 fn names(up: &Upstreams) -> Vec<String> {
@@ -103,14 +103,110 @@ async fn dns_discovery_follows_the_answers_and_survives_a_resolver_outage() {
     cancel.cancel();
 }
 
-/// A fake Kubernetes API: list returns the current slices; a watch streams what the test sends.
+/// A fake Kubernetes API server: a store of EndpointSlices with a resourceVersion counter and an
+/// event log, so a watch from any retained resourceVersion replays what happened since (as the
+/// real API server does) and one from a compacted version gets 410 Gone. The test can refuse
+/// watches (403), make them go silent, send bookmarks and drop live watches.
 #[derive(Default)]
 struct FakeApi {
-    slices: Mutex<BTreeMap<String, Value>>,
-    rv: std::sync::atomic::AtomicU64,
-    watch: Mutex<Option<mpsc::UnboundedSender<Value>>>,
+    store: std::sync::Mutex<Store>,
+    /// Bumped on every change; live watches wait on it.
+    changed: tokio::sync::Notify,
     lists: std::sync::atomic::AtomicU64,
+    /// The query of every watch request, in order.
+    watches: std::sync::Mutex<Vec<BTreeMap<String, String>>>,
     authorization: Mutex<Option<String>>,
+    forbid_watch: std::sync::atomic::AtomicBool,
+    silent_watch: std::sync::atomic::AtomicBool,
+}
+
+#[derive(Default)]
+struct Store {
+    rv: u64,
+    slices: BTreeMap<String, Value>,
+    /// (resourceVersion, event), oldest first; versions up to `compacted` are gone.
+    log: Vec<(u64, Value)>,
+    compacted: u64,
+    /// Live watches end when this moves, after sending what happened before the move: the
+    /// resourceVersion each generation ended at.
+    generation: u64,
+    ended_at: BTreeMap<u64, u64>,
+}
+
+impl FakeApi {
+    fn record(&self, kind: &str, mut object: Value) {
+        let mut st = self.store.lock().unwrap();
+        st.rv += 1;
+        let rv = st.rv;
+        object["metadata"]["resourceVersion"] = json!(rv.to_string());
+        let name = object["metadata"]["name"].as_str().unwrap().to_string();
+        match kind {
+            "DELETED" => {
+                st.slices.remove(&name);
+            }
+            "BOOKMARK" => {}
+            _ => {
+                st.slices.insert(name, object.clone());
+            }
+        }
+        st.log.push((rv, json!({"type": kind, "object": object})));
+        drop(st);
+        self.changed.notify_waiters();
+    }
+
+    /// Creates or replaces a slice (ADDED or MODIFIED to watchers).
+    fn put(&self, slice: Value) {
+        let name = slice["metadata"]["name"].as_str().unwrap().to_string();
+        let exists = self.store.lock().unwrap().slices.contains_key(&name);
+        self.record(if exists { "MODIFIED" } else { "ADDED" }, slice);
+    }
+
+    fn delete(&self, name: &str) {
+        self.record("DELETED", json!({"metadata": {"name": name}}));
+    }
+
+    /// A bookmark: the current resourceVersion, no change.
+    fn bookmark(&self) {
+        self.record("BOOKMARK", json!({"metadata": {"name": ""}}));
+    }
+
+    /// Ends every live watch (the connection drops) once it has sent what happened so far.
+    fn drop_watches(&self) {
+        let mut st = self.store.lock().unwrap();
+        let (generation, rv) = (st.generation, st.rv);
+        st.ended_at.insert(generation, rv);
+        st.generation += 1;
+        drop(st);
+        self.changed.notify_waiters();
+    }
+
+    /// Forgets the history: a watch from before now gets 410 Gone.
+    fn compact(&self) {
+        let mut st = self.store.lock().unwrap();
+        st.compacted = st.rv;
+        st.log.clear();
+    }
+
+    fn rv(&self) -> u64 {
+        self.store.lock().unwrap().rv
+    }
+
+    fn lists(&self) -> u64 {
+        self.lists.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    fn watch_count(&self) -> usize {
+        self.watches.lock().unwrap().len()
+    }
+
+    fn last_watch(&self) -> BTreeMap<String, String> {
+        self.watches
+            .lock()
+            .unwrap()
+            .last()
+            .cloned()
+            .unwrap_or_default()
+    }
 }
 
 async fn endpointslices(
@@ -123,18 +219,67 @@ async fn endpointslices(
         .and_then(|v| v.to_str().ok())
         .map(str::to_string);
     assert_eq!(q["labelSelector"], "kubernetes.io/service-name=vllm");
-    let rv = api.rv.load(std::sync::atomic::Ordering::SeqCst).to_string();
     if q.get("watch").map(String::as_str) == Some("1") {
-        let (tx, rx) = mpsc::unbounded_channel::<Value>();
-        *api.watch.lock().await = Some(tx);
-        let lines = futures_util::stream::unfold(rx, |mut rx| async move {
-            let ev = rx.recv().await?;
-            Some((Ok::<_, std::io::Error>(format!("{ev}\n")), rx))
-        });
+        api.watches.lock().unwrap().push(q.clone());
+        if api.forbid_watch.load(std::sync::atomic::Ordering::SeqCst) {
+            return (
+                axum::http::StatusCode::FORBIDDEN,
+                axum::Json(json!({"kind": "Status", "code": 403, "reason": "Forbidden"})),
+            )
+                .into_response();
+        }
+        if api.silent_watch.load(std::sync::atomic::Ordering::SeqCst) {
+            // Headers, then nothing, ever: a half-dead connection.
+            let never = futures_util::stream::pending::<Result<String, std::io::Error>>();
+            return axum::response::Response::new(Body::from_stream(never));
+        }
+        let from: u64 = q["resourceVersion"].parse().unwrap();
+        let generation = api.store.lock().unwrap().generation;
+        let lines = futures_util::stream::unfold(
+            (api, from, false),
+            move |(api, mut at, gone)| async move {
+                if gone {
+                    return None;
+                }
+                let waker = api.clone();
+                loop {
+                    let changed = waker.changed.notified();
+                    tokio::pin!(changed);
+                    changed.as_mut().enable();
+                    // What the watch sends next: nothing (it ends), a 410, an event, or wait.
+                    let next: Option<Option<(u64, String, bool)>> = {
+                        let st = api.store.lock().unwrap();
+                        let end = st.ended_at.get(&generation).copied().unwrap_or(u64::MAX);
+                        if at >= end {
+                            Some(None)
+                        } else if at < st.compacted {
+                            let gone = json!({"type": "ERROR", "object": {"kind": "Status", "code": 410, "reason": "Expired"}});
+                            Some(Some((at, format!("{gone}\n"), true)))
+                        } else {
+                            st.log
+                                .iter()
+                                .find(|(rv, _)| *rv > at && *rv <= end)
+                                .map(|(rv, ev)| Some((*rv, format!("{ev}\n"), false)))
+                        }
+                    };
+                    match next {
+                        Some(None) => return None,
+                        Some(Some((rv, line, gone))) => {
+                            at = rv;
+                            return Some((Ok::<_, std::io::Error>(line), (api, at, gone)));
+                        }
+                        None => changed.await,
+                    }
+                }
+            },
+        );
         return axum::response::Response::new(Body::from_stream(lines));
     }
     api.lists.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-    let items: Vec<Value> = api.slices.lock().await.values().cloned().collect();
+    let st = api.store.lock().unwrap();
+    let items: Vec<Value> = st.slices.values().cloned().collect();
+    let rv = st.rv.to_string();
+    drop(st);
     axum::Json(
         json!({"kind": "EndpointSliceList", "metadata": {"resourceVersion": rv}, "items": items}),
     )
@@ -168,22 +313,6 @@ async fn eventually(what: &str, mut cond: impl FnMut() -> bool) {
         assert!(
             tokio::time::Instant::now() < deadline,
             "timed out waiting for {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-}
-
-async fn watch_sender(api: &FakeApi) -> mpsc::UnboundedSender<Value> {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
-    loop {
-        if let Some(tx) = api.watch.lock().await.clone() {
-            if !tx.is_closed() {
-                return tx;
-            }
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "no watch connection"
         );
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
@@ -245,18 +374,41 @@ fn kube_config(api_url: String, ca_file: String, token_file: String) -> Config {
         api_url: Some(api_url),
         ca_file,
         token_file,
+        watch_timeout_seconds: 290.0,
     })
 }
 
-#[tokio::test]
-async fn kubernetes_discovery_uses_ready_endpoints_and_relists_after_a_dropped_watch() {
-    let api = Arc::new(FakeApi::default());
+/// Serves the fake API over plain HTTP on loopback; returns its URL.
+async fn serve_plain(api: Arc<FakeApi>) -> String {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let api_url = format!("http://{}", listener.local_addr().unwrap());
-    let app = fake_api(api.clone());
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let app = fake_api(api);
     tokio::spawn(async move { axum::serve(listener, app).await });
+    url
+}
+
+/// Starts discovery on `cfg`; returns the pool's holder and the token that stops it.
+fn start(cfg: Config) -> (Arc<Upstreams>, CancellationToken) {
+    let state = AppState::new(cfg).unwrap();
+    let up = state.upstreams.clone();
+    let cancel = CancellationToken::new();
+    tokio::spawn(discovery::run(
+        up.clone(),
+        state.resolver.clone(),
+        cancel.clone(),
+    ));
+    (up, cancel)
+}
+
+fn want(v: &[&str]) -> Vec<String> {
+    v.iter().map(|s| s.to_string()).collect()
+}
+
+#[tokio::test]
+async fn kubernetes_discovery_uses_ready_endpoints_and_resumes_watches() {
+    let api = Arc::new(FakeApi::default());
     let cfg = kube_config(
-        api_url,
+        serve_plain(api.clone()).await,
         "/nonexistent/ca.crt".into(),
         "/nonexistent/token".into(),
     );
@@ -319,98 +471,188 @@ async fn kubernetes_discovery_refuses_a_server_its_ca_did_not_sign() {
     let _ = std::fs::remove_dir_all(dir);
 }
 
-/// Initial list, NotReady, a new slice, a dropped watch with a deletion while it was down, a 410,
-/// and a terminating endpoint; the worker set is checked after each.
+/// Initial list, NotReady, a new slice, a dropped watch with changes while it was down (resumed
+/// from the last resourceVersion: replayed, no re-list), a bookmark moving the resume point, a
+/// 410 (re-list), and a terminating endpoint; the worker set is checked after each.
 async fn scenario(api: Arc<FakeApi>, cfg: Config) {
-    api.slices.lock().await.insert(
-        "vllm-a".into(),
-        slice(
-            "vllm-a",
-            &[
-                ("127.0.0.21", Some(true), false),
-                ("127.0.0.22", None, false), // no `ready`: ready
-                ("127.0.0.23", Some(false), false),
-                ("127.0.0.24", Some(true), true), // terminating
-            ],
-        ),
-    );
-    let state = AppState::new(cfg).unwrap();
-    let up = state.upstreams.clone();
-    let cancel = CancellationToken::new();
-    tokio::spawn(discovery::run(
-        up.clone(),
-        state.resolver.clone(),
-        cancel.clone(),
+    api.put(slice(
+        "vllm-a",
+        &[
+            ("127.0.0.21", Some(true), false),
+            ("127.0.0.22", None, false), // no `ready`: ready
+            ("127.0.0.23", Some(false), false),
+            ("127.0.0.24", Some(true), true), // terminating
+        ],
     ));
-
-    let want = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+    let (up, cancel) = start(cfg);
     eventually("the initial list", || {
         names(&up) == want(&["127.0.0.21:8000", "127.0.0.22:8000"])
     })
     .await;
+    eventually("a watch", || api.watch_count() == 1).await;
+    let first = api.last_watch();
+    assert_eq!(first["resourceVersion"], api.rv().to_string());
+    assert_eq!(first["timeoutSeconds"], "290");
+    assert_eq!(first["allowWatchBookmarks"], "true");
 
     // A pod goes NotReady.
-    let tx = watch_sender(&api).await;
-    tx.send(json!({"type": "MODIFIED", "object": slice("vllm-a", &[("127.0.0.21", Some(true), false), ("127.0.0.22", Some(false), false)])})).unwrap();
+    api.put(slice(
+        "vllm-a",
+        &[
+            ("127.0.0.21", Some(true), false),
+            ("127.0.0.22", Some(false), false),
+        ],
+    ));
     eventually("the NotReady pod removed", || {
         names(&up) == want(&["127.0.0.21:8000"])
     })
     .await;
 
     // A second slice appears.
-    tx.send(
-        json!({"type": "ADDED", "object": slice("vllm-b", &[("127.0.0.25", Some(true), false)])}),
-    )
-    .unwrap();
+    api.put(slice("vllm-b", &[("127.0.0.25", Some(true), false)]));
     eventually("the new slice's pod added", || {
         names(&up) == want(&["127.0.0.21:8000", "127.0.0.25:8000"])
     })
     .await;
 
-    // The watch drops; while it is down the second slice is deleted (no event reaches us) and
-    // the first slice's pod starts terminating. The re-list must see both.
-    {
-        let mut slices = api.slices.lock().await;
-        slices.insert(
-            "vllm-a".into(),
-            slice(
-                "vllm-a",
-                &[
-                    ("127.0.0.21", Some(true), false),
-                    ("127.0.0.26", Some(true), false),
-                ],
-            ),
-        );
-    }
-    let lists_before = api.lists.load(std::sync::atomic::Ordering::SeqCst);
-    api.watch.lock().await.take();
-    drop(tx);
-    eventually("a re-list after the dropped watch", || {
-        api.lists.load(std::sync::atomic::Ordering::SeqCst) > lists_before
-    })
-    .await;
-    eventually("the set after the re-list", || {
+    // The watch drops; while it is down the second slice is deleted and the first one changes.
+    // The new watch starts where the last one stopped and is replayed both; no re-list.
+    let lists = api.lists();
+    let seen = api.rv();
+    api.drop_watches();
+    api.delete("vllm-b");
+    api.put(slice(
+        "vllm-a",
+        &[
+            ("127.0.0.21", Some(true), false),
+            ("127.0.0.26", Some(true), false),
+        ],
+    ));
+    eventually("the set after the resumed watch", || {
         names(&up) == want(&["127.0.0.21:8000", "127.0.0.26:8000"])
     })
     .await;
+    assert_eq!(api.watch_count(), 2);
+    assert_eq!(api.last_watch()["resourceVersion"], seen.to_string());
+    assert_eq!(api.lists(), lists, "a resumed watch does not list again");
 
-    // A 410 Gone on the new watch also re-lists.
-    let tx = watch_sender(&api).await;
-    let lists_before = api.lists.load(std::sync::atomic::Ordering::SeqCst);
-    tx.send(
-        json!({"type": "ERROR", "object": {"kind": "Status", "code": 410, "reason": "Expired"}}),
-    )
-    .unwrap();
-    eventually("a re-list after 410", || {
-        api.lists.load(std::sync::atomic::Ordering::SeqCst) > lists_before
-    })
-    .await;
-    // A terminating endpoint is dropped.
-    let tx = watch_sender(&api).await;
-    tx.send(json!({"type": "MODIFIED", "object": slice("vllm-a", &[("127.0.0.21", Some(true), true), ("127.0.0.26", Some(true), false)])})).unwrap();
-    eventually("the terminating pod removed", || {
+    // A bookmark moves the resume point without a change: the next watch starts from it.
+    api.bookmark();
+    api.drop_watches();
+    eventually("a third watch", || api.watch_count() == 3).await;
+    assert_eq!(
+        api.last_watch()["resourceVersion"],
+        api.rv().to_string(),
+        "resumed from the bookmark"
+    );
+    assert_eq!(api.lists(), lists);
+
+    // History compacted and the watch dropped: the resume gets 410 Gone and lists again.
+    api.put(slice("vllm-a", &[("127.0.0.26", Some(true), false)]));
+    eventually("the change before compaction", || {
         names(&up) == want(&["127.0.0.26:8000"])
     })
     .await;
+    api.drop_watches();
+    api.compact();
+    api.put(slice("vllm-c", &[("127.0.0.28", Some(true), false)]));
+    api.compact();
+    eventually("a re-list after 410", || api.lists() > lists).await;
+    eventually("the set after the re-list", || {
+        names(&up) == want(&["127.0.0.26:8000", "127.0.0.28:8000"])
+    })
+    .await;
+
+    // A terminating endpoint is dropped.
+    api.put(slice(
+        "vllm-a",
+        &[
+            ("127.0.0.26", Some(true), true),
+            ("127.0.0.29", Some(true), false),
+        ],
+    ));
+    eventually("the terminating pod removed", || {
+        names(&up) == want(&["127.0.0.28:8000", "127.0.0.29:8000"])
+    })
+    .await;
+    cancel.cancel();
+}
+
+#[tokio::test]
+async fn a_forbidden_watch_backs_off_and_keeps_the_listed_workers() {
+    let api = Arc::new(FakeApi::default());
+    api.put(slice("vllm-a", &[("127.0.0.31", Some(true), false)]));
+    api.forbid_watch
+        .store(true, std::sync::atomic::Ordering::SeqCst);
+    let (up, cancel) = start(kube_config(
+        serve_plain(api.clone()).await,
+        "/nonexistent/ca.crt".into(),
+        "/nonexistent/token".into(),
+    ));
+    eventually("the listed worker", || {
+        names(&up) == want(&["127.0.0.31:8000"])
+    })
+    .await;
+    // Backoff 100, 200, 400, 800 ms...: about 5 attempts in 1.5 s; a tight loop makes thousands.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let attempts = api.watch_count();
+    assert!(
+        (2..=8).contains(&attempts),
+        "{attempts} watch attempts in 1.5 s"
+    );
+    assert_eq!(api.lists(), 1, "a refused watch does not list again");
+    assert_eq!(names(&up), want(&["127.0.0.31:8000"]));
+    let errors = "kvroute_discovery_updates_total{result=\"error\",source=\"kubernetes\"}";
+    assert!(up.metrics.render().contains(errors));
+    // Allowed again: the next attempt watches from the list's version and sees changes.
+    api.forbid_watch
+        .store(false, std::sync::atomic::Ordering::SeqCst);
+    api.put(slice("vllm-a", &[("127.0.0.32", Some(true), false)]));
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
+    while names(&up) != want(&["127.0.0.32:8000"]) {
+        assert!(tokio::time::Instant::now() < deadline, "never recovered");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    cancel.cancel();
+}
+
+#[tokio::test]
+async fn a_silent_watch_is_abandoned_after_its_timeout_and_resumed() {
+    let api = Arc::new(FakeApi::default());
+    api.put(slice("vllm-a", &[("127.0.0.41", Some(true), false)]));
+    api.silent_watch
+        .store(true, std::sync::atomic::Ordering::SeqCst);
+    let mut cfg = kube_config(
+        serve_plain(api.clone()).await,
+        "/nonexistent/ca.crt".into(),
+        "/nonexistent/token".into(),
+    );
+    if let DiscoveryConfig::Kubernetes {
+        watch_timeout_seconds,
+        ..
+    } = &mut cfg.discovery
+    {
+        *watch_timeout_seconds = 1.0;
+    }
+    let (up, cancel) = start(cfg);
+    eventually("a watch", || api.watch_count() == 1).await;
+    assert_eq!(api.last_watch()["timeoutSeconds"], "1");
+    // The first watch never says anything; a change made now reaches the gateway only through
+    // a new watch, which must come within the timeout and its grace (1.25 s).
+    api.silent_watch
+        .store(false, std::sync::atomic::Ordering::SeqCst);
+    let changed_at = tokio::time::Instant::now();
+    api.put(slice("vllm-a", &[("127.0.0.42", Some(true), false)]));
+    let deadline = changed_at + Duration::from_secs(5);
+    while names(&up) != want(&["127.0.0.42:8000"]) {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the silent watch was never abandoned"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(changed_at.elapsed() < Duration::from_millis(2500));
+    assert_eq!(api.lists(), 1, "resumed, not re-listed");
+    assert_eq!(api.watch_count(), 2);
     cancel.cancel();
 }

@@ -60,7 +60,11 @@ pub fn table(runs: &[Run]) -> String {
         format!("{} / {}", ms(r.summary.e2e.p50), ms(r.summary.e2e.p99))
     });
     row("goodput (SLO met)", &|r| {
-        format!("{:.0}%", r.summary.goodput * 100.0)
+        format!(
+            "{:.0}%, {:.2} req/s",
+            r.summary.goodput * 100.0,
+            r.summary.goodput_per_s
+        )
     });
     row("worker prefix hit rate", &|r| {
         r.workers

@@ -107,6 +107,9 @@ pub struct Summary {
     pub e2e: Percentiles,
     /// Share of the window's requests that succeeded within their TTFT and TPOT SLOs.
     pub goodput: f64,
+    /// Requests per second of the window that succeeded within their SLOs (errors and refusals
+    /// miss them): what an overloaded pool still delivers.
+    pub goodput_per_s: f64,
     /// Largest lag between a request's intended and actual send time (the generator's own delay).
     pub max_send_lag: f64,
 }
@@ -139,6 +142,11 @@ pub fn summarize(samples: &[Sample], warmup: f64, duration: f64, slo: (f64, f64)
                 .count() as f64
                 / window.iter().filter(|s| !s.cancelled).count().max(1) as f64
         },
+        goodput_per_s: window
+            .iter()
+            .filter(|s| !s.cancelled && s.meets(slo))
+            .count() as f64
+            / duration,
         max_send_lag: window
             .iter()
             .map(|s| s.sent - s.intended)
@@ -197,6 +205,10 @@ mod tests {
         assert!((s.req_per_s - 0.2).abs() < 1e-9);
         // 0.1 s and 0.2 s TTFT against a 150 ms SLO: half meet it.
         assert!((s.goodput - 0.5).abs() < 1e-9);
+        assert!(
+            (s.goodput_per_s - 0.1).abs() < 1e-9,
+            "one of the two, over 10 s"
+        );
     }
 
     #[test]

@@ -367,12 +367,16 @@ impl Config {
                 service,
                 port_name,
                 port,
+                watch_timeout_seconds,
                 ..
             } => {
                 if service.is_empty() || (port_name.is_none() && port.is_none()) {
                     return bad(
                         "discovery.kubernetes needs a service and a port_name or port".into(),
                     );
+                }
+                if !(*watch_timeout_seconds >= 1.0 && *watch_timeout_seconds < 1e6) {
+                    return bad("discovery.watch_timeout_seconds must be at least 1 second".into());
                 }
             }
         }

@@ -160,11 +160,20 @@ pub enum DiscoveryConfig {
         /// the file does not exist.
         #[serde(default = "default_token_file")]
         token_file: String,
+        /// Each watch asks the API server to end it after this long (`timeoutSeconds`) and is
+        /// resumed from its last resourceVersion; one that has not ended a grace period later
+        /// (a quarter of it, at most 15 s) counts as a half-dead connection and is resumed too.
+        #[serde(default = "default_watch_timeout")]
+        watch_timeout_seconds: f64,
     },
 }
 
 fn default_interval() -> f64 {
     5.0
+}
+
+fn default_watch_timeout() -> f64 {
+    290.0
 }
 
 fn default_ca_file() -> String {
