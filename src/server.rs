@@ -48,7 +48,7 @@ impl AppState {
 
 /// The gateway's routes.
 pub fn app(state: AppState) -> Router {
-    Router::new()
+    let routes = Router::new()
         .route("/v1/completions", post(routes::completions))
         .route("/v1/chat/completions", post(routes::chat_completions))
         .route("/v1/models", get(routes::models))
@@ -57,11 +57,17 @@ pub fn app(state: AppState) -> Router {
         .route("/ready", get(routes::ready))
         .route("/metrics", get(routes::metrics))
         .fallback(routes::not_found)
-        .method_not_allowed_fallback(routes::method_not_allowed)
-        .layer(axum::middleware::from_fn_with_state(
+        .method_not_allowed_fallback(routes::method_not_allowed);
+    // Client keys cost a layer per request only where they are configured.
+    let routes = if state.upstreams.auth.enabled() {
+        routes.layer(axum::middleware::from_fn_with_state(
             state.clone(),
             routes::authenticate,
         ))
+    } else {
+        routes
+    };
+    routes
         .layer(axum::middleware::from_fn(routes::guard))
         // Failures are logged once, throttled, where they are understood (routes, proxy).
         .layer(TraceLayer::new_for_http().on_failure(()))

@@ -1,0 +1,306 @@
+#!/usr/bin/env python3
+"""Proxy overhead: the same load direct to a fast upstream, through kvroute and through nginx.
+
+    python3 benches/overhead.py [--bin target/release/kvroute] [--rounds 3] [--seconds 5]
+
+Everything runs on loopback, each in its own process:
+- the upstream: an nginx that answers `POST /v1/completions` at once with a small JSON
+  completion, or with a 100-event SSE stream when the query has `sse=1` (or, for the memory
+  test, a stream that trickles out over minutes when it has `hold=1`);
+- kvroute (its default policy) and nginx as a plain reverse proxy (keep-alive upstream
+  connections, `proxy_buffering off`, as many worker processes as kvroute has runtime threads:
+  one per core), both in front of that upstream;
+- the load: `wrk -t1 -c32` POSTing a small completion request, direct / kvroute / nginx
+  interleaved in each round.
+
+Reports req/s and p50/p99 latency per target and shape (median over rounds, and each round),
+the proxies' CPU seconds per 10k requests (from /proc), and each proxy's resident memory per
+open stream with 5,000 streams held open, with /health (kvroute) latency meanwhile.
+
+Needs `wrk` and `nginx` (Debian: `apt-get install wrk nginx-light`); installs them when missing
+and it may (root). Takes about 3 minutes with the defaults.
+"""
+
+import argparse
+import asyncio
+import os
+import re
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+BODY = '{"model":"m","prompt":"Say hello to the proxy benchmark.","max_tokens":16}'
+JSON_ANSWER = (
+    '{"id":"cmpl-1","object":"text_completion","created":1,"model":"m","choices":[{"index":0,'
+    '"text":" Hello, proxy benchmark!","logprobs":null,"finish_reason":"stop"}],"usage":'
+    '{"prompt_tokens":8,"completion_tokens":6,"total_tokens":14}}'
+)
+SSE_ANSWER = "".join(
+    'data: {"id":"cmpl-1","object":"text_completion","created":1,"model":"m","choices":[{"index":0,"text":" t%d","logprobs":null,"finish_reason":null}]}\n\n'
+    % i
+    for i in range(100)
+) + "data: [DONE]\n\n"
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def ensure_tools():
+    missing = [t for t in ("wrk", "nginx") if not shutil.which(t) and not os.path.exists("/usr/sbin/" + t)]
+    if missing:
+        pkgs = ["wrk" if m == "wrk" else "nginx-light" for m in missing]
+        subprocess.run(["apt-get", "install", "-y", "-q", *pkgs], check=True, env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"})
+
+
+def nginx_bin():
+    return shutil.which("nginx") or "/usr/sbin/nginx"
+
+
+def start_nginx(dir_, name, http_block, workers):
+    os.makedirs(f"{dir_}/{name}", exist_ok=True)
+    conf = f"""
+worker_processes {workers};
+worker_rlimit_nofile 20000;
+pid {dir_}/{name}/nginx.pid;
+error_log {dir_}/{name}/error.log error;
+daemon off;
+events {{ worker_connections 16384; }}
+http {{
+  access_log off;
+  client_body_temp_path {dir_}/{name}/body;
+  proxy_temp_path {dir_}/{name}/proxy;
+  keepalive_requests 1000000;
+  {http_block}
+}}
+"""
+    path = f"{dir_}/{name}/nginx.conf"
+    with open(path, "w") as f:
+        f.write(conf)
+    p = subprocess.Popen([nginx_bin(), "-c", path, "-e", f"{dir_}/{name}/error.log"], stderr=subprocess.DEVNULL)
+    return p
+
+
+def wait_port(port, timeout=10):
+    end = time.time() + timeout
+    while time.time() < end:
+        try:
+            socket.create_connection(("127.0.0.1", port), 0.2).close()
+            return
+        except OSError:
+            time.sleep(0.05)
+    raise SystemExit(f"nothing listens on {port}")
+
+
+def pids_of(p, name_dir=None):
+    """The process and its children (nginx workers)."""
+    out = [p.pid]
+    try:
+        kids = subprocess.run(["pgrep", "-P", str(p.pid)], capture_output=True, text=True).stdout.split()
+        out += [int(k) for k in kids]
+    except FileNotFoundError:
+        pass
+    return out
+
+
+def cpu_seconds(pids):
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / tick
+        except OSError:
+            pass
+    return total
+
+
+def rss_bytes(pids):
+    total = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                for line in f:
+                    if line.startswith("VmRSS:"):
+                        total += int(line.split()[1]) * 1024
+        except OSError:
+            pass
+    return total
+
+
+def wrk(url, seconds, lua):
+    out = subprocess.run(
+        ["wrk", "-t1", "-c32", f"-d{seconds}s", "--latency", "-s", lua, url],
+        capture_output=True, text=True,
+    ).stdout
+    rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))
+    reqs = int(re.search(r"(\d+) requests in", out).group(1))
+    non2xx = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
+    lat = {}
+    for q in ("50", "99"):
+        m = re.search(rf"\s{q}%\s+([\d.]+)(us|ms|s)", out)
+        v, unit = float(m.group(1)), m.group(2)
+        lat[q] = v / 1000 if unit == "us" else v * 1000 if unit == "s" else v
+    return {"rps": rps, "p50": lat["50"], "p99": lat["99"], "requests": reqs, "non2xx": int(non2xx.group(1)) if non2xx else 0}
+
+
+async def hold_streams(port, n, path, health_port):
+    """Opens n streams through the proxy on `port`, reads their first bytes, keeps them open."""
+    conns = []
+    req = (
+        f"POST {path} HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
+        f"content-length: {len(BODY)}\r\n\r\n{BODY}"
+    ).encode()
+    sem = asyncio.Semaphore(200)
+
+    async def one():
+        async with sem:
+            r, w = await asyncio.open_connection("127.0.0.1", port)
+            w.write(req)
+            await w.drain()
+            await r.readuntil(b"\r\n\r\n")
+            await r.read(16)  # the first bytes of the stream
+            conns.append((r, w))
+
+    await asyncio.gather(*[one() for _ in range(n)])
+    lat = []
+    if health_port:
+        for _ in range(50):
+            t0 = time.perf_counter()
+            r, w = await asyncio.open_connection("127.0.0.1", health_port)
+            w.write(b"GET /health HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+            await w.drain()
+            await r.read()
+            w.close()
+            lat.append((time.perf_counter() - t0) * 1000)
+    return conns, lat
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--bin", default="target/release/kvroute")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--seconds", type=int, default=5)
+    ap.add_argument("--streams", type=int, default=5000)
+    a = ap.parse_args()
+    ensure_tools()
+    cores = os.cpu_count()
+    d = tempfile.mkdtemp(prefix="kvroute-overhead-")
+    os.chmod(d, 0o755)  # nginx's workers run as an unprivileged user and read the static files
+    up_port, ngx_port = free_port(), free_port()
+    os.makedirs(f"{d}/static/hold", mode=0o755, exist_ok=True)
+    os.chmod(f"{d}/static", 0o755)
+    for path in (f"{d}/static/sse.txt", f"{d}/static/hold/sse.txt"):
+        with open(path, "w") as f:
+            f.write(SSE_ANSWER)
+    # Static files answer GET only: a POST's 405 is turned into the file (`error_page ... =200`).
+    upstream = start_nginx(d, "upstream", f"""
+  server {{
+    listen 127.0.0.1:{up_port} backlog=4096;
+    default_type application/json;
+    location = /health {{ return 200; }}
+    location = /v1/completions {{
+      if ($arg_hold) {{ rewrite ^ /static/hold/sse.txt last; }}
+      if ($arg_sse) {{ rewrite ^ /static/sse.txt last; }}
+      return 200 '{JSON_ANSWER}';
+    }}
+    location /static/ {{
+      root {d};
+      default_type text/event-stream;
+      error_page 405 =200 $uri;
+    }}
+    location /static/hold/ {{
+      root {d};
+      default_type text/event-stream;
+      error_page 405 =200 $uri;
+      limit_rate 2;
+    }}
+  }}
+""", 1)
+    proxy = start_nginx(d, "proxy", f"""
+  upstream workers {{ server 127.0.0.1:{up_port}; keepalive 64; }}
+  server {{
+    listen 127.0.0.1:{ngx_port} backlog=4096;
+    location / {{
+      proxy_pass http://workers;
+      proxy_http_version 1.1;
+      proxy_set_header Connection "";
+      proxy_buffering off;
+    }}
+  }}
+""", cores)
+    kv = subprocess.Popen(
+        [a.bin, "serve", "--listen", "127.0.0.1:0", "--worker", f"http://127.0.0.1:{up_port}"],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env={**os.environ, "RUST_LOG": "error"},
+    )
+    kv_port = int(kv.stdout.readline().strip().rsplit(":", 1)[1])
+    for p in (up_port, ngx_port, kv_port):
+        wait_port(p)
+    lua = f"{d}/post.lua"
+    with open(lua, "w") as f:
+        f.write(f'wrk.method = "POST"\nwrk.body = \'{BODY}\'\nwrk.headers["Content-Type"] = "application/json"\n')
+    targets = {"direct": (up_port, None), "kvroute": (kv_port, [kv.pid]), "nginx": (ngx_port, pids_of(proxy))}
+    results = {}
+    try:
+        for shape, query in (("json", ""), ("sse-100", "?sse=1")):
+            for r in range(a.rounds):
+                for name, (port, pids) in targets.items():
+                    c0 = cpu_seconds(pids) if pids else 0
+                    res = wrk(f"http://127.0.0.1:{port}/v1/completions{query}", a.seconds, lua)
+                    res["cpu10k"] = (cpu_seconds(pids) - c0) / res["requests"] * 10000 if pids else None
+                    results.setdefault((shape, name), []).append(res)
+        print(f"wrk -t1 -c32 -d{a.seconds}s, POST /v1/completions; {a.rounds} interleaved rounds; {cores} cores; medians (each round)")
+        print()
+        print("| shape | target | req/s | p50 ms | p99 ms | proxy CPU s / 10k req | non-2xx |")
+        print("|---|---|---|---|---|---|---|")
+        for (shape, name), rs in results.items():
+            med = lambda k: statistics.median(x[k] for x in rs)
+            each = lambda k, fmt: " ".join(fmt % x[k] for x in rs)
+            cpu = "-" if rs[0]["cpu10k"] is None else "%.2f (%s)" % (med("cpu10k"), each("cpu10k", "%.2f"))
+            print(f"| {shape} | {name} | {med('rps'):,.0f} ({each('rps', '%.0f')}) | {med('p50'):.2f} | {med('p99'):.2f} ({each('p99', '%.2f')}) | {cpu} | {sum(x['non2xx'] for x in rs)} |")
+        print()
+        for shape in ("json", "sse-100"):
+            k = statistics.median(x["rps"] for x in results[(shape, "kvroute")])
+            n = statistics.median(x["rps"] for x in results[(shape, "nginx")])
+            kp = statistics.median(x["p99"] for x in results[(shape, "kvroute")])
+            np_ = statistics.median(x["p99"] for x in results[(shape, "nginx")])
+            print(f"{shape}: kvroute / nginx req/s {k / n:.2f}x, p99 {kp / np_:.2f}x")
+        # Memory per open stream.
+        print()
+        for name, port, pids, health in (
+            ("kvroute", kv_port, [kv.pid], kv_port),
+            ("nginx", ngx_port, pids_of(proxy), None),
+        ):
+            before = rss_bytes(pids)
+            print(f"holding {a.streams} streams through {name}...", file=sys.stderr, flush=True)
+            conns, lat = asyncio.run(_hold(port, a.streams, health, pids, before, name))
+    finally:
+        for p in (kv, proxy, upstream):
+            p.kill()
+        subprocess.run(["pkill", "-f", d], stderr=subprocess.DEVNULL)
+        shutil.rmtree(d, ignore_errors=True)
+
+
+async def _hold(port, n, health, pids, before, name):
+    conns, lat = await hold_streams(port, n, "/v1/completions?sse=1&hold=1", health)
+    after = rss_bytes(pids)
+    per = (after - before) / n
+    line = f"{name}: {n} open streams: resident {before / 2**20:.1f} -> {after / 2**20:.1f} MiB, {per / 1024:.1f} KiB per stream"
+    if lat:
+        lat.sort()
+        line += f"; /health meanwhile p50 {lat[len(lat) // 2]:.2f} ms, max {lat[-1]:.2f} ms"
+    print(line)
+    for r, w in conns:
+        w.close()
+    return conns, lat
+
+
+if __name__ == "__main__":
+    sys.exit(main())
