@@ -158,15 +158,14 @@ async def hold_streams(port, n, path, health_port):
         f"POST {path} HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
         f"content-length: {len(BODY)}\r\n\r\n{BODY}"
     ).encode()
-    sem = asyncio.Semaphore(200)
+    sem = asyncio.Semaphore(1000)
 
     async def one():
         async with sem:
             r, w = await asyncio.open_connection("127.0.0.1", port)
             w.write(req)
             await w.drain()
-            await r.readuntil(b"\r\n\r\n")
-            await r.read(16)  # the first bytes of the stream
+            await r.readuntil(b"\r\n\r\n")  # the stream's head: it is open
             conns.append((r, w))
 
     await asyncio.gather(*[one() for _ in range(n)])

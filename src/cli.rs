@@ -178,23 +178,33 @@ pub fn main() -> ExitCode {
                 println!("config ok: {routing}, {} worker(s)", config.workers.len());
                 return ExitCode::SUCCESS;
             }
-            run(async move {
-                let listener = crate::listener::bind(config.listen, config.limits.listen_backlog)?;
+            let loops = match config.threads {
+                0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
+                n => n,
+            };
+            // The calling thread is the first event loop: a single-threaded runtime, like the others.
+            let rt = match tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+            {
+                Ok(rt) => rt,
+                Err(e) => {
+                    eprintln!("kvroute: cannot start the runtime: {e}");
+                    return ExitCode::FAILURE;
+                }
+            };
+            finish(rt.block_on(async move {
+                let listeners =
+                    crate::listener::bind_many(config.listen, config.limits.listen_backlog, loops)?;
                 let hup = source
                     .as_ref()
                     .and_then(|_| crate::reload::install_hangup());
                 let shutdown = shutdown_token();
                 // One line on stdout once the socket accepts connections and the signal handlers
                 // are in place (useful with port 0).
-                println!("kvroute listening on http://{}", listener.local_addr()?);
-                match source {
-                    Some(source) => {
-                        crate::server::serve_reloading(listener, config, source, hup, shutdown)
-                            .await
-                    }
-                    None => crate::server::serve(listener, config, shutdown).await,
-                }
-            })
+                println!("kvroute listening on http://{}", listeners[0].local_addr()?);
+                crate::server::serve_reloading(listeners, config, source, hup, shutdown).await
+            }))
         }
         Command::Sim(args) => {
             if args.list_presets {
@@ -333,7 +343,11 @@ fn run(fut: impl std::future::Future<Output = std::io::Result<()>>) -> ExitCode 
             return ExitCode::FAILURE;
         }
     };
-    match rt.block_on(fut) {
+    finish(rt.block_on(fut))
+}
+
+fn finish(r: std::io::Result<()>) -> ExitCode {
+    match r {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("kvroute: {e}");

@@ -29,12 +29,33 @@ use crate::config::LimitsConfig;
 /// Binds `addr` with `backlog` pending connections allowed (the kernel caps it at
 /// `net.core.somaxconn`).
 pub fn bind(addr: SocketAddr, backlog: u32) -> std::io::Result<TcpListener> {
+    bind_with(addr, backlog, false)
+}
+
+/// `n` listening sockets on `addr` with `SO_REUSEPORT`, so the kernel spreads new connections
+/// over them (one per event loop); with port 0, all on the port the first one got. Must be
+/// called inside a Tokio runtime; hand each socket to its loop with `into_std`.
+pub fn bind_many(addr: SocketAddr, backlog: u32, n: usize) -> std::io::Result<Vec<TcpListener>> {
+    let first = bind_with(addr, backlog, n > 1)?;
+    let addr = first.local_addr()?;
+    let mut all = vec![first];
+    for _ in 1..n {
+        all.push(bind_with(addr, backlog, true)?);
+    }
+    Ok(all)
+}
+
+fn bind_with(addr: SocketAddr, backlog: u32, reuse_port: bool) -> std::io::Result<TcpListener> {
     let socket = if addr.is_ipv4() {
         TcpSocket::new_v4()?
     } else {
         TcpSocket::new_v6()?
     };
     socket.set_reuseaddr(true)?;
+    #[cfg(unix)]
+    if reuse_port {
+        socket.set_reuseport(true)?;
+    }
     socket.bind(addr)?;
     socket.listen(backlog)
 }
@@ -48,6 +69,17 @@ pub async fn serve(
     shutdown: CancellationToken,
 ) -> std::io::Result<()> {
     let permits = Arc::new(Semaphore::new(limits.max_connections));
+    serve_capped(listener, app, limits, permits, shutdown).await
+}
+
+/// [`serve`] with the connection cap's permits given: several accept loops share one cap.
+pub async fn serve_capped(
+    listener: TcpListener,
+    app: Router,
+    limits: &LimitsConfig,
+    permits: Arc<Semaphore>,
+    shutdown: CancellationToken,
+) -> std::io::Result<()> {
     let graceful = GracefulShutdown::new();
     let mut builder = auto::Builder::new(TokioExecutor::new());
     builder

@@ -13,8 +13,18 @@ const LATENCY_BUCKETS: &[f64] = &[
     120.0, 300.0,
 ];
 
+/// Every metric; cloned per request, so a clone is one reference count, not one per family.
 #[derive(Clone)]
-pub struct Metrics {
+pub struct Metrics(std::sync::Arc<MetricSet>);
+
+impl std::ops::Deref for Metrics {
+    type Target = MetricSet;
+    fn deref(&self) -> &MetricSet {
+        &self.0
+    }
+}
+
+pub struct MetricSet {
     registry: Registry,
     /// Live `Worker` objects per worker name: a name's series are removed when its count drops
     /// to zero (the worker left the pool and its last request ended), so churn does not grow
@@ -136,7 +146,7 @@ impl Metrics {
         registry
             .register(Box::new(queue_depth.clone()))
             .expect("metric registered once");
-        Self {
+        Self(std::sync::Arc::new(MetricSet {
             shed: counter(
                 "kvroute_shed_total",
                 "Requests refused for lack of room, by reason (queue_full, wait_timeout: 503; client_quota: 429).",
@@ -236,7 +246,7 @@ impl Metrics {
             ),
             registry,
             worker_names: Default::default(),
-        }
+        }))
     }
 
     /// A `Worker` named `name` was made.

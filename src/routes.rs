@@ -20,9 +20,25 @@ use crate::{
     routing_key::{self, PromptField, RequestInfo},
 };
 
-/// Shared state of the handlers.
+/// Shared state of the handlers; every request clones it, so it is one reference count.
 #[derive(Clone)]
-pub struct AppState {
+pub struct AppState(Arc<Shared>);
+
+impl AppState {
+    pub fn from_shared(shared: Shared) -> Self {
+        Self(Arc::new(shared))
+    }
+}
+
+impl std::ops::Deref for AppState {
+    type Target = Shared;
+    fn deref(&self) -> &Shared {
+        &self.0
+    }
+}
+
+/// What [`AppState`] holds.
+pub struct Shared {
     pub upstreams: Arc<Upstreams>,
     /// The routing arms (one, unless an A/B split is configured); swapped whole on a config
     /// reload, while requests in flight keep the arms they started with.

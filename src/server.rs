@@ -27,7 +27,7 @@ impl AppState {
         let metrics = Metrics::new();
         let pool = Pool::from_config(&config.workers, &metrics)?;
         let auth = crate::auth::Auth::from_config(&config.auth)?;
-        Ok(Self {
+        Ok(Self::from_shared(crate::routes::Shared {
             resolver: Arc::new(crate::discovery::SystemResolver),
             arms: Arc::new(arc_swap::ArcSwap::from_pointee(Arms::new(
                 &config.policy,
@@ -42,7 +42,7 @@ impl AppState {
                 config,
                 auth,
             }),
-        })
+        }))
     }
 }
 
@@ -86,11 +86,12 @@ pub async fn serve(
     serve_state(listener, state, drain, shutdown).await
 }
 
-/// Like [`serve`], and also reloads `source` when the file changes or `hup` fires.
+/// Like [`serve`] on one event loop per listener (see [`serve_state_on`]), and also reloads
+/// `source`, when given, when the file changes or `hup` fires.
 pub async fn serve_reloading(
-    listener: TcpListener,
+    listeners: Vec<TcpListener>,
     config: Config,
-    source: crate::reload::Source,
+    source: Option<crate::reload::Source>,
     hup: Option<crate::reload::Hangup>,
     shutdown: CancellationToken,
 ) -> std::io::Result<()> {
@@ -98,8 +99,10 @@ pub async fn serve_reloading(
     let state = AppState::new(config).map_err(std::io::Error::other)?;
     let reloads = shutdown.child_token();
     let _stop = reloads.clone().drop_guard();
-    tokio::spawn(crate::reload::run(state.clone(), source, hup, reloads));
-    serve_state(listener, state, drain, shutdown).await
+    if let Some(source) = source {
+        tokio::spawn(crate::reload::run(state.clone(), source, hup, reloads));
+    }
+    serve_state_on(listeners, state, drain, shutdown).await
 }
 
 pub async fn serve_state(
@@ -108,12 +111,64 @@ pub async fn serve_state(
     drain: Duration,
     shutdown: CancellationToken,
 ) -> std::io::Result<()> {
+    serve_state_on(vec![listener], state, drain, shutdown).await
+}
+
+/// Serves on one event loop per listener (sockets sharing a port with `SO_REUSEPORT`, from
+/// [`crate::listener::bind_many`]): the first on the calling runtime, with the background tasks;
+/// each other on a thread of its own with a single-threaded runtime and its own connection pool
+/// to the workers. A request then lives on one thread from accept to the worker and back: no
+/// work stealing, no cross-thread wake-ups. Policies, the pool and metrics are shared. All loops
+/// share the connection cap and stop and drain together.
+pub async fn serve_state_on(
+    listeners: Vec<TcpListener>,
+    state: AppState,
+    drain: Duration,
+    shutdown: CancellationToken,
+) -> std::io::Result<()> {
+    let mut listeners = listeners.into_iter();
+    let first = listeners
+        .next()
+        .ok_or_else(|| std::io::Error::other("no listener"))?;
     tracing::info!(
-        addr = %listener.local_addr()?,
+        addr = %first.local_addr()?,
         routing = state.arms.load().describe(),
         workers = state.upstreams.pool.snapshot().len(),
+        event_loops = 1 + listeners.len(),
         "kvroute gateway listening"
     );
+    let limits = state.upstreams.config.limits.clone();
+    let permits = Arc::new(tokio::sync::Semaphore::new(limits.max_connections));
+    let mut loops = Vec::new();
+    for (i, listener) in listeners.enumerate() {
+        let listener = listener.into_std()?;
+        let (state, shutdown, permits, limits) = (
+            state.clone(),
+            shutdown.clone(),
+            Arc::clone(&permits),
+            limits.clone(),
+        );
+        let thread = std::thread::Builder::new()
+            .name(format!("kvroute-loop-{}", i + 1))
+            .spawn(move || {
+                let rt = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()?;
+                rt.block_on(async move {
+                    crate::proxy::use_own_client(&state.upstreams.config);
+                    let listener = TcpListener::from_std(listener)?;
+                    let server = crate::listener::serve_capped(
+                        listener,
+                        app(state),
+                        &limits,
+                        permits,
+                        shutdown.clone(),
+                    );
+                    within_drain(server, drain, &shutdown).await
+                })
+            })?;
+        loops.push(thread);
+    }
     // Background tasks stop with the server: their token is a child of the shutdown token.
     let background = shutdown.child_token();
     let _stop_background = background.clone().drop_guard();
@@ -130,8 +185,26 @@ pub async fn serve_state(
         state.resolver.clone(),
         background.clone(),
     ));
-    let limits = state.upstreams.config.limits.clone();
-    let server = crate::listener::serve(listener, app(state), &limits, shutdown.clone());
+    let server =
+        crate::listener::serve_capped(first, app(state), &limits, permits, shutdown.clone());
+    let result = within_drain(server, drain, &shutdown).await;
+    for thread in loops {
+        let joined = tokio::task::spawn_blocking(move || thread.join()).await;
+        match joined {
+            Ok(Ok(Ok(()))) => {}
+            Ok(Ok(Err(e))) => tracing::error!(error = %e, "an event loop failed"),
+            _ => tracing::error!("an event loop panicked"),
+        }
+    }
+    result
+}
+
+/// Runs `server` until it ends, or until `drain` after `shutdown` fired.
+async fn within_drain(
+    server: impl std::future::Future<Output = std::io::Result<()>>,
+    drain: Duration,
+    shutdown: &CancellationToken,
+) -> std::io::Result<()> {
     let deadline = async {
         shutdown.cancelled().await;
         tokio::time::sleep(drain).await;

@@ -67,9 +67,9 @@ async fn setup(tag: &str) -> Setup {
     let poll = Duration::from_millis(20);
     let source = kvroute::reload::Source::new(path.clone(), Overrides::default(), poll);
     tokio::spawn(kvroute::server::serve_reloading(
-        listener,
+        vec![listener],
         config,
-        source,
+        Some(source),
         None,
         cancel.clone(),
     ));

@@ -56,6 +56,9 @@ pub struct Config {
     pub admission: AdmissionConfig,
     /// Client API keys and the key sent to workers.
     pub auth: AuthConfig,
+    /// Event loops of `kvroute serve`, each a thread with its own listening socket
+    /// (`SO_REUSEPORT`) and its own connections to the workers; 0: one per core.
+    pub threads: usize,
     /// How many other workers a request may be retried on when its worker refused the connection.
     pub connect_retries: usize,
     /// How long a worker that refused a connection is left out of routing, in seconds.
@@ -86,6 +89,7 @@ impl Default for Config {
             max_inflight_per_worker: 0,
             admission: AdmissionConfig::default(),
             auth: AuthConfig::default(),
+            threads: 0,
             connect_retries: 2,
             eject_seconds: 5.0,
             drain_seconds: 30.0,
@@ -267,6 +271,9 @@ impl Config {
             if !(v.is_finite() && v > 0.0 && v < 1e7) {
                 return bad(format!("{name} must be a positive number of seconds"));
             }
+        }
+        if self.threads > 1024 {
+            return bad("threads must be at most 1024 (0: one per core)".into());
         }
         let adm = &self.admission;
         if !(adm.max_wait_seconds.is_finite()

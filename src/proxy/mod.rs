@@ -49,6 +49,19 @@ pub fn http_client(cfg: &Config) -> HttpClient {
         .build(connector)
 }
 
+thread_local! {
+    /// The connection pool of an event loop that has its own (see `server::serve_state_on`).
+    static OWN_CLIENT: std::cell::OnceCell<HttpClient> = const { std::cell::OnceCell::new() };
+}
+
+/// Gives the calling thread's event loop its own pool of connections to the workers, so a
+/// request and its upstream connection stay on one thread. For a thread that serves one gateway.
+pub fn use_own_client(cfg: &Config) {
+    OWN_CLIENT.with(|c| {
+        let _ = c.set(http_client(cfg));
+    });
+}
+
 /// Everything the proxy stage needs, shared by all requests.
 pub struct Upstreams {
     pub pool: Pool,
@@ -160,7 +173,8 @@ pub async fn forward(
                 .insert(header::AUTHORIZATION, key.clone());
         }
         let timeout = up.config.timeouts.first_byte();
-        match tokio::time::timeout(timeout, up.client.request(request)).await {
+        let sent = OWN_CLIENT.with(|own| own.get().unwrap_or(&up.client).request(request));
+        match tokio::time::timeout(timeout, sent).await {
             Ok(Ok(resp)) => {
                 worker.record_status(
                     resp.status(),
