@@ -194,16 +194,15 @@ pub fn main() -> ExitCode {
                 }
             };
             finish(rt.block_on(async move {
-                let listeners =
-                    crate::listener::bind_many(config.listen, config.limits.listen_backlog, loops)?;
+                let listener = crate::listener::bind(config.listen, config.limits.listen_backlog)?;
                 let hup = source
                     .as_ref()
                     .and_then(|_| crate::reload::install_hangup());
                 let shutdown = shutdown_token();
                 // One line on stdout once the socket accepts connections and the signal handlers
                 // are in place (useful with port 0).
-                println!("kvroute listening on http://{}", listeners[0].local_addr()?);
-                crate::server::serve_reloading(listeners, config, source, hup, shutdown).await
+                println!("kvroute listening on http://{}", listener.local_addr()?);
+                crate::server::serve_reloading(listener, loops, config, source, hup, shutdown).await
             }))
         }
         Command::Sim(args) => {

@@ -89,7 +89,8 @@ pub async fn serve(
 /// Like [`serve`] on one event loop per listener (see [`serve_state_on`]), and also reloads
 /// `source`, when given, when the file changes or `hup` fires.
 pub async fn serve_reloading(
-    listeners: Vec<TcpListener>,
+    listener: TcpListener,
+    loops: usize,
     config: Config,
     source: Option<crate::reload::Source>,
     hup: Option<crate::reload::Hangup>,
@@ -102,7 +103,7 @@ pub async fn serve_reloading(
     if let Some(source) = source {
         tokio::spawn(crate::reload::run(state.clone(), source, hup, reloads));
     }
-    serve_state_on(listeners, state, drain, shutdown).await
+    serve_state_on(listener, loops, state, drain, shutdown).await
 }
 
 pub async fn serve_state(
@@ -111,63 +112,49 @@ pub async fn serve_state(
     drain: Duration,
     shutdown: CancellationToken,
 ) -> std::io::Result<()> {
-    serve_state_on(vec![listener], state, drain, shutdown).await
+    serve_state_on(listener, 1, state, drain, shutdown).await
 }
 
-/// Serves on one event loop per listener (sockets sharing a port with `SO_REUSEPORT`, from
-/// [`crate::listener::bind_many`]): the first on the calling runtime, with the background tasks;
-/// each other on a thread of its own with a single-threaded runtime and its own connection pool
-/// to the workers. A request then lives on one thread from accept to the worker and back: no
-/// work stealing, no cross-thread wake-ups. Policies, the pool and metrics are shared. All loops
-/// share the connection cap and stop and drain together.
+/// Serves on `loops` event loops: this one accepts (so the connection cap is exact), runs the
+/// background tasks and takes its turn at connections; each other loop is a thread of its own
+/// with a single-threaded runtime and its own connection pool to the workers, and is handed
+/// connections in turn. A request then lives on one thread from the client's socket to the
+/// worker's and back: no work stealing, no cross-thread wake-ups. Policies, the pool and the
+/// metrics are shared. The loops stop and drain together.
 pub async fn serve_state_on(
-    listeners: Vec<TcpListener>,
+    listener: TcpListener,
+    loops: usize,
     state: AppState,
     drain: Duration,
     shutdown: CancellationToken,
 ) -> std::io::Result<()> {
-    let mut listeners = listeners.into_iter();
-    let first = listeners
-        .next()
-        .ok_or_else(|| std::io::Error::other("no listener"))?;
     tracing::info!(
-        addr = %first.local_addr()?,
+        addr = %listener.local_addr()?,
         routing = state.arms.load().describe(),
         workers = state.upstreams.pool.snapshot().len(),
-        event_loops = 1 + listeners.len(),
+        event_loops = loops.max(1),
         "kvroute gateway listening"
     );
     let limits = state.upstreams.config.limits.clone();
-    let permits = Arc::new(tokio::sync::Semaphore::new(limits.max_connections));
-    let mut loops = Vec::new();
-    for (i, listener) in listeners.enumerate() {
-        let listener = listener.into_std()?;
-        let (state, shutdown, permits, limits) = (
-            state.clone(),
-            shutdown.clone(),
-            Arc::clone(&permits),
-            limits.clone(),
-        );
+    let mut others = Vec::new();
+    let mut threads = Vec::new();
+    for i in 1..loops.max(1) {
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        let (state, limits) = (state.clone(), limits.clone());
         let thread = std::thread::Builder::new()
-            .name(format!("kvroute-loop-{}", i + 1))
+            .name(format!("kvroute-loop-{i}"))
             .spawn(move || {
                 let rt = tokio::runtime::Builder::new_current_thread()
                     .enable_all()
                     .build()?;
                 rt.block_on(async move {
                     crate::proxy::use_own_client(&state.upstreams.config);
-                    let listener = TcpListener::from_std(listener)?;
-                    let server = crate::listener::serve_capped(
-                        listener,
-                        app(state),
-                        &limits,
-                        permits,
-                        shutdown.clone(),
-                    );
-                    within_drain(server, drain, &shutdown).await
-                })
+                    crate::listener::serve_handed(rx, app(state), &limits).await;
+                });
+                Ok::<_, std::io::Error>(())
             })?;
-        loops.push(thread);
+        others.push(tx);
+        threads.push(thread);
     }
     // Background tasks stop with the server: their token is a child of the shutdown token.
     let background = shutdown.child_token();
@@ -185,18 +172,21 @@ pub async fn serve_state_on(
         state.resolver.clone(),
         background.clone(),
     ));
-    let server =
-        crate::listener::serve_capped(first, app(state), &limits, permits, shutdown.clone());
-    let result = within_drain(server, drain, &shutdown).await;
-    for thread in loops {
-        let joined = tokio::task::spawn_blocking(move || thread.join()).await;
-        match joined {
-            Ok(Ok(Ok(()))) => {}
-            Ok(Ok(Err(e))) => tracing::error!(error = %e, "an event loop failed"),
-            _ => tracing::error!("an event loop panicked"),
+    let server = async {
+        let accepted =
+            crate::listener::serve_spread(listener, app(state), &limits, others, shutdown.clone())
+                .await;
+        // The acceptor has stopped and dropped the hand-over channels: the loops drain and end.
+        for thread in threads {
+            match tokio::task::spawn_blocking(move || thread.join()).await {
+                Ok(Ok(Ok(()))) => {}
+                Ok(Ok(Err(e))) => tracing::error!(error = %e, "an event loop failed"),
+                _ => tracing::error!("an event loop panicked"),
+            }
         }
-    }
-    result
+        accepted
+    };
+    within_drain(server, drain, &shutdown).await
 }
 
 /// Runs `server` until it ends, or until `drain` after `shutdown` fired.

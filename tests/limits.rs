@@ -96,3 +96,65 @@ async fn past_the_connection_cap_new_clients_wait_until_one_leaves() {
         String::from_utf8_lossy(&got)
     );
 }
+
+/// `kvroute serve`'s shape: one acceptor handing connections in turn to three event loops, each
+/// a thread of its own. Every loop answers, the one connection cap holds, and all stop on
+/// shutdown.
+#[tokio::test]
+async fn event_loops_share_the_connection_cap_and_stop_together() {
+    let up = upstream("w0", &[]).await;
+    let mut cfg = config_for(&[&up], "cache_aware");
+    cfg.limits.max_connections = 4;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let state = kvroute::routes::AppState::new(cfg).unwrap();
+    let shutdown = tokio_util::sync::CancellationToken::new();
+    let server = tokio::spawn(kvroute::server::serve_state_on(
+        listener,
+        3,
+        state,
+        Duration::from_secs(5),
+        shutdown.clone(),
+    ));
+    // Fresh connections go to the loops in turn: every one answered, streams too.
+    for i in 0..30 {
+        let stream = i % 2 == 0;
+        let body = format!(r#"{{"prompt": "p{i}", "stream": {stream}}}"#);
+        let r = request(addr, "POST", "/v1/completions", body.as_bytes()).await;
+        assert_eq!(r.status, 200);
+    }
+    // Four held connections fill the cap, whichever loops serve them.
+    let mut held = Vec::new();
+    for _ in 0..4 {
+        let mut s = TcpStream::connect(addr).await.unwrap();
+        s.write_all(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            .await
+            .unwrap();
+        let mut buf = [0u8; 12];
+        s.read_exact(&mut buf).await.unwrap();
+        assert_eq!(&buf, b"HTTP/1.1 200");
+        held.push(s);
+    }
+    let mut fifth = TcpStream::connect(addr).await.unwrap();
+    fifth
+        .write_all(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        .await
+        .unwrap();
+    let (got, _) = read_to_close(&mut fifth, Duration::from_millis(300)).await;
+    assert!(
+        got.is_empty(),
+        "served past the cap: {}",
+        String::from_utf8_lossy(&got)
+    );
+    drop(held.pop());
+    let (got, closed) = read_to_close(&mut fifth, Duration::from_secs(5)).await;
+    assert!(closed && got.starts_with(b"HTTP/1.1 200"));
+    // Shutdown: idle kept-alive connections are closed, every loop ends.
+    shutdown.cancel();
+    let ended = tokio::time::timeout(Duration::from_secs(10), server).await;
+    assert!(
+        matches!(ended, Ok(Ok(Ok(())))),
+        "every loop stopped: {ended:?}"
+    );
+    drop(held);
+}

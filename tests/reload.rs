@@ -67,7 +67,8 @@ async fn setup(tag: &str) -> Setup {
     let poll = Duration::from_millis(20);
     let source = kvroute::reload::Source::new(path.clone(), Overrides::default(), poll);
     tokio::spawn(kvroute::server::serve_reloading(
-        vec![listener],
+        listener,
+        1,
         config,
         Some(source),
         None,

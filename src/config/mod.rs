@@ -56,8 +56,8 @@ pub struct Config {
     pub admission: AdmissionConfig,
     /// Client API keys and the key sent to workers.
     pub auth: AuthConfig,
-    /// Event loops of `kvroute serve`, each a thread with its own listening socket
-    /// (`SO_REUSEPORT`) and its own connections to the workers; 0: one per core.
+    /// Event loops of `kvroute serve`: threads that each serve their share of the client
+    /// connections, with their own connections to the workers; 0: one per core.
     pub threads: usize,
     /// How many other workers a request may be retried on when its worker refused the connection.
     pub connect_retries: usize,
