@@ -219,6 +219,7 @@ def main():
       root {d};
       default_type text/event-stream;
       error_page 405 =200 $uri;
+      limit_rate_after 1k;
       limit_rate 2;
     }}
   }}
