@@ -188,6 +188,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--seconds", type=int, default=5)
     ap.add_argument("--streams", type=int, default=5000)
+    ap.add_argument("--memory-only", action="store_true", help="skip the wrk rounds")
     a = ap.parse_args()
     ensure_tools()
     cores = os.cpu_count()
@@ -250,12 +251,14 @@ def main():
     results = {}
     try:
         for shape, query in (("json", ""), ("sse-100", "?sse=1")):
-            for r in range(a.rounds):
+            for r in range(0 if a.memory_only else a.rounds):
                 for name, (port, pids) in targets.items():
                     c0 = cpu_seconds(pids) if pids else 0
                     res = wrk(f"http://127.0.0.1:{port}/v1/completions{query}", a.seconds, lua)
                     res["cpu10k"] = (cpu_seconds(pids) - c0) / res["requests"] * 10000 if pids else None
                     results.setdefault((shape, name), []).append(res)
+        if a.memory_only:
+            results = {}
         print(f"wrk -t1 -c32 -d{a.seconds}s, POST /v1/completions; {a.rounds} interleaved rounds; {cores} cores; medians (each round)")
         print()
         print("| shape | target | req/s | p50 ms | p99 ms | proxy CPU s / 10k req | non-2xx |")
@@ -266,7 +269,7 @@ def main():
             cpu = "-" if rs[0]["cpu10k"] is None else "%.2f (%s)" % (med("cpu10k"), each("cpu10k", "%.2f"))
             print(f"| {shape} | {name} | {med('rps'):,.0f} ({each('rps', '%.0f')}) | {med('p50'):.2f} | {med('p99'):.2f} ({each('p99', '%.2f')}) | {cpu} | {sum(x['non2xx'] for x in rs)} |")
         print()
-        for shape in ("json", "sse-100"):
+        for shape in ("json", "sse-100") if results else ():
             k = statistics.median(x["rps"] for x in results[(shape, "kvroute")])
             n = statistics.median(x["rps"] for x in results[(shape, "nginx")])
             kp = statistics.median(x["p99"] for x in results[(shape, "kvroute")])
