@@ -29,10 +29,6 @@ use crate::config::LimitsConfig;
 /// Binds `addr` with `backlog` pending connections allowed (the kernel caps it at
 /// `net.core.somaxconn`).
 pub fn bind(addr: SocketAddr, backlog: u32) -> std::io::Result<TcpListener> {
-    bind_with(addr, backlog)
-}
-
-fn bind_with(addr: SocketAddr, backlog: u32) -> std::io::Result<TcpListener> {
     let socket = if addr.is_ipv4() {
         TcpSocket::new_v4()?
     } else {

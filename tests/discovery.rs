@@ -307,8 +307,12 @@ fn slice(name: &str, endpoints: &[(&str, Option<bool>, bool)]) -> Value {
     })
 }
 
-async fn eventually(what: &str, mut cond: impl FnMut() -> bool) {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+async fn eventually(what: &str, cond: impl FnMut() -> bool) {
+    eventually_within(Duration::from_secs(5), what, cond).await
+}
+
+async fn eventually_within(limit: Duration, what: &str, mut cond: impl FnMut() -> bool) {
+    let deadline = tokio::time::Instant::now() + limit;
     while !cond() {
         assert!(
             tokio::time::Instant::now() < deadline,
@@ -378,6 +382,15 @@ fn kube_config(api_url: String, ca_file: String, token_file: String) -> Config {
     })
 }
 
+/// Discovery config for the fake API served over plain HTTP (no CA, no token).
+async fn plain_config(api: &Arc<FakeApi>) -> Config {
+    kube_config(
+        serve_plain(api.clone()).await,
+        "/nonexistent/ca.crt".into(),
+        "/nonexistent/token".into(),
+    )
+}
+
 /// Serves the fake API over plain HTTP on loopback; returns its URL.
 async fn serve_plain(api: Arc<FakeApi>) -> String {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -407,11 +420,7 @@ fn want(v: &[&str]) -> Vec<String> {
 #[tokio::test]
 async fn kubernetes_discovery_uses_ready_endpoints_and_resumes_watches() {
     let api = Arc::new(FakeApi::default());
-    let cfg = kube_config(
-        serve_plain(api.clone()).await,
-        "/nonexistent/ca.crt".into(),
-        "/nonexistent/token".into(),
-    );
+    let cfg = plain_config(&api).await;
     scenario(api, cfg).await;
 }
 
@@ -584,11 +593,7 @@ async fn a_forbidden_watch_backs_off_and_keeps_the_listed_workers() {
     api.put(slice("vllm-a", &[("127.0.0.31", Some(true), false)]));
     api.forbid_watch
         .store(true, std::sync::atomic::Ordering::SeqCst);
-    let (up, cancel) = start(kube_config(
-        serve_plain(api.clone()).await,
-        "/nonexistent/ca.crt".into(),
-        "/nonexistent/token".into(),
-    ));
+    let (up, cancel) = start(plain_config(&api).await);
     eventually("the listed worker", || {
         names(&up) == want(&["127.0.0.31:8000"])
     })
@@ -608,11 +613,10 @@ async fn a_forbidden_watch_backs_off_and_keeps_the_listed_workers() {
     api.forbid_watch
         .store(false, std::sync::atomic::Ordering::SeqCst);
     api.put(slice("vllm-a", &[("127.0.0.32", Some(true), false)]));
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
-    while names(&up) != want(&["127.0.0.32:8000"]) {
-        assert!(tokio::time::Instant::now() < deadline, "never recovered");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    eventually_within(Duration::from_secs(15), "recovery", || {
+        names(&up) == want(&["127.0.0.32:8000"])
+    })
+    .await;
     cancel.cancel();
 }
 
@@ -622,11 +626,7 @@ async fn a_silent_watch_is_abandoned_after_its_timeout_and_resumed() {
     api.put(slice("vllm-a", &[("127.0.0.41", Some(true), false)]));
     api.silent_watch
         .store(true, std::sync::atomic::Ordering::SeqCst);
-    let mut cfg = kube_config(
-        serve_plain(api.clone()).await,
-        "/nonexistent/ca.crt".into(),
-        "/nonexistent/token".into(),
-    );
+    let mut cfg = plain_config(&api).await;
     if let DiscoveryConfig::Kubernetes {
         watch_timeout_seconds,
         ..

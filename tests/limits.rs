@@ -19,6 +19,22 @@ async fn read_to_close(s: &mut TcpStream, limit: Duration) -> (Vec<u8>, bool) {
     (out, closed)
 }
 
+/// `n` kept-alive connections, each answered once, so each holds a place under the cap.
+async fn hold_connections(addr: std::net::SocketAddr, n: usize) -> Vec<TcpStream> {
+    let mut held = Vec::new();
+    for _ in 0..n {
+        let mut s = TcpStream::connect(addr).await.unwrap();
+        s.write_all(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            .await
+            .unwrap();
+        let mut buf = [0u8; 12];
+        s.read_exact(&mut buf).await.unwrap();
+        assert_eq!(&buf, b"HTTP/1.1 200");
+        held.push(s);
+    }
+    held
+}
+
 #[tokio::test]
 async fn headers_that_trickle_in_are_cut_off_while_others_are_served() {
     let up = upstream("w0", &[]).await;
@@ -70,17 +86,7 @@ async fn past_the_connection_cap_new_clients_wait_until_one_leaves() {
     cfg.limits.max_connections = 4;
     let gw = gateway(cfg).await;
     // Four kept-alive connections, each answered once: the cap is full.
-    let mut held = Vec::new();
-    for _ in 0..4 {
-        let mut s = TcpStream::connect(gw.addr).await.unwrap();
-        s.write_all(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
-            .await
-            .unwrap();
-        let mut buf = [0u8; 12];
-        s.read_exact(&mut buf).await.unwrap();
-        assert_eq!(&buf, b"HTTP/1.1 200");
-        held.push(s);
-    }
+    let mut held = hold_connections(gw.addr, 4).await;
     let mut fifth = TcpStream::connect(gw.addr).await.unwrap();
     fifth
         .write_all(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
@@ -124,17 +130,7 @@ async fn event_loops_share_the_connection_cap_and_stop_together() {
         assert_eq!(r.status, 200);
     }
     // Four held connections fill the cap, whichever loops serve them.
-    let mut held = Vec::new();
-    for _ in 0..4 {
-        let mut s = TcpStream::connect(addr).await.unwrap();
-        s.write_all(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
-            .await
-            .unwrap();
-        let mut buf = [0u8; 12];
-        s.read_exact(&mut buf).await.unwrap();
-        assert_eq!(&buf, b"HTTP/1.1 200");
-        held.push(s);
-    }
+    let mut held = hold_connections(addr, 4).await;
     let mut fifth = TcpStream::connect(addr).await.unwrap();
     fifth
         .write_all(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
