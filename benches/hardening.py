@@ -5,7 +5,7 @@
 
 slowloris: 2,000 connections that send their request headers one byte a second and 200 that
            send an 8 MiB body 1 KiB a second, held for --hold seconds, while a normal client
-           asks /health and a small completion every 100 ms: its latencies, how many of the slow
+           asks /health and a small completion every 100 ms: its latencies (measured from a separate process), how many of the slow
            connections the gateway cut off, and the gateway's resident memory.
 cpu8m:     gateway CPU seconds per 8 MiB `{"prompt": [[1],[1],...]}` request on /v1/completions
            (routing key extracted) and on a pass-through path (no routing key), from /proc.
@@ -17,7 +17,9 @@ in front of one simulated worker; both are started and stopped here.
 import argparse
 import asyncio
 import json
+import multiprocessing
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -103,31 +105,63 @@ async def slow_body(host, port, cut):
         cut["bodies"] += 1
 
 
-async def slowloris(host, port, pid, hold):
+async def attack(host, port, hold, out):
+    """The hostile connections, in their own process so that the normal client's latencies are
+    the gateway's and not this event loop's (2,200 sockets keep a Python loop busy)."""
     cut = {"headers": 0, "bodies": 0, "bodies_408": 0}
-    base_rss = rss_mib(pid)
     attackers = [asyncio.create_task(slow_headers(host, port, cut)) for _ in range(2000)]
     attackers += [asyncio.create_task(slow_body(host, port, cut)) for _ in range(200)]
+    await asyncio.sleep(hold)
+    for t in attackers:
+        t.cancel()
+    await asyncio.gather(*attackers, return_exceptions=True)
+    out.put(cut)
+
+
+def attacker_process(host, port, hold, out):
+    asyncio.run(attack(host, port, hold, out))
+
+
+def blocking_request(host, port, method, path, body=b""):
+    """One request on a fresh connection with a plain blocking socket; (status, milliseconds)."""
+    t0 = time.perf_counter()
+    with socket.create_connection((host, port)) as s:
+        s.sendall(
+            f"{method} {path} HTTP/1.1\r\nhost: {host}\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(body)}\r\nconnection: close\r\n\r\n".encode() + body
+        )
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+    status = int(data.split(b" ", 2)[1]) if data.startswith(b"HTTP/") else 0
+    return status, (time.perf_counter() - t0) * 1000
+
+
+def slowloris(host, port, pid, hold):
+    base_rss = rss_mib(pid)
+    out = multiprocessing.Queue()
+    hostile = multiprocessing.Process(target=attacker_process, args=(host, port, hold, out))
+    hostile.start()
+    time.sleep(1.0)  # let the hostile connections open before the first measurement
     health, completion, statuses, peak = [], [], [], base_rss
     small = json.dumps({"prompt": "hello", "max_tokens": 4}).encode()
-    end = time.monotonic() + hold
+    end = time.monotonic() + hold - 1.5
     while time.monotonic() < end:
-        s1, ms1 = await timed_request(host, port, "GET", "/health")
-        s2, ms2 = await timed_request(host, port, "POST", "/v1/completions", small)
+        s1, ms1 = blocking_request(host, port, "GET", "/health")
+        s2, ms2 = blocking_request(host, port, "POST", "/v1/completions", small)
         health.append(ms1)
         completion.append(ms2)
         statuses += [s1, s2]
         peak = max(peak, rss_mib(pid))
-        await asyncio.sleep(0.1)
-    for t in attackers:
-        t.cancel()
-    await asyncio.gather(*attackers, return_exceptions=True)
+        time.sleep(0.1)
+    cut = out.get()
+    hostile.join()
 
     def pct(xs, q):
         xs = sorted(xs)
         return xs[min(len(xs) - 1, int(q * len(xs)))]
 
-    print(f"slowloris: 2,000 slow-header + 200 slow-body connections for {hold} s")
+    print(f"slowloris: 2,000 slow-header + 200 slow-body connections for {hold} s (hostile client in its own process)")
     print(f"  normal client: {len(health)} /health, p50 {pct(health, .5):.1f} ms, p99 {pct(health, .99):.1f} ms, max {max(health):.1f} ms")
     print(f"  normal client: {len(completion)} completions, p50 {pct(completion, .5):.1f} ms, p99 {pct(completion, .99):.1f} ms, max {max(completion):.1f} ms")
     print(f"  statuses other than 200: {sum(1 for s in statuses if s != 200)}")
@@ -162,7 +196,7 @@ def main():
     host, port = line.rsplit(" ", 1)[1].replace("http://", "").rsplit(":", 1)
     try:
         if "slowloris" in a.what:
-            asyncio.run(slowloris(host, int(port), gw.pid, a.hold))
+            slowloris(host, int(port), gw.pid, a.hold)
         if "cpu8m" in a.what:
             asyncio.run(cpu8m(host, int(port), gw.pid, a.n))
     finally:

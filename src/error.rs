@@ -22,8 +22,10 @@ pub enum ApiError {
     ModelNotFound(String),
     #[error("no route for {0}")]
     RouteNotFound(String),
-    #[error("every worker serving this model is at its in-flight limit and the wait queue is full; retry later")]
+    #[error("every worker serving this model is at its in-flight limit and no place is left in the wait queue; retry later")]
     QueueFull,
+    #[error("every worker serving this model is at its in-flight limit; retry later")]
+    AtCapacity,
     #[error("no worker serving this model had room within {0}s; retry later")]
     QueueTimeout(f64),
     #[error("client `{client}` has {limit} requests in flight, its limit; retry later")]
@@ -53,7 +55,7 @@ impl ApiError {
             ModelNotFound(_) | RouteNotFound(_) => (StatusCode::NOT_FOUND, "NotFoundError"),
             QuotaExceeded { .. } => (StatusCode::TOO_MANY_REQUESTS, "RateLimitError"),
             Unauthorized(_) => (StatusCode::UNAUTHORIZED, "AuthenticationError"),
-            NoWorker | GatewayExhausted(_) | QueueFull | QueueTimeout(_) => {
+            NoWorker | GatewayExhausted(_) | QueueFull | AtCapacity | QueueTimeout(_) => {
                 (StatusCode::SERVICE_UNAVAILABLE, "ServiceUnavailableError")
             }
             UpstreamConnect { .. } | UpstreamFailed { .. } => {

@@ -206,7 +206,7 @@ impl Drop for InflightGuard {
     fn drop(&mut self) {
         self.worker.inflight.fetch_sub(1, Ordering::Release);
         self.worker.inflight_gauge.dec();
-        self.worker.freed.released();
+        self.worker.freed.released(&self.worker.models);
     }
 }
 

@@ -76,6 +76,64 @@ async fn a_queued_request_is_served_when_a_slot_frees() {
 }
 
 #[tokio::test]
+async fn a_saturated_model_does_not_hold_up_another() {
+    let (ua, ub) = (upstream("wa", &[]).await, upstream("wb", &[]).await);
+    let mut cfg = config_for(&[&ua, &ub], "round_robin");
+    cfg.workers[0].models = vec!["a".into()];
+    cfg.workers[1].models = vec!["b".into()];
+    cfg.max_inflight_per_worker = 1;
+    cfg.admission.queue_size = 1;
+    cfg.admission.max_wait_seconds = 30.0;
+    let gw = gateway(cfg).await;
+    let mut held = send_with(
+        gw.addr,
+        "POST",
+        "/v1/completions",
+        &[],
+        &body(
+            json!({"model": "a", "prompt": "held", "stream": true, "max_tokens": 2, "gate": true}),
+        ),
+    )
+    .await;
+    read_until(&mut held, b"tok0", 5 * SECOND).await;
+    // Model a's line is now full: one waiter.
+    let addr = gw.addr;
+    let waiter = tokio::spawn(async move {
+        request(
+            addr,
+            "POST",
+            "/v1/completions",
+            &body(json!({"model": "a", "prompt": "w"})),
+        )
+        .await
+    });
+    wait_metric(gw.addr, "kvroute_queue_depth", 1.0, 10 * SECOND).await;
+    // Model b's worker has room: served at once, neither queued behind a nor refused.
+    let b = request(
+        gw.addr,
+        "POST",
+        "/v1/completions",
+        &body(json!({"model": "b", "prompt": "x"})),
+    )
+    .await;
+    assert_eq!(b.status, 200, "{}", String::from_utf8_lossy(&b.body));
+    assert_eq!(b.header("x-kvroute-worker"), Some("wb"));
+    // Another request for a finds a full line.
+    let a = request(
+        gw.addr,
+        "POST",
+        "/v1/completions",
+        &body(json!({"model": "a", "prompt": "y"})),
+    )
+    .await;
+    assert_eq!(a.status, 503);
+    drop(held);
+    assert_eq!(waiter.await.unwrap().status, 200);
+    let m = metrics_text(gw.addr).await;
+    assert_eq!(metric(&m, "kvroute_queue_depth"), Some(0.0));
+}
+
+#[tokio::test]
 async fn a_full_queue_and_a_long_wait_give_503_with_retry_after() {
     let up = upstream("w0", &[]).await;
     let mut cfg = config_for(&[&up], "round_robin");
@@ -108,7 +166,7 @@ async fn a_full_queue_and_a_long_wait_give_503_with_retry_after() {
     assert!(full.json()["error"]["message"]
         .as_str()
         .unwrap()
-        .contains("queue is full"));
+        .contains("no place is left in the wait queue"));
     let timed_out = waiter.await.unwrap();
     assert_eq!(timed_out.status, 503);
     assert_eq!(timed_out.header("retry-after"), Some("1"));

@@ -296,3 +296,142 @@ async fn running_out_of_descriptors_is_the_gateways_503_not_the_workers_fault() 
         200
     );
 }
+
+/// A worker that accepts connections and never answers; the listener's address.
+async fn hung_worker() -> std::net::SocketAddr {
+    let hung = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = hung.local_addr().unwrap();
+    tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((s, _)) = hung.accept().await {
+            held.push(s);
+        }
+    });
+    addr
+}
+
+/// The fault matrix: for each way a worker fails, what the client sees, and that nothing is
+/// left behind (the worker's in-flight count back to 0, an abandoned upstream stream aborted,
+/// the healthy worker still serving). Run with `--nocapture` for the table. Running out of
+/// descriptors, the fifth row, needs its own process: see the test above.
+#[tokio::test]
+async fn fault_matrix_what_the_client_sees_and_nothing_leaks() {
+    let stream = |extra: serde_json::Value| {
+        let mut v = json!({"prompt": "p", "stream": true, "max_tokens": 10});
+        v.as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        body(v)
+    };
+    struct Row {
+        fault: &'static str,
+        seen: String,
+    }
+    let mut rows = Vec::new();
+    // (fault, request body, expected status, expected final SSE error code)
+    let cases: [(&str, Vec<u8>, u16, Option<u16>); 4] = [
+        (
+            "killed mid-stream",
+            stream(json!({"die_after": 3})),
+            200,
+            Some(502),
+        ),
+        (
+            "hangs after the headers",
+            stream(json!({"gate": true})),
+            200,
+            Some(504),
+        ),
+        (
+            "answers 500",
+            body(json!({"prompt": "p", "fail_status": 500})),
+            500,
+            None,
+        ),
+        (
+            "hangs before the headers",
+            body(json!({"prompt": "p"})),
+            504,
+            None,
+        ),
+    ];
+    for (fault, req, status, sse_error) in cases {
+        let mut up = upstream("w0", &[]).await;
+        let mut cfg = config_for(&[&up], "round_robin");
+        cfg.timeouts.idle_stream_seconds = 0.3;
+        cfg.timeouts.first_byte_seconds = 0.3;
+        cfg.health.interval_seconds = 0.0;
+        if fault == "hangs before the headers" {
+            cfg.workers[0] = kvroute::config::WorkerConfig {
+                name: Some("w0".into()),
+                ..kvroute::config::WorkerConfig::from_url(format!("http://{}", hung_worker().await))
+            };
+        }
+        let gw = gateway(cfg).await;
+        let text = read_all(send(gw.addr, "POST", "/v1/completions", &req).await).await;
+        let got: u16 = text[9..12].parse().unwrap();
+        assert_eq!(got, status, "{fault}: {text}");
+        let final_error = text.find("data: {\"error\"").map(|at| {
+            let event: serde_json::Value =
+                serde_json::from_str(text[at + 6..].lines().next().unwrap()).unwrap();
+            assert!(text[at..].contains("data: [DONE]"), "{fault}: {text}");
+            event["error"]["code"].as_u64().unwrap() as u16
+        });
+        assert_eq!(final_error, sse_error, "{fault}: {text}");
+        if fault == "hangs after the headers" {
+            // The gateway gave up on the stream: the worker must see it abandoned.
+            tokio::time::timeout(Duration::from_secs(5), up.disconnects.recv())
+                .await
+                .expect("the upstream stream is aborted")
+                .unwrap();
+        }
+        let m = metrics_text(gw.addr).await;
+        assert_eq!(
+            metric(&m, r#"kvroute_worker_inflight{worker="w0"}"#),
+            Some(0.0),
+            "{fault}: nothing left in flight"
+        );
+        rows.push(Row {
+            fault,
+            seen: match final_error {
+                Some(code) => format!("{status}, then a final SSE error event {code} and [DONE]"),
+                None => format!("{status} with an OpenAI-style JSON error"),
+            },
+        });
+    }
+    // Refused: the only worker's port is closed.
+    let closed = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", closed.local_addr().unwrap());
+    drop(closed);
+    let mut cfg = config_for(&[], "round_robin");
+    cfg.workers = vec![kvroute::config::WorkerConfig {
+        name: Some("w0".into()),
+        ..kvroute::config::WorkerConfig::from_url(url)
+    }];
+    let gw = gateway(cfg).await;
+    let r = request(
+        gw.addr,
+        "POST",
+        "/v1/completions",
+        &body(json!({"prompt": "p"})),
+    )
+    .await;
+    assert_eq!(r.status, 502);
+    assert_eq!(r.json()["error"]["code"], 502);
+    let again = request(
+        gw.addr,
+        "POST",
+        "/v1/completions",
+        &body(json!({"prompt": "p"})),
+    )
+    .await;
+    assert_eq!(again.status, 503, "the refusing worker is ejected");
+    rows.push(Row {
+        fault: "refuses connections",
+        seen: "502, then 503 while it is ejected".into(),
+    });
+    println!("| worker fault | the client sees |\n|---|---|");
+    for r in rows {
+        println!("| {} | {} |", r.fault, r.seen);
+    }
+}

@@ -107,9 +107,11 @@ pub async fn forward(
     let mut last_error = ApiError::NoWorker;
     // The request's key, shared with the trackers of learning policies (made on first need).
     let mut shared: Option<Arc<RequestInfo>> = None;
-    for _attempt in 0..=up.config.connect_retries {
+    // Refused connections retried so far, and choices lost to a concurrent request.
+    let (mut refused, mut lost) = (0, 0);
+    loop {
         if cap > 0 {
-            admit(up, &workers, cap).await?;
+            admit(up, &workers, info.model.as_deref().unwrap_or(""), cap).await?;
         }
         // With a per-worker cap, the policy chooses among the workers under it.
         let open: Cow<[Arc<Worker>]> = if cap == 0 {
@@ -130,8 +132,14 @@ pub async fn forward(
         let worker = &open[selection.index];
         // Taken before anything else is counted, so the cap holds under concurrent choices.
         let Some(slot) = worker.try_acquire(cap) else {
-            // Another request took the last slot between the choice and here: choose again.
-            last_error = ApiError::QueueFull;
+            // Another request took the last slot between the choice and here: go back through
+            // admission (which queues, when configured) and choose again. Bounded, so a request
+            // that keeps losing is refused rather than spinning.
+            lost += 1;
+            if lost > MAX_LOST_CHOICES {
+                up.metrics.shed.with_label_values(&["lost_choices"]).inc();
+                return Err(ApiError::AtCapacity);
+            }
             continue;
         };
         if route != Route::Passthrough {
@@ -199,6 +207,10 @@ pub async fn forward(
                     worker: worker.name.clone(),
                     detail: error_chain(&e),
                 };
+                refused += 1;
+                if refused > up.config.connect_retries {
+                    return Err(last_error);
+                }
             }
             Ok(Err(e)) => {
                 tracker.failed("request");
@@ -222,25 +234,33 @@ pub async fn forward(
             }
         }
     }
-    Err(last_error)
 }
 
+/// How many times in a row a request may find its chosen worker's last slot taken by another
+/// request before it is refused (503).
+const MAX_LOST_CHOICES: usize = 8;
+
 /// Admission control under a per-worker cap: returns at once while some usable worker has room
-/// and nobody is queued before this request; otherwise waits in the pool's bounded queue (see
+/// and nobody is queued for the same model; otherwise waits in the model's bounded line (see
 /// [`crate::admission`]), or answers 503 when there is no queue, it is full, or the wait ran out.
 /// With no usable worker at all it returns, so the caller answers as for an unhealthy pool.
-async fn admit(up: &Upstreams, workers: &[Arc<Worker>], cap: usize) -> Result<(), ApiError> {
+async fn admit(
+    up: &Upstreams,
+    workers: &[Arc<Worker>],
+    model: &str,
+    cap: usize,
+) -> Result<(), ApiError> {
     let room = || workers.iter().any(|w| w.is_usable() && w.inflight() < cap);
     let adm = &up.config.admission;
     let freed = &up.pool.freed;
-    if room() && !admission::must_queue(freed, adm) {
+    if room() && !admission::must_queue(freed, model, adm) {
         return Ok(());
     }
     if !workers.iter().any(|w| w.is_usable()) {
         return Ok(());
     }
     let m = &up.metrics;
-    match admission::wait_for_slot(freed, adm, room).await {
+    match admission::wait_for_slot(freed, model, adm, room).await {
         Ok(waited) => {
             m.queue_wait
                 .with_label_values(&["admitted"])

@@ -124,6 +124,11 @@ async fn generate(State(s): State<UpState>, req: Request) -> Response {
     let prompt = v["prompt"].as_str().unwrap_or("").to_owned();
     let gated = v["gate"].as_bool().unwrap_or(false);
     let die_after = v["die_after"].as_u64().map(|d| d as usize);
+    if let Some(code) = v["fail_status"].as_u64() {
+        let status = axum::http::StatusCode::from_u16(code as u16).unwrap();
+        let error = serde_json::json!({"error": {"message": "worker failed", "code": code}});
+        return (status, Json(error)).into_response();
+    }
     let mut alarm = AbandonAlarm(Some(s.disconnects.clone()));
     if !v["stream"].as_bool().unwrap_or(false) {
         tokio::time::sleep(delay).await;
