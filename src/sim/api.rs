@@ -77,8 +77,14 @@ pub fn router(state: Arc<WorkerState>) -> Router {
         .route("/reset_prefix_cache", post(reset_prefix_cache))
         .route("/metrics", get(metrics))
         .fallback(not_found)
+        // vLLM's server sets no body limit of its own; axum's default (2 MiB) would answer 413
+        // and close mid-upload where vLLM reads the whole request.
+        .layer(axum::extract::DefaultBodyLimit::max(SIM_BODY_LIMIT))
         .with_state(state)
 }
+
+/// Largest request body the simulated worker reads: beyond any gateway's default limit.
+const SIM_BODY_LIMIT: usize = 64 << 20;
 
 fn bad_request(msg: &str) -> Response {
     error_response(StatusCode::BAD_REQUEST, "BadRequestError", msg, None)
