@@ -98,6 +98,7 @@ impl CacheAware {
     }
 
     /// The work queued on `w`, in prompt tokens: the one definition both paths price with.
+    #[inline]
     fn queue_cost(&self, w: &Worker) -> f64 {
         self.params.pending_weight * w.load.pending_prefill() as f64
             + self.params.request_cost_tokens * w.load.queued(w.inflight()) as f64
@@ -138,36 +139,49 @@ impl Policy for CacheAware {
             .depths
             .iter()
             .fold(0u64, |m, &(id, _)| m | 1 << (id & 63));
-        let mut best: Option<Candidate> = None;
-        let mut home: Option<Candidate> = None;
+        // Every usable worker is priced; this loop is the decision's cost at scale, so it keeps
+        // its state in registers: no Option, constants hoisted, the index consulted only for
+        // workers whose bit says they may hold something.
+        let miss = self.params.miss_weight;
+        let full_price = miss * prompt;
+        const NONE: usize = usize::MAX;
+        let mut best = Candidate {
+            index: NONE,
+            cost: f64::INFINITY,
+            score: 0,
+            depth: 0,
+        };
+        let mut home = best;
         for (index, w) in workers.iter().enumerate() {
             if !w.is_usable() {
                 continue;
             }
-            let depth = if holders & (1 << (w.id_hash & 63)) == 0 {
-                0
-            } else {
-                matches.depth_of(w.id_hash)
-            };
-            let held = if depth == 0 {
-                0.0
-            } else {
-                req.bytes_at_depth(depth) as f64 / bpt * w.load.cache_trust()
-            };
+            let mut cost = full_price + self.queue_cost(w);
+            let mut depth = 0;
+            if holders & (1 << (w.id_hash & 63)) != 0 {
+                depth = matches.depth_of(w.id_hash);
+                if depth > 0 {
+                    cost -= miss * (req.bytes_at_depth(depth) as f64 / bpt * w.load.cache_trust());
+                }
+            }
+            let score = mix(key, w.id_hash);
             let c = Candidate {
                 index,
-                cost: self.params.miss_weight * (prompt - held) + self.queue_cost(w),
-                score: mix(key, w.id_hash),
+                cost,
+                score,
                 depth,
             };
-            if best.is_none_or(|b| c.beats(&b)) {
-                best = Some(c);
+            if c.beats(&best) {
+                best = c;
             }
-            if home.is_none_or(|h| c.score > h.score) {
-                home = Some(c);
+            if home.index == NONE || score > home.score {
+                home = c;
             }
         }
-        let (mut chosen, home) = (best?, home?);
+        if best.index == NONE {
+            return None;
+        }
+        let mut chosen = best;
         let credited = Candidate {
             cost: home.cost - self.params.miss_weight * self.params.home_affinity * unknown,
             ..home
