@@ -83,7 +83,11 @@ http {{
     path = f"{dir_}/{name}/nginx.conf"
     with open(path, "w") as f:
         f.write(conf)
-    p = subprocess.Popen([nginx_bin(), "-c", path, "-e", f"{dir_}/{name}/error.log"], stderr=subprocess.DEVNULL)
+    # Not our stdout: a worker outliving this script would hold a pipe reading it open.
+    p = subprocess.Popen(
+        [nginx_bin(), "-c", path, "-e", f"{dir_}/{name}/error.log"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
     return p
 
 
@@ -285,8 +289,14 @@ def main():
             print(f"holding {a.streams} streams through {name}...", file=sys.stderr, flush=True)
             conns, lat = asyncio.run(_hold(port, a.streams, health, pids, before, name))
     finally:
+        # SIGTERM: nginx's master stops its workers (SIGKILL would orphan them).
         for p in (kv, proxy, upstream):
-            p.kill()
+            p.terminate()
+        for p in (kv, proxy, upstream):
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
         subprocess.run(["pkill", "-f", d], stderr=subprocess.DEVNULL)
         shutil.rmtree(d, ignore_errors=True)
 
