@@ -16,6 +16,7 @@ pub mod discovery;
 pub mod error;
 pub mod health;
 pub mod index;
+pub mod kv_events;
 pub mod listener;
 pub mod load;
 pub mod logging;

@@ -1,0 +1,260 @@
+//! vLLM's KV cache events as they arrive on the wire: one msgpack `EventBatch` per message.
+//!
+//! vLLM encodes them with msgspec from tagged structs, and the layout has changed over releases:
+//! the batch and its events were positional arrays (`array_like`, the tag first:
+//! `["BlockStored", hashes, parent, ...]`), then maps (`{"type": "BlockStored", ...}`); a batch
+//! seen from vLLM 0.32.0 is an array `[ts, events, dp_rank]` holding map events. Every
+//! combination is read here. Trailing fields that are absent (msgspec's `omit_defaults`, or an
+//! older release that did not have them) read as their defaults; unknown event types are
+//! skipped and counted, so a newer vLLM does not stop the subscriber.
+//!
+//! A block hash is an integer in older releases and bytes (a SHA-256 digest) in newer ones; both
+//! become a `u64` key (the integer itself, or the xxh3 of the bytes).
+
+use rmpv::Value;
+use xxhash_rust::xxh3::xxh3_64;
+
+/// Where a block lives; routing only cares about the GPU's.
+pub const MEDIUM_GPU: &str = "GPU";
+
+#[derive(Clone, Debug, PartialEq)]
+pub enum KvEvent {
+    BlockStored {
+        block_hashes: Vec<u64>,
+        parent_block_hash: Option<u64>,
+        token_ids: Vec<u32>,
+        block_size: u32,
+        lora_id: Option<i64>,
+        medium: Option<String>,
+    },
+    BlockRemoved {
+        block_hashes: Vec<u64>,
+        medium: Option<String>,
+    },
+    AllBlocksCleared,
+}
+
+impl KvEvent {
+    /// Whether the event concerns the GPU cache (no medium: releases before tiers existed).
+    pub fn on_gpu(&self) -> bool {
+        let medium = match self {
+            KvEvent::BlockStored { medium, .. } | KvEvent::BlockRemoved { medium, .. } => medium,
+            KvEvent::AllBlocksCleared => return true,
+        };
+        medium.as_deref().is_none_or(|m| m == MEDIUM_GPU)
+    }
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct EventBatch {
+    pub ts: f64,
+    pub events: Vec<KvEvent>,
+    pub data_parallel_rank: Option<i64>,
+    /// Events of a type this decoder does not know, left out of `events`.
+    pub unknown: usize,
+}
+
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum DecodeError {
+    #[error("not msgpack: {0}")]
+    Msgpack(String),
+    #[error("malformed event batch: {0}")]
+    Shape(&'static str),
+}
+
+type Result<T> = std::result::Result<T, DecodeError>;
+
+/// Decodes one `EventBatch` payload (the third frame of a published message).
+pub fn decode_batch(mut payload: &[u8]) -> Result<EventBatch> {
+    let value =
+        rmpv::decode::read_value(&mut payload).map_err(|e| DecodeError::Msgpack(e.to_string()))?;
+    let (ts, events, rank) = match &value {
+        Value::Array(items) => (items.first(), items.get(1), items.get(2)),
+        Value::Map(_) => (
+            field(&value, "ts"),
+            field(&value, "events"),
+            field(&value, "data_parallel_rank"),
+        ),
+        _ => return Err(DecodeError::Shape("a batch is an array or a map")),
+    };
+    let ts = ts
+        .and_then(Value::as_f64)
+        .ok_or(DecodeError::Shape("batch without a timestamp"))?;
+    let list = events
+        .and_then(Value::as_array)
+        .ok_or(DecodeError::Shape("batch without an event list"))?;
+    let mut batch = EventBatch {
+        ts,
+        events: Vec::with_capacity(list.len()),
+        data_parallel_rank: rank.and_then(Value::as_i64),
+        unknown: 0,
+    };
+    for event in list {
+        match decode_event(event)? {
+            Some(e) => batch.events.push(e),
+            None => batch.unknown += 1,
+        }
+    }
+    Ok(batch)
+}
+
+/// The value under `key` in a msgpack map.
+fn field<'a>(map: &'a Value, key: &str) -> Option<&'a Value> {
+    map.as_map()?
+        .iter()
+        .find(|(k, _)| k.as_str() == Some(key))
+        .map(|(_, v)| v)
+        .filter(|v| !v.is_nil())
+}
+
+/// An event's fields, by name, whichever its layout.
+enum Fields<'a> {
+    /// After the tag, in declaration order.
+    Positional(&'a [Value], &'static [&'static str]),
+    Named(&'a Value),
+}
+
+impl<'a> Fields<'a> {
+    fn get(&self, name: &str) -> Option<&'a Value> {
+        match self {
+            Fields::Positional(items, names) => {
+                let at = names.iter().position(|n| *n == name)?;
+                items.get(at + 1).filter(|v| !v.is_nil())
+            }
+            Fields::Named(map) => field(map, name),
+        }
+    }
+
+    fn hashes(&self) -> Result<Vec<u64>> {
+        self.get("block_hashes")
+            .and_then(Value::as_array)
+            .ok_or(DecodeError::Shape("event without block hashes"))?
+            .iter()
+            .map(block_hash)
+            .collect()
+    }
+
+    fn medium(&self) -> Option<String> {
+        self.get("medium")
+            .and_then(Value::as_str)
+            .map(str::to_owned)
+    }
+}
+
+/// Field names in declaration order, as vLLM's structs declare them (later fields, added by
+/// newer releases, are not needed for routing).
+const STORED: &[&str] = &[
+    "block_hashes",
+    "parent_block_hash",
+    "token_ids",
+    "block_size",
+    "lora_id",
+    "medium",
+];
+const REMOVED: &[&str] = &["block_hashes", "medium"];
+
+/// One event, positional or mapped; `None` for a type this decoder does not know.
+fn decode_event(value: &Value) -> Result<Option<KvEvent>> {
+    let (tag, f) = match value {
+        Value::Array(items) => {
+            let tag = items
+                .first()
+                .and_then(Value::as_str)
+                .ok_or(DecodeError::Shape("positional event without its tag"))?;
+            let names = match tag {
+                "BlockStored" => STORED,
+                "BlockRemoved" => REMOVED,
+                _ => &[],
+            };
+            (tag, Fields::Positional(items, names))
+        }
+        Value::Map(_) => (
+            field(value, "type")
+                .and_then(Value::as_str)
+                .ok_or(DecodeError::Shape("event without a `type` tag"))?,
+            Fields::Named(value),
+        ),
+        _ => return Err(DecodeError::Shape("an event is an array or a map")),
+    };
+    Ok(Some(match tag {
+        "BlockStored" => KvEvent::BlockStored {
+            block_hashes: f.hashes()?,
+            parent_block_hash: f.get("parent_block_hash").map(block_hash).transpose()?,
+            token_ids: f
+                .get("token_ids")
+                .and_then(Value::as_array)
+                .ok_or(DecodeError::Shape("BlockStored without token ids"))?
+                .iter()
+                .map(|t| {
+                    t.as_u64()
+                        .and_then(|t| u32::try_from(t).ok())
+                        .ok_or(DecodeError::Shape("a token id is not a u32"))
+                })
+                .collect::<Result<_>>()?,
+            block_size: f
+                .get("block_size")
+                .and_then(Value::as_u64)
+                .and_then(|b| u32::try_from(b).ok())
+                .filter(|&b| b > 0)
+                .ok_or(DecodeError::Shape("BlockStored without a block size"))?,
+            lora_id: f.get("lora_id").and_then(Value::as_i64),
+            medium: f.medium(),
+        },
+        "BlockRemoved" => KvEvent::BlockRemoved {
+            block_hashes: f.hashes()?,
+            medium: f.medium(),
+        },
+        "AllBlocksCleared" => KvEvent::AllBlocksCleared,
+        _ => return Ok(None),
+    }))
+}
+
+/// A block hash as a `u64`: integers as they are (negative ones by their bits), bytes hashed.
+fn block_hash(v: &Value) -> Result<u64> {
+    match v {
+        Value::Integer(i) => i
+            .as_u64()
+            .or_else(|| i.as_i64().map(|x| x as u64))
+            .ok_or(DecodeError::Shape("block hash out of range")),
+        Value::Binary(b) => Ok(xxh3_64(b)),
+        _ => Err(DecodeError::Shape("a block hash is an integer or bytes")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn encode(v: &Value) -> Vec<u8> {
+        let mut out = Vec::new();
+        rmpv::encode::write_value(&mut out, v).unwrap();
+        out
+    }
+
+    #[test]
+    fn garbage_is_an_error_not_a_panic() {
+        assert!(decode_batch(b"").is_err());
+        assert!(decode_batch(&[0xc1]).is_err());
+        assert!(decode_batch(&encode(&Value::from(3))).is_err());
+        let bad_event = Value::Array(vec![
+            Value::F64(1.0),
+            Value::Array(vec![Value::Array(vec![Value::from("BlockStored")])]),
+        ]);
+        assert!(decode_batch(&encode(&bad_event)).is_err());
+    }
+
+    #[test]
+    fn unknown_event_types_are_counted_and_skipped() {
+        let batch = Value::Array(vec![
+            Value::F64(1.5),
+            Value::Array(vec![
+                Value::Array(vec![Value::from("SomethingNew"), Value::from(1)]),
+                Value::Array(vec![Value::from("AllBlocksCleared")]),
+            ]),
+        ]);
+        let b = decode_batch(&encode(&batch)).unwrap();
+        assert_eq!(b.events, vec![KvEvent::AllBlocksCleared]);
+        assert_eq!(b.unknown, 1);
+        assert_eq!(b.data_parallel_rank, None);
+    }
+}

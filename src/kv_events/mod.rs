@@ -1,0 +1,206 @@
+//! Exact cache state from vLLM's KV cache events.
+//!
+//! A vLLM worker started with `--kv-events-config '{"enable_kv_cache_events": true,
+//! "publisher": "zmq", ...}'` publishes every block it stores or evicts. [`follow`] subscribes to
+//! one worker's events and keeps a [`WorkerBlocks`]: the blocks that worker holds now, keyed by a
+//! hash chain of our own over the blocks' token ids.
+//!
+//! Why our own hash: vLLM's block hashes start from a per-process random seed unless
+//! `PYTHONHASHSEED` is fixed, and depend on its `prefix_caching_hash_algo`, so a router cannot
+//! recompute them from a request. `BlockStored` carries the token ids, so the chain
+//! [`chain`]`(parent, tokens)` can be computed both from events and from a tokenized request;
+//! the engine hash → own hash map lets `BlockRemoved` (hashes only) be applied.
+//!
+//! Limits, by design: blocks stored under a `cache_salt` or a LoRA adapter have the same token
+//! ids as unsalted base-model blocks and are counted as the same prefix; events for a medium
+//! other than the GPU (CPU offload tiers) are ignored.
+
+pub mod decode;
+mod subscriber;
+
+use std::collections::HashMap;
+
+use xxhash_rust::xxh3::xxh3_64_with_seed;
+
+pub use decode::{decode_batch, EventBatch, KvEvent};
+pub use subscriber::{follow, EventSource, Feed, FeedStats};
+
+/// The chain value before a prompt's first block.
+pub const ROOT: u64 = 0;
+
+/// Our hash of a block: its token ids, chained to the hash of the block before it.
+pub fn chain(parent: u64, tokens: &[u32]) -> u64 {
+    let mut bytes = Vec::with_capacity(tokens.len() * 4);
+    for t in tokens {
+        bytes.extend_from_slice(&t.to_le_bytes());
+    }
+    xxh3_64_with_seed(&bytes, parent)
+}
+
+/// The blocks one worker holds, as its events said.
+#[derive(Debug)]
+pub struct WorkerBlocks {
+    /// Engine hash → our chain hash.
+    by_engine: HashMap<u64, u64>,
+    /// Our chain hashes held, with how many engine blocks map to each.
+    held: HashMap<u64, u32>,
+    max_blocks: usize,
+    /// Blocks not recorded: their parent was unknown (an event missed), or the cap was reached.
+    pub skipped: u64,
+}
+
+impl WorkerBlocks {
+    pub fn new(max_blocks: usize) -> Self {
+        Self {
+            by_engine: HashMap::new(),
+            held: HashMap::new(),
+            max_blocks,
+            skipped: 0,
+        }
+    }
+
+    /// Blocks held now.
+    pub fn len(&self) -> usize {
+        self.by_engine.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.by_engine.is_empty()
+    }
+
+    /// Whether the worker holds the block whose chain hash is `own`.
+    pub fn holds(&self, own: u64) -> bool {
+        self.held.contains_key(&own)
+    }
+
+    /// How many of `chain_hashes` (a request's blocks, in order) the worker holds from the first.
+    pub fn prefix_depth(&self, chain_hashes: &[u64]) -> usize {
+        chain_hashes.iter().take_while(|h| self.holds(**h)).count()
+    }
+
+    pub fn clear(&mut self) {
+        self.by_engine.clear();
+        self.held.clear();
+    }
+
+    pub fn apply(&mut self, event: &KvEvent) {
+        if !event.on_gpu() {
+            return;
+        }
+        match event {
+            KvEvent::BlockStored {
+                block_hashes,
+                parent_block_hash,
+                token_ids,
+                block_size,
+                ..
+            } => {
+                let mut parent = match parent_block_hash {
+                    None => ROOT,
+                    Some(p) => match self.by_engine.get(p) {
+                        Some(&own) => own,
+                        None => {
+                            // Its prefix is unknown to us (stored before we subscribed, or in
+                            // a message lost for good): these blocks cannot be placed.
+                            self.skipped += block_hashes.len() as u64;
+                            return;
+                        }
+                    },
+                };
+                let size = *block_size as usize;
+                for (i, &engine) in block_hashes.iter().enumerate() {
+                    let Some(tokens) = token_ids.get(i * size..(i + 1) * size) else {
+                        self.skipped += (block_hashes.len() - i) as u64;
+                        return;
+                    };
+                    let own = chain(parent, tokens);
+                    parent = own;
+                    if self.by_engine.contains_key(&engine) {
+                        continue;
+                    }
+                    if self.by_engine.len() >= self.max_blocks {
+                        self.skipped += 1;
+                        continue;
+                    }
+                    self.by_engine.insert(engine, own);
+                    *self.held.entry(own).or_default() += 1;
+                }
+            }
+            KvEvent::BlockRemoved { block_hashes, .. } => {
+                for engine in block_hashes {
+                    let Some(own) = self.by_engine.remove(engine) else {
+                        continue;
+                    };
+                    if let Some(n) = self.held.get_mut(&own) {
+                        *n -= 1;
+                        if *n == 0 {
+                            self.held.remove(&own);
+                        }
+                    }
+                }
+            }
+            KvEvent::AllBlocksCleared => self.clear(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn stored(hashes: &[u64], parent: Option<u64>, tokens: Vec<u32>) -> KvEvent {
+        KvEvent::BlockStored {
+            block_hashes: hashes.to_vec(),
+            parent_block_hash: parent,
+            token_ids: tokens,
+            block_size: 2,
+            lora_id: None,
+            medium: Some("GPU".into()),
+        }
+    }
+
+    #[test]
+    fn stored_blocks_chain_by_their_tokens_and_removals_apply_by_engine_hash() {
+        let mut w = WorkerBlocks::new(100);
+        w.apply(&stored(&[11, 12], None, vec![1, 2, 3, 4]));
+        w.apply(&stored(&[13], Some(12), vec![5, 6]));
+        let a = chain(ROOT, &[1, 2]);
+        let b = chain(a, &[3, 4]);
+        let c = chain(b, &[5, 6]);
+        assert_eq!(w.prefix_depth(&[a, b, c]), 3);
+        assert_eq!(
+            w.prefix_depth(&[a, chain(a, &[3, 9])]),
+            1,
+            "another second block"
+        );
+        w.apply(&KvEvent::BlockRemoved {
+            block_hashes: vec![12],
+            medium: None,
+        });
+        assert_eq!(w.prefix_depth(&[a, b, c]), 1);
+        assert_eq!(w.len(), 2);
+        w.apply(&KvEvent::AllBlocksCleared);
+        assert!(w.is_empty());
+        assert_eq!(w.prefix_depth(&[a]), 0);
+    }
+
+    #[test]
+    fn an_unknown_parent_skips_and_the_cap_holds() {
+        let mut w = WorkerBlocks::new(2);
+        w.apply(&stored(&[21], Some(999), vec![1, 2]));
+        assert_eq!((w.len(), w.skipped), (0, 1));
+        w.apply(&stored(&[1, 2, 3], None, vec![1, 2, 3, 4, 5, 6]));
+        assert_eq!((w.len(), w.skipped), (2, 2));
+    }
+
+    #[test]
+    fn other_media_are_ignored() {
+        let mut w = WorkerBlocks::new(10);
+        let mut e = stored(&[1], None, vec![1, 2]);
+        if let KvEvent::BlockStored { medium, .. } = &mut e {
+            *medium = Some("CPU".into());
+        }
+        w.apply(&e);
+        assert!(w.is_empty());
+    }
+}

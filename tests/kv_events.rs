@@ -1,0 +1,260 @@
+//! vLLM's KV cache events: batches encoded by msgspec (the encoder vLLM uses) from structs
+//! declared as vLLM declares them decode in every layout vLLM has used, and a feed follows a
+//! publisher that speaks vLLM's ZMQ protocol (pyzmq PUB + ROUTER replay): gaps are filled from
+//! the replay socket, or the blocks dropped when they cannot be; a restarted worker's blocks go.
+//!
+//! The Python side (`tests/kv_events/vllm_events.py`) needs `msgspec` and `pyzmq`; when the
+//! system's `python3` lacks them they are installed once into a virtualenv under `target/`.
+
+use std::{
+    io::{BufRead, BufReader, Write},
+    path::PathBuf,
+    process::{Child, ChildStdin, ChildStdout, Command, Stdio},
+    sync::{atomic::Ordering, Arc, OnceLock},
+    time::Duration,
+};
+
+use kvroute::kv_events::{chain, decode_batch, follow, EventSource, Feed, KvEvent, ROOT};
+use serde_json::{json, Value};
+use tokio_util::sync::CancellationToken;
+use xxhash_rust::xxh3::xxh3_64;
+
+const SCRIPT: &str = concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/tests/kv_events/vllm_events.py"
+);
+
+/// A Python with msgspec and pyzmq.
+fn python() -> &'static PathBuf {
+    static PY: OnceLock<PathBuf> = OnceLock::new();
+    PY.get_or_init(|| {
+        let has = |py: &str| {
+            Command::new(py)
+                .args(["-c", "import msgspec, zmq"])
+                .status()
+                .is_ok_and(|s| s.success())
+        };
+        if has("python3") {
+            return PathBuf::from("python3");
+        }
+        let venv = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("kv-events-venv");
+        let py = venv.join("bin/python");
+        if !has(py.to_str().unwrap()) {
+            let ok = Command::new("python3")
+                .args(["-m", "venv"])
+                .arg(&venv)
+                .status()
+                .is_ok_and(|s| s.success())
+                && Command::new(&py)
+                    .args(["-m", "pip", "install", "--quiet", "msgspec", "pyzmq"])
+                    .status()
+                    .is_ok_and(|s| s.success());
+            assert!(ok, "could not install msgspec and pyzmq into {venv:?}");
+        }
+        py
+    })
+}
+
+/// The Python side, driven one JSON command per line.
+struct Py {
+    child: Child,
+    stdin: ChildStdin,
+    stdout: BufReader<ChildStdout>,
+}
+
+impl Py {
+    fn start(args: &[&str]) -> (Self, Value) {
+        let mut child = Command::new(python())
+            .arg(SCRIPT)
+            .args(args)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let stdin = child.stdin.take().unwrap();
+        let stdout = BufReader::new(child.stdout.take().unwrap());
+        let mut py = Py {
+            child,
+            stdin,
+            stdout,
+        };
+        let first = if args[0] == "publish" {
+            py.read()
+        } else {
+            Value::Null
+        };
+        (py, first)
+    }
+
+    fn read(&mut self) -> Value {
+        let mut line = String::new();
+        self.stdout.read_line(&mut line).unwrap();
+        serde_json::from_str(&line).unwrap_or_else(|e| panic!("{e}: {line:?}"))
+    }
+
+    fn ask(&mut self, cmd: Value) -> Value {
+        writeln!(self.stdin, "{cmd}").unwrap();
+        self.stdin.flush().unwrap();
+        self.read()
+    }
+}
+
+impl Drop for Py {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn stored(hashes: &[u64], parent: Option<u64>, tokens: &[u32]) -> Value {
+    json!({"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent,
+           "token_ids": tokens, "block_size": 2})
+}
+
+/// The key the gateway gives a hash of the given layout: the map layouts carry bytes.
+fn key(layout: &str, h: u64) -> u64 {
+    if layout == "array" {
+        h
+    } else {
+        let mut b = [0u8; 32];
+        b[24..].copy_from_slice(&h.to_be_bytes());
+        xxh3_64(&b)
+    }
+}
+
+#[test]
+fn msgspec_encoded_batches_decode_in_every_layout() {
+    let (mut py, _) = Py::start(&["encode"]);
+    for layout in ["array", "map", "mixed"] {
+        let spec = json!({"layout": layout, "events": [
+            stored(&[5, 6], None, &[1, 2, 3, 4]),
+            stored(&[7], Some(6), &[70_000, 8]),
+            {"type": "BlockRemoved", "block_hashes": [5]},
+            {"type": "AllBlocksCleared"},
+        ]});
+        let answer = py.ask(json!({ "encode": spec }));
+        let hex = answer["payload"].as_str().unwrap();
+        let bytes: Vec<u8> = (0..hex.len())
+            .step_by(2)
+            .map(|i| u8::from_str_radix(&hex[i..i + 2], 16).unwrap())
+            .collect();
+        let batch = decode_batch(&bytes).unwrap_or_else(|e| panic!("{layout}: {e}"));
+        assert!(batch.ts > 1.0e9, "{layout}: a wall-clock timestamp");
+        assert_eq!(batch.unknown, 0);
+        assert_eq!(
+            batch.data_parallel_rank,
+            (layout != "array").then_some(0),
+            "{layout}"
+        );
+        let k = |h| key(layout, h);
+        assert_eq!(
+            batch.events,
+            vec![
+                KvEvent::BlockStored {
+                    block_hashes: vec![k(5), k(6)],
+                    parent_block_hash: None,
+                    token_ids: vec![1, 2, 3, 4],
+                    block_size: 2,
+                    lora_id: None,
+                    medium: Some("GPU".into()),
+                },
+                KvEvent::BlockStored {
+                    block_hashes: vec![k(7)],
+                    parent_block_hash: Some(k(6)),
+                    token_ids: vec![70_000, 8],
+                    block_size: 2,
+                    lora_id: None,
+                    medium: Some("GPU".into()),
+                },
+                KvEvent::BlockRemoved {
+                    block_hashes: vec![k(5)],
+                    medium: Some("GPU".into()),
+                },
+                KvEvent::AllBlocksCleared,
+            ],
+            "{layout}"
+        );
+    }
+}
+
+/// Starts a feed on the publisher and waits until it has seen a heartbeat: connected.
+async fn connected_feed(first: &Value) -> (Arc<Feed>, CancellationToken) {
+    let source = EventSource {
+        endpoint: format!("tcp://127.0.0.1:{}", first["port"]),
+        replay: first["replay_port"]
+            .as_u64()
+            .map(|p| format!("tcp://127.0.0.1:{p}")),
+    };
+    let feed = Arc::new(Feed::new(10_000));
+    let stop = CancellationToken::new();
+    tokio::spawn({
+        let (feed, stop) = (Arc::clone(&feed), stop.clone());
+        async move { follow(source, &feed, stop).await }
+    });
+    eventually(|| feed.stats.batches.load(Ordering::Relaxed) > 0).await;
+    (feed, stop)
+}
+
+async fn eventually(mut cond: impl FnMut() -> bool) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while !cond() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "condition not met within 10 s"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+fn publish(py: &mut Py, event: Value, live: bool) {
+    py.ask(json!({"publish": {"layout": "mixed", "events": [event]}, "live": live}));
+}
+
+#[tokio::test]
+async fn a_gap_is_filled_from_the_replay_socket() {
+    let (mut py, first) = Py::start(&["publish", "--replay"]);
+    let (feed, stop) = connected_feed(&first).await;
+    let (a, b) = (chain(ROOT, &[1, 2]), chain(chain(ROOT, &[1, 2]), &[3, 4]));
+    let c = chain(b, &[5, 6]);
+    let d = chain(c, &[7, 8]);
+    publish(&mut py, stored(&[11, 12], None, &[1, 2, 3, 4]), true);
+    // Kept for replay but never sent live: the feed sees the next one's sequence jump.
+    publish(&mut py, stored(&[13], Some(12), &[5, 6]), false);
+    publish(&mut py, stored(&[14], Some(13), &[7, 8]), true);
+    eventually(|| feed.blocks().prefix_depth(&[a, b, c, d]) == 4).await;
+    let s = &feed.stats;
+    assert_eq!(s.gaps.load(Ordering::Relaxed), 1);
+    assert_eq!(s.replays_ok.load(Ordering::Relaxed), 1);
+    assert_eq!(s.replays_failed.load(Ordering::Relaxed), 0);
+    assert_eq!(feed.blocks().skipped, 0);
+    stop.cancel();
+}
+
+#[tokio::test]
+async fn without_replay_a_gap_drops_the_blocks_and_a_restart_clears_them() {
+    let (mut py, first) = Py::start(&["publish"]);
+    let (feed, stop) = connected_feed(&first).await;
+    let a = chain(ROOT, &[1, 2]);
+    publish(&mut py, stored(&[11], None, &[1, 2]), true);
+    eventually(|| feed.blocks().holds(a)).await;
+    publish(&mut py, stored(&[12], Some(11), &[3, 4]), false);
+    publish(&mut py, stored(&[13], Some(12), &[5, 6]), true);
+    eventually(|| feed.stats.replays_failed.load(Ordering::Relaxed) == 1).await;
+    // The state was unknown: dropped; the block whose parent was lost could not be placed.
+    assert!(feed.blocks().is_empty());
+    assert_eq!(feed.blocks().skipped, 1);
+    let x = chain(ROOT, &[9, 9]);
+    publish(&mut py, stored(&[21], None, &[9, 9]), true);
+    eventually(|| feed.blocks().holds(x)).await;
+    // The worker restarts: its sequence starts over, and its cache is empty.
+    py.ask(json!({"restart": true}));
+    eventually(|| feed.stats.restarts.load(Ordering::Relaxed) == 1).await;
+    let y = chain(ROOT, &[4, 4]);
+    publish(&mut py, stored(&[31], None, &[4, 4]), true);
+    eventually(|| feed.blocks().holds(y)).await;
+    assert!(
+        !feed.blocks().holds(x),
+        "the restarted worker's old blocks are gone"
+    );
+    stop.cancel();
+}
