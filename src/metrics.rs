@@ -70,6 +70,16 @@ pub struct MetricSet {
     pub index_bytes: IntGaugeVec,
     /// `policy`, `arm`: blocks the prefix index dropped to stay within its cap.
     pub index_evictions: IntCounterVec,
+    /// `worker`: KV event batches applied (live and replayed).
+    pub kv_event_batches: IntCounterVec,
+    /// `worker`, `result` (replayed, dropped): sequence gaps in a worker's KV events.
+    pub kv_event_gaps: IntCounterVec,
+    /// `worker`: the worker's event sequence started over (it restarted).
+    pub kv_event_restarts: IntCounterVec,
+    /// `worker`: undecodable KV event messages.
+    pub kv_event_errors: IntCounterVec,
+    /// `worker`: blocks the worker holds, as its KV events say.
+    pub kv_event_blocks: IntGaugeVec,
     /// `reason` (queue_full, wait_timeout, client_quota): requests refused for lack of room.
     pub shed: IntCounterVec,
     /// `result` (admitted, timed_out): how long requests waited in the admission queue.
@@ -244,6 +254,31 @@ impl Metrics {
                 "Blocks the prefix index dropped to stay within its memory cap.",
                 &["policy", "arm"],
             ),
+            kv_event_batches: counter(
+                "kvroute_kv_event_batches_total",
+                "KV cache event batches applied from a worker's publisher (live and replayed).",
+                &["worker"],
+            ),
+            kv_event_gaps: counter(
+                "kvroute_kv_event_gaps_total",
+                "Gaps in a worker's KV event sequence, by result (replayed: filled from its replay socket; dropped: its blocks were dropped and rebuilt).",
+                &["worker", "result"],
+            ),
+            kv_event_restarts: counter(
+                "kvroute_kv_event_restarts_total",
+                "Times a worker's KV event sequence started over (the worker restarted; its blocks were cleared).",
+                &["worker"],
+            ),
+            kv_event_errors: counter(
+                "kvroute_kv_event_errors_total",
+                "KV event messages from a worker that could not be decoded.",
+                &["worker"],
+            ),
+            kv_event_blocks: gauge(
+                "kvroute_kv_event_blocks",
+                "Blocks a worker holds in its KV cache, as its events say.",
+                &["worker"],
+            ),
             registry,
             worker_names: Default::default(),
         }))
@@ -276,8 +311,43 @@ impl Metrics {
         forget(&self.reported_cached_tokens, &by_worker);
         forget(&self.ttfb, &by_worker);
         forget(&self.duration, &by_worker);
+        forget(&self.kv_event_gaps, &by_worker);
         self.worker_inflight.remove_label_values(&[name]).ok();
         self.worker_healthy.remove_label_values(&[name]).ok();
+        self.kv_event_batches.remove_label_values(&[name]).ok();
+        self.kv_event_restarts.remove_label_values(&[name]).ok();
+        self.kv_event_errors.remove_label_values(&[name]).ok();
+        self.kv_event_blocks.remove_label_values(&[name]).ok();
+    }
+
+    /// Publishes a worker's KV event feed (called at scrape time).
+    pub fn publish_feed(&self, worker: &str, feed: &crate::kv_events::Feed) {
+        use std::sync::atomic::Ordering::Relaxed;
+        let up = |c: prometheus::IntCounter, now: u64| c.inc_by(now.saturating_sub(c.get()));
+        let s = &feed.stats;
+        up(
+            self.kv_event_batches.with_label_values(&[worker]),
+            s.batches.load(Relaxed),
+        );
+        up(
+            self.kv_event_gaps.with_label_values(&[worker, "replayed"]),
+            s.replays_ok.load(Relaxed),
+        );
+        up(
+            self.kv_event_gaps.with_label_values(&[worker, "dropped"]),
+            s.replays_failed.load(Relaxed),
+        );
+        up(
+            self.kv_event_restarts.with_label_values(&[worker]),
+            s.restarts.load(Relaxed),
+        );
+        up(
+            self.kv_event_errors.with_label_values(&[worker]),
+            s.decode_errors.load(Relaxed),
+        );
+        self.kv_event_blocks
+            .with_label_values(&[worker])
+            .set(feed.blocks().len() as i64);
     }
 
     /// Publishes a prefix index's figures (called at scrape time).

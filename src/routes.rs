@@ -244,6 +244,11 @@ pub async fn metrics(State(s): State<AppState>) -> Response {
             metrics.publish_index(arm.policy.name(), &arm.name, stats);
         }
     }
+    for w in s.upstreams.pool.snapshot().iter() {
+        if let Some(feed) = &w.events {
+            metrics.publish_feed(&w.name, feed);
+        }
+    }
     (
         [(
             header::CONTENT_TYPE,

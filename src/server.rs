@@ -25,7 +25,7 @@ use crate::{
 impl AppState {
     pub fn new(config: Config) -> Result<Self, String> {
         let metrics = Metrics::new();
-        let pool = Pool::from_config(&config.workers, &metrics)?;
+        let pool = Pool::from_config(&config.workers, &metrics, &config.kv_events)?;
         let auth = crate::auth::Auth::from_config(&config.auth)?;
         Ok(Self::from_shared(crate::routes::Shared {
             resolver: Arc::new(crate::discovery::SystemResolver),

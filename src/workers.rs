@@ -51,7 +51,15 @@ pub struct Worker {
     metrics: Metrics,
     /// The pool's admission signal, told when a slot is released.
     freed: Arc<SlotFreed>,
+    /// The blocks the worker holds, from its KV cache events, when it publishes them.
+    pub events: Option<Arc<crate::kv_events::Feed>>,
+    /// Stops following the events when the worker is dropped.
+    _follow: Option<tokio_util::sync::DropGuard>,
 }
+
+/// Blocks remembered per worker from its events: beyond any GPU's KV cache (an 80 GB GPU holds
+/// some 10^5 blocks of 16 tokens for a 7B model), about 64 MiB at most.
+pub const EVENT_BLOCKS_PER_WORKER: usize = 1 << 20;
 
 impl Drop for Worker {
     fn drop(&mut self) {
@@ -61,14 +69,16 @@ impl Drop for Worker {
 
 impl Worker {
     pub fn new(cfg: &WorkerConfig, metrics: &Metrics) -> Result<Self, String> {
-        Self::in_pool(cfg, metrics, Arc::default())
+        Self::in_pool(cfg, metrics, Arc::default(), None)
     }
 
-    /// A worker whose released slots wake the requests waiting on `freed`.
+    /// A worker whose released slots wake the requests waiting on `freed`, and whose KV cache
+    /// events are followed from `events` (on the current runtime) when given.
     pub fn in_pool(
         cfg: &WorkerConfig,
         metrics: &Metrics,
         freed: Arc<SlotFreed>,
+        events: Option<crate::kv_events::EventSource>,
     ) -> Result<Self, String> {
         let uri: http::Uri = cfg.url.parse().map_err(|e| format!("{}: {e}", cfg.url))?;
         let name = worker_name(cfg);
@@ -77,7 +87,21 @@ impl Worker {
             .cloned()
             .ok_or_else(|| format!("{}: no host", cfg.url))?;
         metrics.worker_born(&name);
+        let (events, follow) = match (events, tokio::runtime::Handle::try_current()) {
+            (Some(source), Ok(rt)) => {
+                let feed = Arc::new(crate::kv_events::Feed::new(EVENT_BLOCKS_PER_WORKER));
+                let stop = tokio_util::sync::CancellationToken::new();
+                rt.spawn({
+                    let (feed, stop) = (Arc::clone(&feed), stop.clone());
+                    async move { crate::kv_events::follow(source, &feed, stop).await }
+                });
+                (Some(feed), Some(stop.drop_guard()))
+            }
+            _ => (None, None),
+        };
         Ok(Self {
+            events,
+            _follow: follow,
             metrics: metrics.clone(),
             scheme: uri.scheme().cloned().unwrap_or(Scheme::HTTP),
             authority,
@@ -215,6 +239,8 @@ pub struct Pool {
     set: ArcSwap<Vec<Arc<Worker>>>,
     /// Signalled by every worker of the pool when it releases a slot (admission control).
     pub freed: Arc<SlotFreed>,
+    /// Where workers that join publish their KV cache events.
+    kv_events: crate::config::KvEventsConfig,
 }
 
 impl Pool {
@@ -222,11 +248,20 @@ impl Pool {
         Self {
             set: ArcSwap::from_pointee(workers),
             freed: Arc::default(),
+            kv_events: Default::default(),
         }
     }
 
-    pub fn from_config(cfgs: &[WorkerConfig], metrics: &Metrics) -> Result<Self, String> {
-        let pool = Self::new(Vec::new());
+    /// A pool of `cfgs`, following the KV cache events of the workers `kv_events` locates.
+    pub fn from_config(
+        cfgs: &[WorkerConfig],
+        metrics: &Metrics,
+        kv_events: &crate::config::KvEventsConfig,
+    ) -> Result<Self, String> {
+        let pool = Self {
+            kv_events: kv_events.clone(),
+            ..Self::new(Vec::new())
+        };
         pool.reconcile(cfgs, metrics)?;
         Ok(pool)
     }
@@ -261,7 +296,13 @@ impl Pool {
                 }
                 None => {
                     added += 1;
-                    Arc::new(Worker::in_pool(c, metrics, Arc::clone(&self.freed))?)
+                    let events = self.kv_events.source_for(c);
+                    Arc::new(Worker::in_pool(
+                        c,
+                        metrics,
+                        Arc::clone(&self.freed),
+                        events,
+                    )?)
                 }
             };
             w.publish_health();
@@ -393,7 +434,12 @@ mod tests {
         let cfg = |urls: &[&str]| -> Vec<WorkerConfig> {
             urls.iter().map(|u| WorkerConfig::from_url(*u)).collect()
         };
-        let pool = Pool::from_config(&cfg(&["http://a:1", "http://b:1"]), &metrics).unwrap();
+        let pool = Pool::from_config(
+            &cfg(&["http://a:1", "http://b:1"]),
+            &metrics,
+            &Default::default(),
+        )
+        .unwrap();
         let before = pool.snapshot();
         let _guard = before[1].acquire();
         let (added, removed) = pool
@@ -425,7 +471,12 @@ mod series_tests {
         let cfg = |urls: &[&str]| -> Vec<WorkerConfig> {
             urls.iter().map(|u| WorkerConfig::from_url(*u)).collect()
         };
-        let pool = Pool::from_config(&cfg(&["http://a:1", "http://b:1"]), &metrics).unwrap();
+        let pool = Pool::from_config(
+            &cfg(&["http://a:1", "http://b:1"]),
+            &metrics,
+            &Default::default(),
+        )
+        .unwrap();
         for w in ["a:1", "b:1"] {
             metrics
                 .requests

@@ -6,6 +6,8 @@
 //! The Python side (`tests/kv_events/vllm_events.py`) needs `msgspec` and `pyzmq`; when the
 //! system's `python3` lacks them they are installed once into a virtualenv under `target/`.
 
+mod common;
+
 use std::{
     io::{BufRead, BufReader, Write},
     path::PathBuf,
@@ -257,4 +259,52 @@ async fn without_replay_a_gap_drops_the_blocks_and_a_restart_clears_them() {
         "the restarted worker's old blocks are gone"
     );
     stop.cancel();
+}
+
+#[tokio::test]
+async fn the_gateway_follows_each_workers_events_and_exports_them() {
+    use common::{config_for, gateway, metric, metrics_text, upstream};
+    let (mut py, first) = Py::start(&["publish", "--replay"]);
+    let up = upstream("w0", &[]).await;
+    let mut cfg = config_for(&[&up], "round_robin");
+    cfg.workers[0].kv_events = Some(format!("tcp://127.0.0.1:{}", first["port"]));
+    cfg.workers[0].kv_events_replay = Some(format!("tcp://127.0.0.1:{}", first["replay_port"]));
+    let gw = gateway(cfg).await;
+    let series = |name: &str| format!("{name}{{worker=\"w0\"}}");
+    // Connected once the heartbeats are counted.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while metric(
+        &metrics_text(gw.addr).await,
+        &series("kvroute_kv_event_batches_total"),
+    )
+    .unwrap_or(0.0)
+        == 0.0
+    {
+        assert!(tokio::time::Instant::now() < deadline, "no events counted");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    publish(&mut py, stored(&[11, 12], None, &[1, 2, 3, 4]), true);
+    publish(&mut py, stored(&[13], Some(12), &[5, 6]), false);
+    publish(&mut py, stored(&[14], Some(13), &[7, 8]), true);
+    let blocks = common::wait_metric(
+        gw.addr,
+        &series("kvroute_kv_event_blocks"),
+        4.0,
+        Duration::from_secs(10),
+    )
+    .await;
+    assert_eq!(blocks, Some(4.0));
+    let m = metrics_text(gw.addr).await;
+    assert_eq!(
+        metric(
+            &m,
+            r#"kvroute_kv_event_gaps_total{result="replayed",worker="w0"}"#
+        ),
+        Some(1.0),
+        "{m}"
+    );
+    assert_eq!(
+        metric(&m, &series("kvroute_kv_event_errors_total")),
+        Some(0.0)
+    );
 }

@@ -634,3 +634,113 @@ async fn simulator_answers_in_real_vllms_shapes() {
     }
     assert!(differences.is_empty(), "{}", differences.join("\n\n"));
 }
+
+/// Worker 0's event endpoints, when the pool publishes KV events (`pool.sh --kv-events`).
+fn kv_event_source() -> Option<kvroute::kv_events::EventSource> {
+    let all = std::env::var("KVROUTE_VLLM_KV_EVENTS").unwrap_or_default();
+    let first = all.split(',').next().filter(|s| !s.is_empty())?;
+    let (endpoint, replay) = first.split_once('|').unwrap_or((first, ""));
+    Some(kvroute::kv_events::EventSource {
+        endpoint: endpoint.to_owned(),
+        replay: (!replay.is_empty()).then(|| replay.to_owned()),
+    })
+}
+
+#[tokio::test]
+async fn real_vllm_kv_events_name_the_blocks_of_the_prompt_it_served() {
+    use kvroute::kv_events::{chain, follow, Feed, ROOT};
+    use std::sync::{atomic::Ordering, Arc};
+    let Some(pool) = Pool::from_env() else { return };
+    let Some(source) = kv_event_source() else {
+        eprintln!("skipped: the pool publishes no KV events (tests/vllm/pool.sh --kv-events)");
+        return;
+    };
+    let _turn = SERIAL.lock().await;
+    pool.reset_caches().await;
+    let feed = Arc::new(Feed::new(1 << 20));
+    let stop = tokio_util::sync::CancellationToken::new();
+    tokio::spawn({
+        let (feed, stop) = (Arc::clone(&feed), stop.clone());
+        async move { follow(source, &feed, stop).await }
+    });
+    let worker = pool.addr(0);
+    let complete = |prompt: String| {
+        let body = json!({"model": pool.model, "prompt": prompt, "max_tokens": 1});
+        async move {
+            let r = request(
+                worker,
+                "POST",
+                "/v1/completions",
+                body.to_string().as_bytes(),
+            )
+            .await;
+            assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+        }
+    };
+    // A SUB socket misses what is published before it has joined: prompt until events arrive.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    let mut k = 0;
+    while feed.stats.batches.load(Ordering::Relaxed) == 0 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "no KV events from vLLM in 60 s"
+        );
+        complete(words(7_000 + k, 100)).await;
+        k += 1;
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    // The prompt whose blocks we look for, and its token ids as vLLM counts them.
+    let prompt = words(8_123, 300);
+    let t = request(
+        worker,
+        "POST",
+        "/tokenize",
+        json!({"model": pool.model, "prompt": prompt})
+            .to_string()
+            .as_bytes(),
+    )
+    .await;
+    assert_eq!(t.status, 200, "{}", String::from_utf8_lossy(&t.body));
+    let tokens: Vec<u32> = t.json()["tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_u64().unwrap() as u32)
+        .collect();
+    const BLOCK: usize = 32; // pool.sh's --block-size
+    let mut chained = Vec::new();
+    let mut parent = ROOT;
+    for block in tokens.chunks_exact(BLOCK) {
+        parent = chain(parent, block);
+        chained.push(parent);
+    }
+    assert!(chained.len() >= 4, "{} tokens", tokens.len());
+    assert_eq!(feed.blocks().prefix_depth(&chained), 0, "not served yet");
+    complete(prompt).await;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    while feed.blocks().prefix_depth(&chained) < chained.len() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the feed holds {} of the prompt's {} full blocks ({:?})",
+            feed.blocks().prefix_depth(&chained),
+            chained.len(),
+            feed.stats
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(feed.stats.decode_errors.load(Ordering::Relaxed), 0);
+    // Resetting the prefix cache empties the worker: the feed follows. vLLM publishes the
+    // clearing with the next engine step's events, so another request makes it go out.
+    pool.reset_caches().await;
+    complete(words(9_999, 50)).await;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    while feed.blocks().prefix_depth(&chained) > 0 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "blocks still held after /reset_prefix_cache: {:?}",
+            feed.stats
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    stop.cancel();
+}

@@ -73,6 +73,8 @@ pub struct Config {
     pub limits: LimitsConfig,
     /// Where the worker list comes from: this file (`static`), DNS, or the Kubernetes API.
     pub discovery: DiscoveryConfig,
+    /// The workers' KV cache events (exact cache state, where workers publish it).
+    pub kv_events: KvEventsConfig,
     /// A weighted split of traffic between policies; when set, it replaces `policy`.
     pub ab: Option<AbConfig>,
 }
@@ -97,6 +99,7 @@ impl Default for Config {
             load_signals: LoadSignalsConfig::default(),
             limits: LimitsConfig::default(),
             discovery: DiscoveryConfig::default(),
+            kv_events: KvEventsConfig::default(),
             ab: None,
         }
     }
@@ -125,6 +128,14 @@ pub struct WorkerConfig {
     /// A draining worker gets no new requests; its in-flight streams finish.
     #[serde(default)]
     pub draining: bool,
+    /// The worker's KV cache event publisher (vLLM's `--kv-events-config` `endpoint`), e.g.
+    /// `tcp://10.0.0.7:5557`; overrides `kv_events.port`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_events: Option<String>,
+    /// Its replay endpoint (`replay_endpoint`), e.g. `tcp://10.0.0.7:5558`; overrides
+    /// `kv_events.replay_port`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_events_replay: Option<String>,
 }
 
 impl WorkerConfig {
@@ -134,7 +145,37 @@ impl WorkerConfig {
             name: None,
             models: Vec::new(),
             draining: false,
+            kv_events: None,
+            kv_events_replay: None,
         }
+    }
+}
+
+/// Following the workers' KV cache events (vLLM's ZMQ publisher).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct KvEventsConfig {
+    /// The publisher's port on every worker's host (discovered workers included); a worker's own
+    /// `kv_events` endpoint takes precedence. Unset: only workers that name an endpoint.
+    pub port: Option<u16>,
+    /// The replay port on every worker's host.
+    pub replay_port: Option<u16>,
+}
+
+impl KvEventsConfig {
+    /// Where `worker` publishes its events, if anywhere.
+    pub fn source_for(&self, worker: &WorkerConfig) -> Option<crate::kv_events::EventSource> {
+        let host = || {
+            let uri: http::Uri = worker.url.parse().ok()?;
+            uri.host().map(str::to_owned)
+        };
+        let at = |port: u16| Some(format!("tcp://{}:{port}", host()?));
+        let endpoint = worker.kv_events.clone().or_else(|| at(self.port?))?;
+        let replay = worker
+            .kv_events_replay
+            .clone()
+            .or_else(|| at(self.replay_port?));
+        Some(crate::kv_events::EventSource { endpoint, replay })
     }
 }
 
