@@ -110,6 +110,10 @@ struct SimArgs {
     /// Apply the faults to this worker only.
     #[arg(long)]
     fault_worker: Option<usize>,
+    /// Publish KV cache events as vLLM does with --kv-events-config (ZMQ, free ports; printed
+    /// after each worker's URL as `tcp://PUB tcp://REPLAY`).
+    #[arg(long)]
+    kv_events: bool,
     /// List the presets and exit.
     #[arg(long)]
     list_presets: bool,
@@ -136,6 +140,7 @@ impl SimArgs {
         c.faults.hang |= self.hang;
         c.faults.drop_after_tokens = self.drop_after_tokens.or(c.faults.drop_after_tokens);
         c.fault_worker = self.fault_worker.or(c.fault_worker);
+        c.kv_events |= self.kv_events;
         c.validate()?;
         Ok(c)
     }
@@ -217,10 +222,20 @@ pub fn main() -> ExitCode {
             run(async move {
                 let shutdown = shutdown_token();
                 let mut tasks = JoinSet::new();
-                let addrs = sim::spawn(&cfg, cfg.bind().await.map_err(io)?, &shutdown, &mut tasks)
-                    .map_err(io)?;
-                for a in &addrs {
-                    println!("http://{a}");
+                let workers =
+                    sim::start(&cfg, cfg.bind().await.map_err(io)?, &shutdown, &mut tasks)
+                        .await
+                        .map_err(io)?;
+                for w in &workers {
+                    match &w.kv_events {
+                        Some(ev) => println!(
+                            "http://{} {} {}",
+                            w.addr,
+                            ev.endpoint,
+                            ev.replay.as_deref().unwrap_or("")
+                        ),
+                        None => println!("http://{}", w.addr),
+                    }
                 }
                 tasks.join_all().await;
                 Ok(())
@@ -261,8 +276,9 @@ pub fn main() -> ExitCode {
 async fn demo(cfg: SimConfig, listen: SocketAddr, policy: String) -> std::io::Result<()> {
     let shutdown = shutdown_token();
     let mut tasks = JoinSet::new();
-    let addrs =
-        sim::spawn(&cfg, cfg.bind().await.map_err(io)?, &shutdown, &mut tasks).map_err(io)?;
+    let addrs = sim::spawn(&cfg, cfg.bind().await.map_err(io)?, &shutdown, &mut tasks)
+        .await
+        .map_err(io)?;
     let overrides = Overrides {
         listen: Some(listen),
         workers: addrs.iter().map(|a| format!("http://{a}")).collect(),

@@ -220,6 +220,7 @@ async fn compare_on_a_running_pool_empties_its_caches_before_each_arm() {
     let mut tasks = tokio::task::JoinSet::new();
     let urls: Vec<String> =
         kvroute::sim::spawn(&sim, sim.bind().await.unwrap(), &cancel, &mut tasks)
+            .await
             .unwrap()
             .iter()
             .map(|a| format!("http://{a}"))

@@ -34,7 +34,9 @@ async fn sim(workers: usize) -> Sim {
     };
     let cancel = CancellationToken::new();
     let mut tasks = JoinSet::new();
-    let addrs = sim::spawn(&cfg, cfg.bind().await.unwrap(), &cancel, &mut tasks).unwrap();
+    let addrs = sim::spawn(&cfg, cfg.bind().await.unwrap(), &cancel, &mut tasks)
+        .await
+        .unwrap();
     Sim {
         urls: addrs.iter().map(|a| format!("http://{a}")).collect(),
         cancel,

@@ -308,3 +308,113 @@ async fn the_gateway_follows_each_workers_events_and_exports_them() {
         Some(0.0)
     );
 }
+
+#[test]
+fn the_simulators_batches_decode_with_vllms_msgspec_structs() {
+    let events = vec![
+        KvEvent::BlockStored {
+            block_hashes: vec![3, u64::MAX],
+            parent_block_hash: Some(9),
+            token_ids: vec![1, 2, 3, 4],
+            block_size: 2,
+            lora_id: None,
+            medium: Some("GPU".into()),
+        },
+        KvEvent::BlockRemoved {
+            block_hashes: vec![3],
+            medium: Some("GPU".into()),
+        },
+        KvEvent::AllBlocksCleared,
+    ];
+    let hex: String = kvroute::sim::events::encode(&events)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    let (mut py, _) = Py::start(&["encode"]);
+    let got = py.ask(json!({ "decode": hex }));
+    assert!(got.get("error").is_none(), "{got}");
+    assert_eq!(got["dp_rank"], 0);
+    assert_eq!(
+        got["events"],
+        json!([
+            {"type": "BlockStored", "block_hashes": [3, u64::MAX], "parent_block_hash": 9,
+             "token_ids": [1, 2, 3, 4], "block_size": 2, "medium": "GPU"},
+            {"type": "BlockRemoved", "block_hashes": [3], "medium": "GPU"},
+            {"type": "AllBlocksCleared"},
+        ])
+    );
+}
+
+#[tokio::test]
+async fn a_simulated_worker_publishes_the_blocks_it_caches_and_their_clearing() {
+    let cfg = kvroute::sim::SimConfig {
+        workers: 1,
+        port: 0,
+        time_scale: 50.0,
+        kv_events: true,
+        ..Default::default()
+    };
+    let cancel = CancellationToken::new();
+    let mut tasks = tokio::task::JoinSet::new();
+    let sims = kvroute::sim::start(&cfg, cfg.bind().await.unwrap(), &cancel, &mut tasks)
+        .await
+        .unwrap();
+    let worker = sims[0].addr;
+    let source = sims[0].kv_events.clone().expect("event endpoints");
+    let feed = Arc::new(Feed::new(100_000));
+    tokio::spawn({
+        let (feed, stop) = (Arc::clone(&feed), cancel.clone());
+        async move { follow(source, &feed, stop).await }
+    });
+    let complete = |prompt: String| async move {
+        let body = json!({"prompt": prompt, "max_tokens": 1}).to_string();
+        let r = common::request(worker, "POST", "/v1/completions", body.as_bytes()).await;
+        assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+    };
+    // A SUB socket misses what is published before it joined: prompt until batches arrive.
+    let mut k = 0;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while feed.stats.batches.load(Ordering::Relaxed) == 0 {
+        assert!(tokio::time::Instant::now() < deadline, "no events");
+        // Long enough to fill blocks: a prompt shorter than a block publishes nothing.
+        complete(format!("warm-up prompt number {k} ").repeat(20)).await;
+        k += 1;
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let prompt = (0..120)
+        .map(|i| format!("word{i}"))
+        .collect::<Vec<_>>()
+        .join(" ");
+    let t = common::request(
+        worker,
+        "POST",
+        "/tokenize",
+        json!({ "prompt": prompt }).to_string().as_bytes(),
+    )
+    .await;
+    let tokens: Vec<u32> = t.json()["tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_u64().unwrap() as u32)
+        .collect();
+    let block = kvroute::sim::kv::DEFAULT_BLOCK_SIZE;
+    let mut parent = ROOT;
+    let chained: Vec<u64> = tokens
+        .chunks_exact(block)
+        .map(|b| {
+            parent = chain(parent, b);
+            parent
+        })
+        .collect();
+    assert!(chained.len() >= 4, "{} tokens", tokens.len());
+    complete(prompt).await;
+    eventually(|| feed.blocks().prefix_depth(&chained) == chained.len()).await;
+    let r = common::request(worker, "POST", "/reset_prefix_cache", b"").await;
+    assert_eq!(r.status, 200);
+    complete("after the reset ".repeat(20)).await;
+    eventually(|| feed.blocks().prefix_depth(&chained) == 0).await;
+    assert_eq!(feed.stats.decode_errors.load(Ordering::Relaxed), 0);
+    assert_eq!(feed.stats.gaps.load(Ordering::Relaxed), 0);
+    cancel.cancel();
+}

@@ -531,6 +531,7 @@ async fn simulator_answers_in_real_vllms_shapes() {
     let _stop = cancel.clone().drop_guard();
     let mut tasks = tokio::task::JoinSet::new();
     let sim = kvroute::sim::spawn(&sim_cfg, sim_cfg.bind().await.unwrap(), &cancel, &mut tasks)
+        .await
         .unwrap()[0];
     let sim_model = request(sim, "GET", "/v1/models", b"").await.json()["data"][0]["id"]
         .as_str()

@@ -55,7 +55,9 @@ async fn setup(tag: &str) -> Setup {
         time_scale: 20.0,
         ..SimConfig::default()
     };
-    let addrs = sim::spawn(&sim_cfg, sim_cfg.bind().await.unwrap(), &cancel, &mut tasks).unwrap();
+    let addrs = sim::spawn(&sim_cfg, sim_cfg.bind().await.unwrap(), &cancel, &mut tasks)
+        .await
+        .unwrap();
     let urls: Vec<String> = addrs.iter().map(|a| format!("http://{a}")).collect();
     let dir = std::env::temp_dir().join(format!("kvroute-{tag}-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();

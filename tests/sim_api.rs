@@ -38,7 +38,9 @@ fn cfg(workers: usize) -> SimConfig {
 async fn start(cfg: SimConfig) -> Sim {
     let cancel = CancellationToken::new();
     let mut tasks = JoinSet::new();
-    let addrs = sim::spawn(&cfg, cfg.bind().await.unwrap(), &cancel, &mut tasks).unwrap();
+    let addrs = sim::spawn(&cfg, cfg.bind().await.unwrap(), &cancel, &mut tasks)
+        .await
+        .unwrap();
     Sim {
         addrs,
         cancel,

@@ -178,7 +178,7 @@ pub async fn start_pool_replicated(
     };
     let cancel = CancellationToken::new();
     let mut tasks = JoinSet::new();
-    let addrs = sim::spawn(&cfg, cfg.bind().await?, &cancel, &mut tasks)?;
+    let addrs = sim::spawn(&cfg, cfg.bind().await?, &cancel, &mut tasks).await?;
     let workers: Vec<String> = addrs.iter().map(|a| format!("http://{a}")).collect();
     start_gateway(workers, arm, cfg.host, cancel, tasks, replicas).await
 }
@@ -416,9 +416,8 @@ pub fn limit_hit_rate(
             continue;
         };
         let blocks: Vec<u32> = hit.iter().copied().chain(new).collect();
-        for (b, h) in blocks.iter().zip(&hashes) {
-            cache.register(*b, *h);
-        }
+        let full = hashes.len().min(blocks.len());
+        cache.register(&blocks[..full], &hashes[..full], None, &tokens);
         cache.free(&blocks);
     }
     if queries == 0 {

@@ -137,6 +137,16 @@ impl Engine {
     }
 
     /// Forgets every cached prefix; refused while a request holds blocks (as in vLLM).
+    /// Records KV cache events, as a vLLM worker with `--kv-events-config` does.
+    pub fn record_kv_events(&mut self) {
+        self.kv.record_events();
+    }
+
+    /// The KV cache events since the last call: one batch's worth.
+    pub fn take_kv_events(&mut self) -> Vec<crate::kv_events::KvEvent> {
+        self.kv.take_events()
+    }
+
     pub fn reset_prefix_cache(&mut self) -> bool {
         self.running.is_empty() && self.kv.reset_prefix_cache()
     }
@@ -247,8 +257,15 @@ impl Engine {
             let full_before = (s.computed - n) / block;
             self.kv
                 .extend_hashes(&mut s.hashes, &s.tokens[..s.computed]);
-            for j in full_before..s.computed / block {
-                self.kv.register(s.blocks[j], s.hashes[j]);
+            let full_now = s.computed / block;
+            if full_now > full_before {
+                let parent = full_before.checked_sub(1).map(|p| s.hashes[p]);
+                self.kv.register(
+                    &s.blocks[full_before..full_now],
+                    &s.hashes[full_before..full_now],
+                    parent,
+                    &s.tokens[full_before * block..full_now * block],
+                );
             }
             if s.computed < s.tokens.len() {
                 continue; // a prompt chunk; more to prefill

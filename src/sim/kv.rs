@@ -11,6 +11,8 @@
 
 use std::collections::{BTreeMap, HashMap};
 
+use crate::kv_events::KvEvent;
+
 /// Tokens per KV block, vLLM's default `--block-size` on CUDA.
 pub const DEFAULT_BLOCK_SIZE: usize = 16;
 
@@ -30,6 +32,8 @@ pub struct KvCache {
     cached: HashMap<u64, u32>,
     clock: u64,
     block_size: usize,
+    /// What a vLLM worker with KV cache events enabled would publish, since the last take.
+    events: Option<Vec<KvEvent>>,
 }
 
 impl KvCache {
@@ -46,6 +50,24 @@ impl KvCache {
             cached: HashMap::new(),
             clock: num_blocks as u64,
             block_size,
+            events: None,
+        }
+    }
+
+    /// Records the events vLLM publishes (`BlockStored` when a block is cached under a new
+    /// hash, `BlockRemoved` when an allocation evicts it, `AllBlocksCleared` on a reset).
+    pub fn record_events(&mut self) {
+        self.events.get_or_insert_with(Vec::new);
+    }
+
+    /// The events recorded since the last call.
+    pub fn take_events(&mut self) -> Vec<KvEvent> {
+        self.events.as_mut().map(std::mem::take).unwrap_or_default()
+    }
+
+    fn emit(&mut self, event: KvEvent) {
+        if let Some(events) = &mut self.events {
+            events.push(event);
         }
     }
 
@@ -58,6 +80,7 @@ impl KvCache {
         for b in &mut self.blocks {
             b.hash = None;
         }
+        self.emit(KvEvent::AllBlocksCleared);
         true
     }
 
@@ -116,6 +139,12 @@ impl KvCache {
             if let Some(h) = b.hash.take() {
                 if self.cached.get(&h) == Some(&id) {
                     self.cached.remove(&h);
+                    if let Some(events) = &mut self.events {
+                        events.push(KvEvent::BlockRemoved {
+                            block_hashes: vec![h],
+                            medium: Some(crate::kv_events::decode::MEDIUM_GPU.into()),
+                        });
+                    }
                 }
             }
             b.refs = 1;
@@ -124,12 +153,53 @@ impl KvCache {
         Some(out)
     }
 
-    /// Records that a held block is now full with the content `hash` stands for.
-    pub fn register(&mut self, id: u32, hash: u64) {
-        let b = &mut self.blocks[id as usize];
-        if b.hash.is_none() {
-            b.hash = Some(hash);
-            self.cached.entry(hash).or_insert(id);
+    /// Records that held blocks are now full: `ids[k]` with the content `hashes[k]` stands for,
+    /// chained onto `parent` (the hash of the block before `ids[0]`, if any), holding
+    /// `tokens[k * block_size..]`. A block whose hash is new to the cache is published as stored;
+    /// one whose content another block already caches is not (as in vLLM, the first copy is the
+    /// one found).
+    pub fn register(&mut self, ids: &[u32], hashes: &[u64], parent: Option<u64>, tokens: &[u32]) {
+        let size = self.block_size;
+        let mut run: Option<KvEvent> = None;
+        let mut parent = parent;
+        for (k, (&id, &hash)) in ids.iter().zip(hashes).enumerate() {
+            let b = &mut self.blocks[id as usize];
+            let fresh = b.hash.is_none() && !self.cached.contains_key(&hash);
+            if b.hash.is_none() {
+                b.hash = Some(hash);
+                self.cached.entry(hash).or_insert(id);
+            }
+            if self.events.is_some() {
+                if fresh {
+                    let block = &tokens[k * size..(k + 1) * size];
+                    match &mut run {
+                        Some(KvEvent::BlockStored {
+                            block_hashes,
+                            token_ids,
+                            ..
+                        }) => {
+                            block_hashes.push(hash);
+                            token_ids.extend_from_slice(block);
+                        }
+                        _ => {
+                            run = Some(KvEvent::BlockStored {
+                                block_hashes: vec![hash],
+                                parent_block_hash: parent,
+                                token_ids: block.to_vec(),
+                                block_size: size as u32,
+                                lora_id: None,
+                                medium: Some(crate::kv_events::decode::MEDIUM_GPU.into()),
+                            });
+                        }
+                    }
+                } else if let Some(e) = run.take() {
+                    self.emit(e);
+                }
+            }
+            parent = Some(hash);
+        }
+        if let Some(e) = run {
+            self.emit(e);
         }
     }
 
@@ -188,8 +258,7 @@ mod tests {
         let h = hashes(&prompt);
         assert_eq!(h.len(), 2);
         let ids = kv.allocate(3).unwrap();
-        kv.register(ids[0], h[0]);
-        kv.register(ids[1], h[1]);
+        kv.register(&ids[..2], &h, None, &prompt[..32]);
         kv.free(&ids);
         assert_eq!(kv.usage(), 0.0);
         assert_eq!(kv.match_prefix(&h), ids[..2]);
@@ -215,10 +284,49 @@ mod tests {
     }
 
     #[test]
+    fn recorded_events_follow_what_is_cached_and_evicted() {
+        let mut kv = KvCache::new(3, 2);
+        kv.record_events();
+        let tokens = [1, 2, 3, 4, 5, 6];
+        let mut h = Vec::new();
+        extend_hashes(&mut h, &tokens, 2);
+        let ids = kv.allocate(3).unwrap();
+        kv.register(&ids[..2], &h[..2], None, &tokens[..4]);
+        kv.register(&ids[2..], &h[2..], Some(h[1]), &tokens[4..]);
+        let events = kv.take_events();
+        assert_eq!(events.len(), 2);
+        let KvEvent::BlockStored {
+            block_hashes,
+            parent_block_hash,
+            token_ids,
+            ..
+        } = &events[1]
+        else {
+            panic!("{events:?}")
+        };
+        assert_eq!(
+            (block_hashes, *parent_block_hash),
+            (&vec![h[2]], Some(h[1]))
+        );
+        assert_eq!(token_ids, &vec![5, 6]);
+        kv.free(&ids);
+        // Reallocating evicts the tail first: its hash is published as removed.
+        kv.allocate(1).unwrap();
+        assert_eq!(
+            kv.take_events(),
+            vec![KvEvent::BlockRemoved {
+                block_hashes: vec![h[2]],
+                medium: Some("GPU".into())
+            }]
+        );
+        assert!(kv.take_events().is_empty());
+    }
+
+    #[test]
     fn touched_blocks_are_not_evictable() {
         let mut kv = KvCache::new(2, DEFAULT_BLOCK_SIZE);
         let ids = kv.allocate(2).unwrap();
-        kv.register(ids[0], 7);
+        kv.register(&ids[..1], &[7], None, &[0; DEFAULT_BLOCK_SIZE]);
         kv.free(&ids);
         kv.touch(&kv.match_prefix(&[7]));
         assert_eq!(kv.num_available(), 1);

@@ -8,6 +8,7 @@
 
 pub mod api;
 pub mod engine;
+pub mod events;
 pub mod kv;
 pub mod metrics;
 pub mod presets;
@@ -65,6 +66,9 @@ pub struct SimConfig {
     pub fault_worker: Option<usize>,
     /// Seeds response ids and fault rolls.
     pub seed: u64,
+    /// Publish KV cache events as vLLM does with `--kv-events-config` (ZMQ PUB and replay
+    /// sockets on free ports of `host`).
+    pub kv_events: bool,
 }
 
 impl Default for SimConfig {
@@ -81,6 +85,7 @@ impl Default for SimConfig {
             faults: Faults::default(),
             fault_worker: None,
             seed: 0,
+            kv_events: false,
         }
     }
 }
@@ -173,28 +178,63 @@ impl SimConfig {
     }
 }
 
+/// A running simulated worker.
+#[derive(Clone, Debug)]
+pub struct SimWorker {
+    pub addr: SocketAddr,
+    /// Its KV cache event endpoints, when it publishes them.
+    pub kv_events: Option<crate::kv_events::EventSource>,
+}
+
 /// Serves one simulated worker per listener until `cancel` fires. Every task is owned by `tasks`.
-pub fn spawn(
+pub async fn spawn(
     cfg: &SimConfig,
     listeners: Vec<TcpListener>,
     cancel: &CancellationToken,
     tasks: &mut JoinSet<()>,
 ) -> Result<Vec<SocketAddr>, SimError> {
+    Ok(start(cfg, listeners, cancel, tasks)
+        .await?
+        .into_iter()
+        .map(|w| w.addr)
+        .collect())
+}
+
+/// [`spawn`], returning each worker's KV event endpoints too.
+pub async fn start(
+    cfg: &SimConfig,
+    listeners: Vec<TcpListener>,
+    cancel: &CancellationToken,
+    tasks: &mut JoinSet<()>,
+) -> Result<Vec<SimWorker>, SimError> {
     let params = cfg.validate()?;
-    let mut addrs = Vec::with_capacity(listeners.len());
+    let mut workers = Vec::with_capacity(listeners.len());
     for (i, listener) in listeners.into_iter().enumerate() {
         let addr = listener.local_addr().map_err(|source| SimError::Bind {
             addr: SocketAddr::new(cfg.host, 0),
             source,
         })?;
-        addrs.push(addr);
+        let mut engine = Engine::new(params.clone());
+        let (kv_events, publish) = if cfg.kv_events {
+            engine.record_kv_events();
+            let (source, sockets) = events::bind(cfg.host)
+                .await
+                .map_err(|e| SimError::Invalid(format!("KV event sockets: {e}")))?;
+            let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+            tasks.spawn(events::run(sockets, rx, cancel.clone()));
+            (Some(source), Some(tx))
+        } else {
+            (None, None)
+        };
+        workers.push(SimWorker { addr, kv_events });
         let metrics = Arc::new(metrics::SimMetrics::new(&params));
         let (handle, engine_task) = worker::spawn(
-            Engine::new(params.clone()),
+            engine,
             metrics.clone(),
             worker::LoopOptions {
                 time_scale: cfg.time_scale,
                 abort_on_disconnect: cfg.abort_on_disconnect,
+                kv_events: publish,
             },
             cancel.clone(),
         );
@@ -226,5 +266,5 @@ pub fn spawn(
             engine_task.abort();
         });
     }
-    Ok(addrs)
+    Ok(workers)
 }

@@ -56,6 +56,9 @@ pub struct LoopOptions {
     pub time_scale: f64,
     /// vLLM aborts a request when its connection closes; `false` models a server that does not.
     pub abort_on_disconnect: bool,
+    /// Where each step's KV cache events go (one batch per step that had any), when the worker
+    /// publishes them.
+    pub kv_events: Option<mpsc::UnboundedSender<Vec<crate::kv_events::KvEvent>>>,
 }
 
 /// Spawns the engine loop; it stops when `cancel` fires.
@@ -124,6 +127,13 @@ async fn run(
         } else if !engine.is_idle() {
             // Nothing fit this step (every runner was just preempted): back off instead of spinning.
             tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        if let Some(publish) = &opts.kv_events {
+            // As vLLM: a step's events go out with its outputs (a reset's with the next step).
+            let events = engine.take_kv_events();
+            if !events.is_empty() {
+                let _ = publish.send(events);
+            }
         }
         metrics.observe_inter_token(&out.inter_token);
         for (id, event) in out.events {

@@ -9,6 +9,7 @@ Three layouts:
 
 Commands, one JSON object per line on stdin; answers on stdout:
   {"encode": SPEC}                    -> {"payload": HEX}
+  {"decode": HEX}                     -> the batch as vLLM 0.32's structs read it (mixed layout)
   {"publish": SPEC, "live": B, "buffer": B}
                                       -> {"seq": N}   (live: sent on PUB; buffer: kept for replay)
   {"restart": true}                   -> {"restarted": true}   (sequence and buffer start over)
@@ -140,6 +141,24 @@ def build(spec):
     return MixedBatch(ts, events, 0)
 
 
+class MixedKVBatch(MixedBatch):
+    """A batch whose events msgspec must validate as vLLM's event types."""
+    events: list[Union[MapStored, MapRemoved, MapCleared]]
+
+
+def summary(batch):
+    """A decoded batch as JSON: hashes as integers (the simulator sends integers)."""
+    out = []
+    for e in batch.events:
+        d = {"type": e.__struct_config__.tag}
+        for f in e.__struct_fields__:
+            v = getattr(e, f)
+            if v is not None:
+                d[f] = v
+        out.append(d)
+    return {"ts": batch.ts, "dp_rank": batch.data_parallel_rank, "events": out}
+
+
 def answer(obj):
     sys.stdout.write(json.dumps(obj) + "\n")
     sys.stdout.flush()
@@ -147,9 +166,16 @@ def answer(obj):
 
 def encode_only():
     enc = msgspec.msgpack.Encoder()
+    dec = msgspec.msgpack.Decoder(MixedKVBatch)
     for line in sys.stdin:
         cmd = json.loads(line)
-        answer({"payload": enc.encode(build(cmd["encode"])).hex()})
+        if "decode" in cmd:
+            try:
+                answer(summary(dec.decode(bytes.fromhex(cmd["decode"]))))
+            except msgspec.ValidationError as e:
+                answer({"error": str(e)})
+        else:
+            answer({"payload": enc.encode(build(cmd["encode"])).hex()})
 
 
 def publish(replay):

@@ -1,0 +1,179 @@
+//! The simulated worker's KV cache event publisher, on the wire as vLLM's `ZmqEventPublisher`:
+//! a PUB socket sending `[topic, seq (8 bytes, big-endian), EventBatch]` per engine step that
+//! had events, and a ROUTER replay socket answering `["", start]` with every buffered batch from
+//! `start` on, then `["", -1, ""]`. Batches are encoded in the layout vLLM 0.32.0 sends: a
+//! positional `[ts, events, data_parallel_rank]` whose events are maps tagged `type`, fields in
+//! vLLM's declaration order, defaults omitted.
+//!
+//! The block hashes are the simulator's own (`sim::kv::block_hash`), as a real worker's are its
+//! own: the gateway never sees how they are made, only the token ids.
+
+use std::collections::VecDeque;
+
+use bytes::Bytes;
+use rmpv::Value;
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+use zeromq::{Socket, SocketRecv, SocketSend, ZmqMessage};
+
+use crate::kv_events::{EventSource, KvEvent};
+
+/// Batches kept for replay (vLLM's `buffer_steps` default).
+const BUFFER_STEPS: usize = 10_000;
+
+/// Binds the PUB and ROUTER sockets on `host` (free ports) and returns their endpoints with the
+/// sockets, ready for [`run`].
+pub async fn bind(host: std::net::IpAddr) -> zeromq::ZmqResult<(EventSource, Sockets)> {
+    let mut publisher = zeromq::PubSocket::new();
+    let endpoint = publisher.bind(&format!("tcp://{host}:0")).await?;
+    let mut replay = zeromq::RouterSocket::new();
+    let replay_endpoint = replay.bind(&format!("tcp://{host}:0")).await?;
+    Ok((
+        EventSource {
+            endpoint: endpoint.to_string(),
+            replay: Some(replay_endpoint.to_string()),
+        },
+        Sockets { publisher, replay },
+    ))
+}
+
+pub struct Sockets {
+    publisher: zeromq::PubSocket,
+    replay: zeromq::RouterSocket,
+}
+
+/// Publishes every batch from `batches` until `cancel`, serving replays meanwhile.
+pub async fn run(
+    mut sockets: Sockets,
+    mut batches: mpsc::UnboundedReceiver<Vec<KvEvent>>,
+    cancel: CancellationToken,
+) {
+    let mut buffer: VecDeque<(i64, Bytes)> = VecDeque::new();
+    let mut seq: i64 = 0;
+    loop {
+        tokio::select! {
+            _ = cancel.cancelled() => return,
+            batch = batches.recv() => {
+                let Some(events) = batch else { return };
+                let payload = Bytes::from(encode(&events));
+                let msg = frames(vec![Bytes::new(), seq_bytes(seq), payload.clone()]);
+                if let Err(e) = sockets.publisher.send(msg).await {
+                    tracing::debug!(error = %e, "KV event publish failed");
+                }
+                if buffer.len() == BUFFER_STEPS {
+                    buffer.pop_front();
+                }
+                buffer.push_back((seq, payload));
+                seq += 1;
+            }
+            request = sockets.replay.recv() => {
+                let Ok(request) = request else { continue };
+                let parts = request.into_vec();
+                // [identity, "", start]
+                let [identity, _, start] = parts.as_slice() else { continue };
+                let Ok(start) = <[u8; 8]>::try_from(start.as_ref()).map(i64::from_be_bytes) else {
+                    continue;
+                };
+                for (s, payload) in buffer.iter().filter(|(s, _)| *s >= start) {
+                    let reply = frames(vec![identity.clone(), Bytes::new(), seq_bytes(*s), payload.clone()]);
+                    if sockets.replay.send(reply).await.is_err() {
+                        break;
+                    }
+                }
+                let end = frames(vec![identity.clone(), Bytes::new(), seq_bytes(-1), Bytes::new()]);
+                let _ = sockets.replay.send(end).await;
+            }
+        }
+    }
+}
+
+fn seq_bytes(seq: i64) -> Bytes {
+    Bytes::copy_from_slice(&seq.to_be_bytes())
+}
+
+fn frames(parts: Vec<Bytes>) -> ZmqMessage {
+    ZmqMessage::try_from(parts).expect("at least one frame")
+}
+
+/// One `EventBatch` in vLLM 0.32.0's layout.
+pub fn encode(events: &[KvEvent]) -> Vec<u8> {
+    let ts = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64());
+    let batch = Value::Array(vec![
+        Value::F64(ts),
+        Value::Array(events.iter().map(event).collect()),
+        Value::from(0),
+    ]);
+    let mut out = Vec::new();
+    rmpv::encode::write_value(&mut out, &batch).expect("writing to a Vec");
+    out
+}
+
+fn event(e: &KvEvent) -> Value {
+    let field = |k: &str, v: Value| (Value::from(k), v);
+    let hashes = |h: &[u64]| Value::Array(h.iter().map(|&x| Value::from(x)).collect());
+    let medium = |m: &Option<String>| m.as_deref().map_or(Value::Nil, Value::from);
+    Value::Map(match e {
+        KvEvent::BlockStored {
+            block_hashes,
+            parent_block_hash,
+            token_ids,
+            block_size,
+            lora_id,
+            medium: m,
+        } => vec![
+            field("type", Value::from("BlockStored")),
+            field("block_hashes", hashes(block_hashes)),
+            field(
+                "parent_block_hash",
+                parent_block_hash.map_or(Value::Nil, Value::from),
+            ),
+            field(
+                "token_ids",
+                Value::Array(token_ids.iter().map(|&t| Value::from(t)).collect()),
+            ),
+            field("block_size", Value::from(*block_size)),
+            field("lora_id", lora_id.map_or(Value::Nil, Value::from)),
+            field("medium", medium(m)),
+            field("lora_name", Value::Nil),
+        ],
+        KvEvent::BlockRemoved {
+            block_hashes,
+            medium: m,
+        } => vec![
+            field("type", Value::from("BlockRemoved")),
+            field("block_hashes", hashes(block_hashes)),
+            field("medium", medium(m)),
+        ],
+        KvEvent::AllBlocksCleared => vec![field("type", Value::from("AllBlocksCleared"))],
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kv_events::decode_batch;
+
+    #[test]
+    fn what_is_encoded_decodes_the_same() {
+        let events = vec![
+            KvEvent::BlockStored {
+                block_hashes: vec![1, u64::MAX],
+                parent_block_hash: Some(7),
+                token_ids: vec![1, 2, 3, 4],
+                block_size: 2,
+                lora_id: None,
+                medium: Some("GPU".into()),
+            },
+            KvEvent::BlockRemoved {
+                block_hashes: vec![1],
+                medium: Some("GPU".into()),
+            },
+            KvEvent::AllBlocksCleared,
+        ];
+        let batch = decode_batch(&encode(&events)).unwrap();
+        assert_eq!(batch.events, events);
+        assert_eq!(batch.data_parallel_rank, Some(0));
+    }
+}
