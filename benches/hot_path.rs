@@ -1,4 +1,5 @@
-//! Criterion benches for the per-request hot path: routing-key extraction and policy selection.
+//! Criterion benches for the per-request hot path: routing-key extraction, policy selection, and
+//! tokenizing a request to look it up in a worker's event-fed block set.
 //!
 //! `cargo bench --bench hot_path` measures; `cargo bench --bench hot_path -- --test` (CI) runs
 //! each once to prove they still work.
@@ -122,5 +123,62 @@ fn policies(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, routing_key, policies, cache_aware_at_scale);
+/// Tokenizing a chat request as the worker does and looking its blocks up in a worker's
+/// event-fed block set (16-token blocks, 100k blocks held), at 1, 8 and 32 KB of system prompt.
+/// The tokenizer is `KVROUTE_BENCH_TOKENIZER` (e.g. the CPU vLLM pool's Llama 3
+/// `tokenizer.json`) or, by default, the small committed one, which understates a 128k-token
+/// vocabulary's cost.
+fn tokenize_and_look_up(c: &mut Criterion) {
+    use kvroute::kv_events::{KvEvent, WorkerBlocks};
+    use kvroute::tokenize::{block_chain, ModelTokenizer};
+    let root = env!("CARGO_MANIFEST_DIR");
+    let json = std::env::var("KVROUTE_BENCH_TOKENIZER")
+        .unwrap_or_else(|_| format!("{root}/tests/tokenize/tiny-tokenizer.json"));
+    let config = format!("{root}/tests/vllm/model/tokenizer_config.json");
+    let t = ModelTokenizer::load(json.as_ref(), Some(config.as_ref())).expect("tokenizer loads");
+    let mut blocks = WorkerBlocks::new(1 << 20);
+    for i in 0..100_000u32 {
+        blocks.apply(&KvEvent::BlockStored {
+            block_hashes: vec![u64::from(i)],
+            parent_block_hash: None,
+            token_ids: vec![i; 16],
+            block_size: 16,
+            lora_id: None,
+            medium: None,
+        });
+    }
+    let mut g = c.benchmark_group("tokenize_and_look_up");
+    for size in [1024usize, 8 * 1024, 32 * 1024] {
+        let body: serde_json::Value = serde_json::from_slice(&chat_body(size)).expect("json");
+        let system = body["messages"][0].clone();
+        g.throughput(Throughput::Bytes(size as u64));
+        // A conversation's next request: the system prompt seen before, a new user message.
+        let mut n = 0u64;
+        g.bench_function(BenchmarkId::new("warm", size), |b| {
+            b.iter(|| {
+                n += 1;
+                let m = serde_json::json!([system, {"role": "user", "content": format!("question {n}: what is the capital of France?")}]);
+                let tokens = t.chat(&m).expect("renders");
+                blocks.prefix_depth(&block_chain(&tokens, 16))
+            })
+        });
+        // Nothing seen before: the whole rendered text encoded.
+        let text = t.render_chat(&body["messages"]).expect("renders");
+        g.bench_function(BenchmarkId::new("cold", size), |b| {
+            b.iter(|| {
+                let tokens = t.prompt(&text).expect("encodes");
+                blocks.prefix_depth(&block_chain(&tokens, 16))
+            })
+        });
+    }
+    g.finish();
+}
+
+criterion_group!(
+    benches,
+    routing_key,
+    policies,
+    cache_aware_at_scale,
+    tokenize_and_look_up
+);
 criterion_main!(benches);

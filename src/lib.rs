@@ -28,4 +28,5 @@ pub mod routes;
 pub mod routing_key;
 pub mod server;
 pub mod sim;
+pub mod tokenize;
 pub mod workers;

@@ -17,6 +17,7 @@ use std::{
 };
 
 use kvroute::kv_events::{chain, decode_batch, follow, EventSource, Feed, KvEvent, ROOT};
+use kvroute::tokenize::block_chain;
 use serde_json::{json, Value};
 use tokio_util::sync::CancellationToken;
 use xxhash_rust::xxh3::xxh3_64;
@@ -392,21 +393,8 @@ async fn a_simulated_worker_publishes_the_blocks_it_caches_and_their_clearing() 
         json!({ "prompt": prompt }).to_string().as_bytes(),
     )
     .await;
-    let tokens: Vec<u32> = t.json()["tokens"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|v| v.as_u64().unwrap() as u32)
-        .collect();
-    let block = kvroute::sim::kv::DEFAULT_BLOCK_SIZE;
-    let mut parent = ROOT;
-    let chained: Vec<u64> = tokens
-        .chunks_exact(block)
-        .map(|b| {
-            parent = chain(parent, b);
-            parent
-        })
-        .collect();
+    let tokens = common::token_ids(&t);
+    let chained = block_chain(&tokens, kvroute::sim::kv::DEFAULT_BLOCK_SIZE);
     assert!(chained.len() >= 4, "{} tokens", tokens.len());
     complete(prompt).await;
     eventually(|| feed.blocks().prefix_depth(&chained) == chained.len()).await;

@@ -649,7 +649,7 @@ fn kv_event_source() -> Option<kvroute::kv_events::EventSource> {
 
 #[tokio::test]
 async fn real_vllm_kv_events_name_the_blocks_of_the_prompt_it_served() {
-    use kvroute::kv_events::{chain, follow, Feed, ROOT};
+    use kvroute::kv_events::{follow, Feed};
     use std::sync::{atomic::Ordering, Arc};
     let Some(pool) = Pool::from_env() else { return };
     let Some(source) = kv_event_source() else {
@@ -701,20 +701,9 @@ async fn real_vllm_kv_events_name_the_blocks_of_the_prompt_it_served() {
             .as_bytes(),
     )
     .await;
-    assert_eq!(t.status, 200, "{}", String::from_utf8_lossy(&t.body));
-    let tokens: Vec<u32> = t.json()["tokens"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|v| v.as_u64().unwrap() as u32)
-        .collect();
+    let tokens = common::token_ids(&t);
     const BLOCK: usize = 32; // pool.sh's --block-size
-    let mut chained = Vec::new();
-    let mut parent = ROOT;
-    for block in tokens.chunks_exact(BLOCK) {
-        parent = chain(parent, block);
-        chained.push(parent);
-    }
+    let chained = kvroute::tokenize::block_chain(&tokens, BLOCK);
     assert!(chained.len() >= 4, "{} tokens", tokens.len());
     assert_eq!(feed.blocks().prefix_depth(&chained), 0, "not served yet");
     complete(prompt).await;
@@ -744,4 +733,53 @@ async fn real_vllm_kv_events_name_the_blocks_of_the_prompt_it_served() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     stop.cancel();
+}
+
+#[tokio::test]
+async fn tokenizing_like_the_worker_matches_vllms_tokenize_endpoint() {
+    use kvroute::tokenize::ModelTokenizer;
+    let Some(pool) = Pool::from_env() else { return };
+    let Ok(tokenizer_json) = std::env::var("KVROUTE_VLLM_TOKENIZER") else {
+        eprintln!("skipped: KVROUTE_VLLM_TOKENIZER is unset (tests/vllm/pool.sh sets it)");
+        return;
+    };
+    let config = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/vllm/model/tokenizer_config.json"
+    );
+    let ours = ModelTokenizer::load(
+        std::path::Path::new(&tokenizer_json),
+        Some(std::path::Path::new(config)),
+    )
+    .unwrap();
+    assert!(
+        ours.caches_pieces(),
+        "Llama 3's tokenizer encodes pieces as the whole"
+    );
+    let _turn = SERIAL.lock().await;
+    let worker = pool.addr(0);
+    let vllm = |body: Value| async move {
+        common::token_ids(&request(worker, "POST", "/tokenize", body.to_string().as_bytes()).await)
+    };
+    for prompt in [
+        words(1, 200),
+        "  leading spaces, tabs\tand\nnewlines  ".to_owned(),
+        "Ünïcödé — 漢字 and emoji 🙂 in one prompt".to_owned(),
+        "<|begin_of_text|> written out in the text".to_owned(),
+    ] {
+        let theirs = vllm(json!({"model": pool.model, "prompt": prompt})).await;
+        assert_eq!(ours.prompt(&prompt).unwrap(), theirs, "prompt {prompt:?}");
+    }
+    let messages = json!([
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": words(2, 50)},
+        {"role": "assistant", "content": "Noted."},
+        {"role": "user", "content": [{"type": "text", "text": "  and a part  "}]},
+    ]);
+    let theirs = vllm(json!({"model": pool.model, "messages": messages,
+                             "add_generation_prompt": true}))
+    .await;
+    assert_eq!(ours.chat(&messages).unwrap(), theirs);
+    // Again, now from cached pieces.
+    assert_eq!(ours.chat(&messages).unwrap(), theirs);
 }

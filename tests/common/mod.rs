@@ -245,6 +245,22 @@ pub fn config_for(workers: &[&Upstream], policy: &str) -> Config {
     .unwrap()
 }
 
+/// The `tokens` of a worker's `/tokenize` answer (vLLM's or the simulator's).
+pub fn token_ids(answer: &RawResponse) -> Vec<u32> {
+    assert_eq!(
+        answer.status,
+        200,
+        "{}",
+        String::from_utf8_lossy(&answer.body)
+    );
+    answer.json()["tokens"]
+        .as_array()
+        .expect("a tokens array")
+        .iter()
+        .map(|v| v.as_u64().expect("a token id") as u32)
+        .collect()
+}
+
 /// A response read whole over a raw HTTP/1.1 connection.
 pub struct RawResponse {
     pub status: u16,

@@ -1,0 +1,305 @@
+//! Tokenizing a request as the vLLM worker does, so its blocks can be compared with the blocks
+//! the worker's KV cache events name.
+//!
+//! A model's `tokenizer.json` (the Hugging Face `tokenizers` format) and, for chat requests, the
+//! `chat_template` of its `tokenizer_config.json` (Jinja, rendered with minijinja). vLLM's two
+//! paths, reproduced: a completion's string prompt is encoded with the tokenizer's special tokens
+//! (a Llama tokenizer's post-processor adds `<|begin_of_text|>`); a chat request's messages are
+//! rendered through the template with `add_generation_prompt` and the result encoded without
+//! special tokens (the template writes them itself).
+//!
+//! Encoding is the expensive part (a Llama 3 vocabulary: about 0.15 ms per KB here), and a chat
+//! request repeats its predecessors: the system prompt and every earlier turn. The tokenizer
+//! splits its input at added tokens (`<|start_header_id|>`, `<|eot_id|>`, ...) before anything
+//! else, so the text between two of them encodes the same wherever it appears; those pieces are
+//! cached (by xxh3 of their text, bounded in tokens), and a request pays only for its new ones.
+//! Whether a tokenizer really behaves so is checked when it is loaded, on a rendered sample
+//! conversation: if the pieces encoded apart differ from the whole, the cache is not used.
+
+use std::{
+    collections::HashMap,
+    path::Path,
+    sync::{Arc, Mutex},
+};
+
+use xxhash_rust::xxh3::xxh3_64;
+
+use serde_json::Value;
+
+#[derive(Debug, thiserror::Error)]
+pub enum TokenizeError {
+    #[error("cannot read {path}: {detail}")]
+    Load { path: String, detail: String },
+    #[error("chat template: {0}")]
+    Template(String),
+    #[error("tokenizer: {0}")]
+    Encode(String),
+}
+
+/// One model's tokenizer and chat template.
+pub struct ModelTokenizer {
+    tokenizer: tokenizers::Tokenizer,
+    /// The chat template with its `bos_token` / `eos_token`, when the model has one.
+    chat: Option<ChatTemplate>,
+    /// Added tokens (their text and id), longest first: where encoding splits its input.
+    added: Vec<(String, u32)>,
+    /// The characters added tokens start with (for Llama 3, only `<`).
+    first: Vec<char>,
+    /// Encoded pieces of chat text, when the load-time check allowed it.
+    pieces: Option<PieceCache>,
+}
+
+/// Token ids of text pieces, by the xxh3 of the text; emptied whole when it holds
+/// [`PIECE_CACHE_TOKENS`] tokens.
+#[derive(Default)]
+struct PieceCache {
+    map: Mutex<Pieces>,
+}
+
+/// The cached pieces and the tokens they hold.
+#[derive(Default)]
+struct Pieces {
+    ids: HashMap<u64, Arc<[u32]>>,
+    tokens: usize,
+}
+
+/// Tokens the piece cache holds at most (about 16 MiB).
+const PIECE_CACHE_TOKENS: usize = 4 << 20;
+
+struct ChatTemplate {
+    env: minijinja::Environment<'static>,
+    bos_token: String,
+    eos_token: String,
+}
+
+impl std::fmt::Debug for ChatTemplate {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ChatTemplate").finish_non_exhaustive()
+    }
+}
+
+/// A special token as `tokenizer_config.json` writes it: a string or `{"content": ...}`.
+fn token_text(v: Option<&Value>) -> String {
+    match v {
+        Some(Value::String(s)) => s.clone(),
+        Some(Value::Object(o)) => o
+            .get("content")
+            .and_then(Value::as_str)
+            .unwrap_or_default()
+            .to_owned(),
+        _ => String::new(),
+    }
+}
+
+impl ModelTokenizer {
+    /// Loads `tokenizer.json` and, when given, the chat template of `tokenizer_config.json`.
+    pub fn load(tokenizer_json: &Path, config: Option<&Path>) -> Result<Self, TokenizeError> {
+        let load_err = |path: &Path, detail: String| TokenizeError::Load {
+            path: path.display().to_string(),
+            detail,
+        };
+        let tokenizer = tokenizers::Tokenizer::from_file(tokenizer_json)
+            .map_err(|e| load_err(tokenizer_json, e.to_string()))?;
+        let chat = match config {
+            None => None,
+            Some(path) => {
+                let text =
+                    std::fs::read_to_string(path).map_err(|e| load_err(path, e.to_string()))?;
+                let v: Value =
+                    serde_json::from_str(&text).map_err(|e| load_err(path, e.to_string()))?;
+                match v.get("chat_template").and_then(Value::as_str) {
+                    None => None,
+                    Some(source) => {
+                        let mut env = minijinja::Environment::new();
+                        env.add_template_owned("chat", source.to_owned())
+                            .map_err(|e| TokenizeError::Template(e.to_string()))?;
+                        Some(ChatTemplate {
+                            env,
+                            bos_token: token_text(v.get("bos_token")),
+                            eos_token: token_text(v.get("eos_token")),
+                        })
+                    }
+                }
+            }
+        };
+        let mut added: Vec<(String, u32)> = tokenizer
+            .get_added_tokens_decoder()
+            .into_iter()
+            .filter(|(_, t)| !t.lstrip && !t.rstrip && !t.single_word)
+            .map(|(id, t)| (t.content, id))
+            .collect();
+        added.sort_by(|a, b| b.0.len().cmp(&a.0.len()).then(a.1.cmp(&b.1)));
+        let mut first: Vec<char> = added.iter().filter_map(|(t, _)| t.chars().next()).collect();
+        first.sort_unstable();
+        first.dedup();
+        let mut me = Self {
+            tokenizer,
+            chat,
+            added,
+            first,
+            pieces: None,
+        };
+        if me.pieces_encode_like_the_whole() {
+            me.pieces = Some(PieceCache::default());
+        }
+        Ok(me)
+    }
+
+    /// The load-time check of the piece cache: a sample conversation, encoded whole and piece by
+    /// piece, must give the same ids.
+    fn pieces_encode_like_the_whole(&self) -> bool {
+        if self.chat.is_none() || self.added.is_empty() {
+            return false;
+        }
+        let sample = serde_json::json!([
+            {"role": "system", "content": " You are a helpful assistant.\n Be brief. "},
+            {"role": "user", "content": "Hello there,  how are you?\n\n"},
+            {"role": "assistant", "content": "Fine, thanks!"},
+            {"role": "user", "content": "Übersetze: «prefix caching» 漢字 🙂"},
+        ]);
+        let Ok(text) = self.render_chat(&sample) else {
+            return false;
+        };
+        let whole = self.encode(&text, false);
+        let mut apart = Vec::new();
+        for piece in self.split(&text) {
+            match piece {
+                Piece::Added(id) => apart.push(id),
+                Piece::Text(t) => match self.encode(t, false) {
+                    Ok(ids) => apart.extend(ids),
+                    Err(_) => return false,
+                },
+            }
+        }
+        whole.is_ok_and(|w| w == apart)
+    }
+
+    /// `text` cut at its added tokens.
+    fn split<'t>(&self, text: &'t str) -> Vec<Piece<'t>> {
+        let mut out = Vec::new();
+        let mut rest = text;
+        let mut at = 0;
+        'scan: while at < rest.len() {
+            let Some(off) = rest[at..].find(|c: char| self.starts_an_added_token(c)) else {
+                break;
+            };
+            at += off;
+            for (content, id) in &self.added {
+                if rest[at..].starts_with(content.as_str()) {
+                    if at > 0 {
+                        out.push(Piece::Text(&rest[..at]));
+                    }
+                    out.push(Piece::Added(*id));
+                    rest = &rest[at + content.len()..];
+                    at = 0;
+                    continue 'scan;
+                }
+            }
+            at += rest[at..].chars().next().map_or(1, char::len_utf8);
+        }
+        if !rest.is_empty() {
+            out.push(Piece::Text(rest));
+        }
+        out
+    }
+
+    fn starts_an_added_token(&self, c: char) -> bool {
+        self.first.contains(&c)
+    }
+
+    /// A completion's prompt, as vLLM encodes it (with the tokenizer's special tokens).
+    pub fn prompt(&self, text: &str) -> Result<Vec<u32>, TokenizeError> {
+        self.encode(text, true)
+    }
+
+    /// A chat request's messages (the OpenAI `messages` array), rendered and encoded as vLLM
+    /// does for `/v1/chat/completions`.
+    pub fn chat(&self, messages: &Value) -> Result<Vec<u32>, TokenizeError> {
+        let text = self.render_chat(messages)?;
+        let Some(cache) = &self.pieces else {
+            return self.encode(&text, false);
+        };
+        let mut out = Vec::new();
+        for piece in self.split(&text) {
+            match piece {
+                Piece::Added(id) => out.push(id),
+                Piece::Text(t) => {
+                    let key = xxh3_64(t.as_bytes());
+                    let hit = cache
+                        .map
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .ids
+                        .get(&key)
+                        .cloned();
+                    let ids = match hit {
+                        Some(ids) => ids,
+                        None => {
+                            let ids: Arc<[u32]> = self.encode(t, false)?.into();
+                            let mut g = cache.map.lock().unwrap_or_else(|e| e.into_inner());
+                            if g.tokens + ids.len() > PIECE_CACHE_TOKENS {
+                                g.ids.clear();
+                                g.tokens = 0;
+                            }
+                            g.tokens += ids.len();
+                            g.ids.insert(key, Arc::clone(&ids));
+                            ids
+                        }
+                    };
+                    out.extend_from_slice(&ids);
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// Whether chat pieces are cached (the load-time check passed).
+    pub fn caches_pieces(&self) -> bool {
+        self.pieces.is_some()
+    }
+
+    /// The chat template's text for `messages`, with the generation prompt.
+    pub fn render_chat(&self, messages: &Value) -> Result<String, TokenizeError> {
+        let chat = self
+            .chat
+            .as_ref()
+            .ok_or_else(|| TokenizeError::Template("the model has no chat template".into()))?;
+        let template = chat
+            .env
+            .get_template("chat")
+            .map_err(|e| TokenizeError::Template(e.to_string()))?;
+        template
+            .render(minijinja::context! {
+                messages => minijinja::Value::from_serialize(messages),
+                add_generation_prompt => true,
+                bos_token => &chat.bos_token,
+                eos_token => &chat.eos_token,
+            })
+            .map_err(|e| TokenizeError::Template(e.to_string()))
+    }
+
+    fn encode(&self, text: &str, special: bool) -> Result<Vec<u32>, TokenizeError> {
+        self.tokenizer
+            .encode_fast(text, special)
+            .map(|e| e.get_ids().to_vec())
+            .map_err(|e| TokenizeError::Encode(e.to_string()))
+    }
+}
+
+enum Piece<'t> {
+    Added(u32),
+    Text(&'t str),
+}
+
+/// The chain hashes of every full `block`-token block of `tokens`, as
+/// [`crate::kv_events::chain`] keys a worker's blocks.
+pub fn block_chain(tokens: &[u32], block: usize) -> Vec<u64> {
+    let mut parent = crate::kv_events::ROOT;
+    tokens
+        .chunks_exact(block.max(1))
+        .map(|b| {
+            parent = crate::kv_events::chain(parent, b);
+            parent
+        })
+        .collect()
+}

@@ -1,0 +1,102 @@
+//! Tokenizing requests as the worker does: a committed byte-level BPE in the Hugging Face format
+//! (`tests/tokenize/tiny-tokenizer.json`, made by `make_tiny_tokenizer.py`) and the chat template
+//! of the CPU vLLM test model. The expected ids and text below were produced by the reference
+//! implementations (Python `tokenizers` 0.22 and `jinja2`, the libraries vLLM uses) on the same
+//! files; `tests/real_vllm.rs` compares with a running vLLM's `/tokenize`.
+
+use std::path::PathBuf;
+
+use kvroute::{
+    kv_events::{chain, ROOT},
+    tokenize::{block_chain, ModelTokenizer},
+};
+use serde_json::json;
+
+fn path(p: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(p)
+}
+
+fn tiny() -> ModelTokenizer {
+    ModelTokenizer::load(
+        &path("tests/tokenize/tiny-tokenizer.json"),
+        Some(&path("tests/vllm/model/tokenizer_config.json")),
+    )
+    .unwrap()
+}
+
+#[test]
+fn a_prompt_is_encoded_with_the_tokenizers_special_tokens() {
+    assert_eq!(
+        tiny()
+            .prompt("The quick brown fox saves the prefill.")
+            .unwrap(),
+        [0, 304, 73, 395, 398, 82, 388, 364, 272, 263, 380, 18]
+    );
+}
+
+#[test]
+fn chat_messages_go_through_the_template_then_the_tokenizer() {
+    let t = tiny();
+    let messages = json!([
+        {"role": "system", "content": "You are a helpful assistant."},
+        {"role": "user", "content": [{"type": "text", "text": " Route this request. "}]},
+    ]);
+    assert_eq!(
+        t.render_chat(&messages).unwrap(),
+        "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nYou are a helpful \
+         assistant.<|eot_id|><|start_header_id|>user<|end_header_id|>\n\nRoute this \
+         request.<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"
+    );
+    assert_eq!(
+        t.chat(&messages).unwrap(),
+        [
+            0, 2, 87, 93, 87, 88, 73, 81, 3, 203, 203, 305, 378, 276, 390, 80, 379, 322, 344, 88,
+            18, 4, 2, 89, 87, 271, 3, 203, 203, 303, 88, 73, 262, 322, 350, 275, 272, 88, 18, 4, 2,
+            69, 341, 322, 344, 88, 3, 203, 203
+        ]
+    );
+}
+
+#[test]
+fn a_model_without_a_template_refuses_chat_and_a_missing_file_is_an_error() {
+    let t = ModelTokenizer::load(&path("tests/tokenize/tiny-tokenizer.json"), None).unwrap();
+    assert!(t.chat(&json!([{"role": "user", "content": "hi"}])).is_err());
+    assert!(ModelTokenizer::load(&path("tests/tokenize/nope.json"), None).is_err());
+}
+
+#[test]
+fn block_chains_key_full_blocks_as_the_event_feed_does() {
+    let tokens: Vec<u32> = (0..10).collect();
+    let a = chain(ROOT, &[0, 1, 2, 3]);
+    let b = chain(a, &[4, 5, 6, 7]);
+    assert_eq!(
+        block_chain(&tokens, 4),
+        [a, b],
+        "the partial last block is left out"
+    );
+}
+
+#[test]
+fn cached_pieces_give_the_same_ids_as_encoding_the_whole() {
+    let t = tiny();
+    assert!(
+        t.caches_pieces(),
+        "the load-time check passes for a byte-level BPE"
+    );
+    let uncached = ModelTokenizer::load(&path("tests/tokenize/tiny-tokenizer.json"), None).unwrap();
+    let mut messages = vec![json!({"role": "system", "content": "You are a helpful assistant."})];
+    for turn in 0..5 {
+        messages.push(json!({"role": "user", "content": format!("question {turn}: the fox?")}));
+        let ids = t.chat(&json!(messages)).unwrap();
+        // The reference: the rendered text encoded whole, without special tokens.
+        let text = t.render_chat(&json!(messages)).unwrap();
+        let whole = {
+            // `prompt` adds the post-processor's BOS; the template already wrote one.
+            let mut w = uncached.prompt(&text).unwrap();
+            w.remove(0);
+            w
+        };
+        assert_eq!(ids, whole, "turn {turn}");
+        messages.push(json!({"role": "assistant", "content": format!("answer {turn}")}));
+    }
+}
