@@ -65,7 +65,10 @@ async fn routed(s: AppState, route: Route, field: PromptField, req: Request) -> 
     let (parts, body) = req.into_parts();
     let keyed = async {
         let body = read_body(&parts.headers, body, &up.config).await?;
-        let info = routing_key::extract(&body, field, &up.config.routing_key)?;
+        let mut info = routing_key::extract(&body, field, &up.config.routing_key)?;
+        if !up.tokenizers.is_empty() {
+            info.tokens = tokens_of(up, &info, &body, field);
+        }
         Ok::<_, ApiError>((body, info))
     };
     let (body, info) = match keyed.await {
@@ -75,6 +78,34 @@ async fn routed(s: AppState, route: Route, field: PromptField, req: Request) -> 
     let arm = arms.pick(&parts.headers, &info);
     let result = forward(up, arm, route, &parts, body, info).await;
     respond(&s, route, (arm.policy.name(), &arm.name), result)
+}
+
+/// The request's token ids as its model's worker will see them, when a tokenizer is configured
+/// for the model (or one is configured and the request names none). A request the tokenizer
+/// cannot take (token-id prompts, a template error) is routed without them.
+fn tokens_of(
+    up: &crate::proxy::Upstreams,
+    info: &RequestInfo,
+    body: &[u8],
+    field: PromptField,
+) -> Option<Arc<[u32]>> {
+    let tokenizer = match &info.model {
+        Some(m) => up.tokenizers.get(m)?,
+        None if up.tokenizers.len() == 1 => up.tokenizers.values().next()?,
+        None => return None,
+    };
+    let v: serde_json::Value = serde_json::from_slice(body).ok()?;
+    let tokens = match field {
+        PromptField::Prompt => tokenizer.prompt(v.get("prompt")?.as_str()?),
+        PromptField::Messages => tokenizer.chat(v.get("messages")?),
+    };
+    match tokens {
+        Ok(t) => Some(t.into()),
+        Err(e) => {
+            tracing::debug!(error = %e, "request not tokenized; routed without exact cache state");
+            None
+        }
+    }
 }
 
 /// Any other `/v1/*` path, sent as it is to the least-loaded worker.

@@ -31,6 +31,9 @@ pub struct RequestInfo {
     pub block_ends: Vec<u32>,
     /// Length of the whole canonical prompt in bytes, including what was past the hashing cap.
     pub prompt_bytes: u64,
+    /// The prompt's token ids as the worker will see them, when a tokenizer is configured for
+    /// the model (exact routing on the workers' KV cache events).
+    pub tokens: Option<std::sync::Arc<[u32]>>,
 }
 
 impl RequestInfo {
@@ -47,6 +50,7 @@ impl RequestInfo {
             block_ends: (1..=n).map(|i| i * block_bytes).collect(),
             prompt_bytes: u64::from(n * block_bytes),
             block_hashes: hashes,
+            tokens: None,
         }
     }
 
@@ -292,6 +296,7 @@ pub fn extract(
         block_hashes,
         block_ends,
         prompt_bytes: out.total,
+        tokens: None,
     })
 }
 

@@ -27,6 +27,15 @@ impl AppState {
         let metrics = Metrics::new();
         let pool = Pool::from_config(&config.workers, &metrics, &config.kv_events)?;
         let auth = crate::auth::Auth::from_config(&config.auth)?;
+        let mut tokenizers = std::collections::HashMap::new();
+        for t in &config.tokenizers {
+            let loaded = crate::tokenize::ModelTokenizer::load(
+                &t.tokenizer_json,
+                t.tokenizer_config.as_deref(),
+            )
+            .map_err(|e| format!("tokenizer for model `{}`: {e}", t.model))?;
+            tokenizers.insert(t.model.clone(), Arc::new(loaded));
+        }
         Ok(Self::from_shared(crate::routes::Shared {
             resolver: Arc::new(crate::discovery::SystemResolver),
             arms: Arc::new(arc_swap::ArcSwap::from_pointee(Arms::new(
@@ -41,6 +50,7 @@ impl AppState {
                 metrics,
                 config,
                 auth,
+                tokenizers,
             }),
         }))
     }

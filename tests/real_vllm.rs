@@ -783,3 +783,127 @@ async fn tokenizing_like_the_worker_matches_vllms_tokenize_endpoint() {
     // Again, now from cached pieces.
     assert_eq!(ours.chat(&messages).unwrap(), theirs);
 }
+
+#[tokio::test]
+async fn cache_aware_routes_on_real_vllm_kv_events_to_a_prefix_it_never_routed() {
+    let Some(pool) = Pool::from_env() else { return };
+    let events: Vec<String> = std::env::var("KVROUTE_VLLM_KV_EVENTS")
+        .unwrap_or_default()
+        .split(',')
+        .filter(|s| !s.is_empty())
+        .map(str::to_owned)
+        .collect();
+    let (Ok(tokenizer_json), true) = (
+        std::env::var("KVROUTE_VLLM_TOKENIZER"),
+        events.len() == pool.urls.len() && pool.urls.len() >= 2,
+    ) else {
+        eprintln!(
+            "skipped: needs 2+ workers publishing KV events (tests/vllm/pool.sh --kv-events)"
+        );
+        return;
+    };
+    let _turn = SERIAL.lock().await;
+    pool.reset_caches().await;
+    let mut config = Config {
+        workers: pool
+            .urls
+            .iter()
+            .zip(&events)
+            .map(|(url, ev)| {
+                let (pub_ep, replay) = ev.split_once('|').unwrap_or((ev, ""));
+                WorkerConfig {
+                    kv_events: Some(pub_ep.to_owned()),
+                    kv_events_replay: (!replay.is_empty()).then(|| replay.to_owned()),
+                    ..WorkerConfig::from_url(url.clone())
+                }
+            })
+            .collect(),
+        tokenizers: vec![kvroute::config::TokenizerConfig {
+            model: pool.model.clone(),
+            tokenizer_json: tokenizer_json.into(),
+            tokenizer_config: Some(
+                concat!(
+                    env!("CARGO_MANIFEST_DIR"),
+                    "/tests/vllm/model/tokenizer_config.json"
+                )
+                .into(),
+            ),
+        }],
+        ..Config::default()
+    }
+    .with_overrides(Overrides {
+        policy: Some("cache_aware".into()),
+        ..Default::default()
+    })
+    .unwrap();
+    config.load_signals.interval_seconds = 0.0;
+    let gw = gateway(config).await;
+    let complete = |addr: SocketAddr, prompt: String| {
+        let body = json!({"model": pool.model, "prompt": prompt, "max_tokens": 1});
+        async move { request(addr, "POST", "/v1/completions", body.to_string().as_bytes()).await }
+    };
+    // The gateway's feeds join late (ZMQ): prompt every worker directly until each has a batch.
+    let blocks_of = |m: &str, i: usize| {
+        let name = pool.urls[i].trim_start_matches("http://").to_owned();
+        common::metric(
+            m,
+            &format!("kvroute_kv_event_batches_total{{worker=\"{name}\"}}"),
+        )
+        .unwrap_or(0.0)
+    };
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    let mut k = 0;
+    loop {
+        let m = metrics_text(gw.addr).await;
+        if (0..pool.urls.len()).all(|i| blocks_of(&m, i) > 0.0) {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "feeds never joined: {m}"
+        );
+        for i in 0..pool.urls.len() {
+            complete(pool.addr(i), words(20_000 + k, 80)).await;
+        }
+        k += 1;
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    // A long prefix served by worker 1 behind the gateway's back (another client, another
+    // replica): the gateway never routed it, so only the events can tell where it is.
+    let prefix = words(31_337, 600);
+    let direct = complete(pool.addr(1), format!("{prefix} first")).await;
+    assert_eq!(direct.status, 200);
+    tokio::time::sleep(Duration::from_millis(500)).await; // let the events arrive
+    let r = complete(gw.addr, format!("{prefix} second")).await;
+    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+    let worker1 = pool.urls[1].trim_start_matches("http://");
+    assert_eq!(r.header("x-kvroute-worker"), Some(worker1));
+    let cached = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap_or(0);
+    assert!(
+        cached >= 512,
+        "vLLM reused the prefix: {cached} cached tokens"
+    );
+    let m = metrics_text(gw.addr).await;
+    assert_eq!(
+        common::metric(
+            &m,
+            r#"kvroute_routing_decisions_total{arm="cache_aware",outcome="exact_match",policy="cache_aware"}"#
+        ),
+        Some(1.0),
+        "{m}"
+    );
+    let predicted = common::metric(
+        &m,
+        &format!(r#"kvroute_predicted_cached_tokens_total{{arm="cache_aware",policy="cache_aware",worker="{worker1}"}}"#),
+    )
+    .unwrap_or(0.0);
+    println!(
+        "exact routing against vLLM: predicted {predicted} cached tokens, vLLM reported {cached}"
+    );
+    assert!(
+        (predicted - cached as f64).abs() <= 32.0,
+        "predicted {predicted} vs reported {cached}: within one block"
+    );
+}

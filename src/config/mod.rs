@@ -75,6 +75,8 @@ pub struct Config {
     pub discovery: DiscoveryConfig,
     /// The workers' KV cache events (exact cache state, where workers publish it).
     pub kv_events: KvEventsConfig,
+    /// Tokenizers per served model, to compare requests with the blocks workers report.
+    pub tokenizers: Vec<TokenizerConfig>,
     /// A weighted split of traffic between policies; when set, it replaces `policy`.
     pub ab: Option<AbConfig>,
 }
@@ -100,6 +102,7 @@ impl Default for Config {
             limits: LimitsConfig::default(),
             discovery: DiscoveryConfig::default(),
             kv_events: KvEventsConfig::default(),
+            tokenizers: Vec::new(),
             ab: None,
         }
     }
@@ -149,6 +152,19 @@ impl WorkerConfig {
             kv_events_replay: None,
         }
     }
+}
+
+/// A served model's tokenizer, as the worker loads it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TokenizerConfig {
+    /// The model name requests carry (vLLM's `--served-model-name`).
+    pub model: String,
+    /// The model's `tokenizer.json`.
+    pub tokenizer_json: std::path::PathBuf,
+    /// The model's `tokenizer_config.json`, for its chat template (chat requests).
+    #[serde(default)]
+    pub tokenizer_config: Option<std::path::PathBuf>,
 }
 
 /// Following the workers' KV cache events (vLLM's ZMQ publisher).

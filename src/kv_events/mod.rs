@@ -47,6 +47,8 @@ pub struct WorkerBlocks {
     max_blocks: usize,
     /// Blocks not recorded: their parent was unknown (an event missed), or the cap was reached.
     pub skipped: u64,
+    /// Tokens per block, from the last `BlockStored` (vLLM's `--block-size`).
+    pub block_size: Option<u32>,
 }
 
 impl WorkerBlocks {
@@ -56,6 +58,7 @@ impl WorkerBlocks {
             held: HashMap::new(),
             max_blocks,
             skipped: 0,
+            block_size: None,
         }
     }
 
@@ -107,6 +110,7 @@ impl WorkerBlocks {
                         }
                     },
                 };
+                self.block_size = Some(*block_size);
                 let size = *block_size as usize;
                 for (i, &engine) in block_hashes.iter().enumerate() {
                     let Some(tokens) = token_ids.get(i * size..(i + 1) * size) else {

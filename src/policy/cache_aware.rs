@@ -73,6 +73,8 @@ struct Candidate {
     cost: f64,
     score: u64,
     depth: usize,
+    /// Prompt tokens the worker holds by its KV cache events, when it publishes them.
+    exact: Option<u64>,
 }
 
 impl Candidate {
@@ -129,7 +131,26 @@ impl Policy for CacheAware {
         let matches = self.index.matches(&req.block_hashes);
         let deepest = matches.deepest();
         let bpt = self.bytes_per_token();
-        let prompt = req.prompt_bytes as f64 / bpt;
+        let prompt = match &req.tokens {
+            Some(t) => t.len() as f64,
+            None => req.prompt_bytes as f64 / bpt,
+        };
+        // The prompt's block chain for each block size workers report (usually one), made on
+        // first need.
+        let mut chains: Vec<(u32, Vec<u64>)> = Vec::new();
+        let mut exact_tokens = |w: &Worker| -> Option<u64> {
+            let tokens = req.tokens.as_deref()?;
+            let blocks = w.events.as_ref()?.blocks();
+            let size = blocks.block_size?;
+            let i = match chains.iter().position(|(s, _)| *s == size) {
+                Some(i) => i,
+                None => {
+                    chains.push((size, crate::tokenize::block_chain(tokens, size as usize)));
+                    chains.len() - 1
+                }
+            };
+            Some(blocks.prefix_depth(&chains[i].1) as u64 * u64::from(size))
+        };
         let unknown = (req.prompt_bytes - req.bytes_at_depth(deepest)) as f64 / bpt;
         let key = req.block_hashes.get(deepest).copied().unwrap_or(last);
 
@@ -150,6 +171,7 @@ impl Policy for CacheAware {
             cost: f64::INFINITY,
             score: 0,
             depth: 0,
+            exact: None,
         };
         let mut home = best;
         for (index, w) in workers.iter().enumerate() {
@@ -160,9 +182,19 @@ impl Policy for CacheAware {
             let mut depth = 0;
             if holders & (1 << (w.id_hash & 63)) != 0 {
                 depth = matches.depth_of(w.id_hash);
-                if depth > 0 {
+            }
+            // What the worker's own events say beats what this gateway has routed there.
+            let exact = if req.tokens.is_some() {
+                exact_tokens(w)
+            } else {
+                None
+            };
+            match exact {
+                Some(held) => cost -= miss * held as f64,
+                None if depth > 0 => {
                     cost -= miss * (req.bytes_at_depth(depth) as f64 / bpt * w.load.cache_trust());
                 }
+                None => {}
             }
             let score = mix(key, w.id_hash);
             let c = Candidate {
@@ -170,6 +202,7 @@ impl Policy for CacheAware {
                 cost,
                 score,
                 depth,
+                exact,
             };
             if c.beats(&best) {
                 best = c;
@@ -191,6 +224,7 @@ impl Policy for CacheAware {
         }
 
         let outcome = match (deepest, chosen.depth) {
+            _ if chosen.exact.is_some_and(|t| t > 0) => Outcome::ExactMatch,
             (0, _) if chosen.index == home.index => Outcome::HashHome,
             (0, _) => Outcome::Spilled,
             (d, c) if c == d => Outcome::LongestMatch,
@@ -201,7 +235,10 @@ impl Policy for CacheAware {
         self.index.insert(&req.block_hashes, worker.id_hash);
         let prediction = Prediction {
             prompt_tokens: prompt.round() as u32,
-            cached_tokens: (req.bytes_at_depth(chosen.depth) as f64 / bpt).round() as u32,
+            cached_tokens: match chosen.exact {
+                Some(held) => held.min(u64::from(u32::MAX)) as u32,
+                None => (req.bytes_at_depth(chosen.depth) as f64 / bpt).round() as u32,
+            },
             matched_blocks: chosen.depth as u32,
         };
         tracing::debug!(
@@ -291,6 +328,59 @@ mod tests {
 
     fn pick(p: &CacheAware, ws: &[Arc<Worker>], r: &RequestInfo) -> Selection {
         p.select(ws, r).unwrap()
+    }
+
+    #[test]
+    fn a_worker_whose_events_hold_the_prompt_wins_over_what_the_index_knows() {
+        use crate::kv_events::{Feed, KvEvent};
+        let tokens: Vec<u32> = (0..40).collect();
+        let metrics = crate::metrics::Metrics::new();
+        let mut ws = Vec::new();
+        for i in 0..3 {
+            let cfg =
+                crate::config::WorkerConfig::from_url(format!("http://127.0.0.1:{}", 11000 + i));
+            let mut w = Worker::new(&cfg, &metrics).unwrap();
+            let feed = Feed::new(1000);
+            if i == 2 {
+                // Worker 2 stored the first 8 blocks of 4 tokens (someone else's traffic).
+                feed.blocks().apply(&KvEvent::BlockStored {
+                    block_hashes: (100..108).collect(),
+                    parent_block_hash: None,
+                    token_ids: tokens[..32].to_vec(),
+                    block_size: 4,
+                    lora_id: None,
+                    medium: None,
+                });
+            } else {
+                feed.blocks().apply(&KvEvent::BlockStored {
+                    block_hashes: vec![7],
+                    parent_block_hash: None,
+                    token_ids: vec![9, 9, 9, 9],
+                    block_size: 4,
+                    lora_id: None,
+                    medium: None,
+                });
+            }
+            w.events = Some(Arc::new(feed));
+            ws.push(Arc::new(w));
+        }
+        let p = CacheAware::new(CacheAwareParams::default());
+        // The index was told worker 0 holds this routing key; the events say worker 2 does.
+        let mut req = convo(1, 2, 2);
+        p.index.insert(&req.block_hashes, ws[0].id_hash);
+        req.tokens = Some(tokens.clone().into());
+        let s = pick(&p, &ws, &req);
+        assert_eq!(s.index, 2);
+        assert_eq!(s.outcome, Outcome::ExactMatch);
+        let predicted = s.prediction.unwrap();
+        assert_eq!(predicted.cached_tokens, 32);
+        assert_eq!(predicted.prompt_tokens, 40);
+        // Without token ids the events cannot be used: the index's guess stands.
+        let fresh = CacheAware::new(CacheAwareParams::default());
+        fresh.index.insert(&req.block_hashes, ws[0].id_hash);
+        req.tokens = None;
+        let s = pick(&fresh, &ws, &req);
+        assert_eq!((s.index, s.outcome), (0, Outcome::LongestMatch));
     }
 
     #[test]

@@ -36,6 +36,8 @@ pub enum Outcome {
     Replicated,
     /// The request had no routing key: the worker with the least work queued.
     Fallback,
+    /// The worker whose KV cache events show it holds the prompt's longest prefix.
+    ExactMatch,
 }
 
 impl Outcome {
@@ -48,6 +50,7 @@ impl Outcome {
             Outcome::HashHome => "hash_home",
             Outcome::Replicated => "replicated",
             Outcome::Fallback => "fallback",
+            Outcome::ExactMatch => "exact_match",
         }
     }
 }

@@ -70,6 +70,8 @@ pub struct Upstreams {
     pub config: Config,
     /// Client keys and the key sent to workers.
     pub auth: crate::auth::Auth,
+    /// Tokenizers by served model (`tokenizers` in the config), loaded at start-up.
+    pub tokenizers: std::collections::HashMap<String, Arc<crate::tokenize::ModelTokenizer>>,
 }
 
 /// Which kind of request this is, for the `route` label and for whether routing is counted.
