@@ -16,6 +16,19 @@ fn body(v: serde_json::Value) -> Vec<u8> {
     serde_json::to_vec(&v).unwrap()
 }
 
+/// A `/v1/completions` request with the JSON body `v`.
+async fn complete(addr: std::net::SocketAddr, v: serde_json::Value) -> RawResponse {
+    request(addr, "POST", "/v1/completions", &body(v)).await
+}
+
+/// [`complete`] on its own task, for a request that will wait.
+fn complete_later(
+    addr: std::net::SocketAddr,
+    v: serde_json::Value,
+) -> tokio::task::JoinHandle<RawResponse> {
+    tokio::spawn(complete(addr, v))
+}
+
 /// A streaming request that holds its worker's slot until the test drops the connection.
 async fn hold(addr: std::net::SocketAddr, headers: &[(&str, &str)]) -> tokio::net::TcpStream {
     let mut s = send_with(
@@ -45,15 +58,7 @@ async fn a_queued_request_is_served_when_a_slot_frees() {
     let gw = gateway(cfg).await;
     let held = hold(gw.addr, &[]).await;
     let addr = gw.addr;
-    let queued = tokio::spawn(async move {
-        request(
-            addr,
-            "POST",
-            "/v1/completions",
-            &body(json!({"prompt": "b"})),
-        )
-        .await
-    });
+    let queued = complete_later(addr, json!({"prompt": "b"}));
     assert_eq!(
         wait_metric(gw.addr, "kvroute_queue_depth", 1.0, 10 * SECOND).await,
         Some(1.0),
@@ -98,34 +103,14 @@ async fn a_saturated_model_does_not_hold_up_another() {
     read_until(&mut held, b"tok0", 5 * SECOND).await;
     // Model a's line is now full: one waiter.
     let addr = gw.addr;
-    let waiter = tokio::spawn(async move {
-        request(
-            addr,
-            "POST",
-            "/v1/completions",
-            &body(json!({"model": "a", "prompt": "w"})),
-        )
-        .await
-    });
+    let waiter = complete_later(addr, json!({"model": "a", "prompt": "w"}));
     wait_metric(gw.addr, "kvroute_queue_depth", 1.0, 10 * SECOND).await;
     // Model b's worker has room: served at once, neither queued behind a nor refused.
-    let b = request(
-        gw.addr,
-        "POST",
-        "/v1/completions",
-        &body(json!({"model": "b", "prompt": "x"})),
-    )
-    .await;
+    let b = complete(gw.addr, json!({"model": "b", "prompt": "x"})).await;
     assert_eq!(b.status, 200, "{}", String::from_utf8_lossy(&b.body));
     assert_eq!(b.header("x-kvroute-worker"), Some("wb"));
     // Another request for a finds a full line.
-    let a = request(
-        gw.addr,
-        "POST",
-        "/v1/completions",
-        &body(json!({"model": "a", "prompt": "y"})),
-    )
-    .await;
+    let a = complete(gw.addr, json!({"model": "a", "prompt": "y"})).await;
     assert_eq!(a.status, 503);
     drop(held);
     assert_eq!(waiter.await.unwrap().status, 200);
@@ -144,23 +129,9 @@ async fn a_full_queue_and_a_long_wait_give_503_with_retry_after() {
     let _held = hold(gw.addr, &[]).await;
     // One waiter fills the queue; it times out after 0.3 s.
     let addr = gw.addr;
-    let waiter = tokio::spawn(async move {
-        request(
-            addr,
-            "POST",
-            "/v1/completions",
-            &body(json!({"prompt": "w"})),
-        )
-        .await
-    });
+    let waiter = complete_later(addr, json!({"prompt": "w"}));
     wait_metric(gw.addr, "kvroute_queue_depth", 1.0, 10 * SECOND).await;
-    let full = request(
-        gw.addr,
-        "POST",
-        "/v1/completions",
-        &body(json!({"prompt": "x"})),
-    )
-    .await;
+    let full = complete(gw.addr, json!({"prompt": "x"})).await;
     assert_eq!(full.status, 503);
     assert_eq!(full.header("retry-after"), Some("1"));
     assert!(full.json()["error"]["message"]
@@ -196,13 +167,7 @@ async fn waiters_are_admitted_in_arrival_order() {
     for i in 0..3u64 {
         let (addr, done) = (gw.addr, done_tx.clone());
         tokio::spawn(async move {
-            let r = request(
-                addr,
-                "POST",
-                "/v1/completions",
-                &body(json!({"prompt": format!("p{i}"), "delay_ms": 20})),
-            )
-            .await;
+            let r = complete(addr, json!({"prompt": format!("p{i}"), "delay_ms": 20})).await;
             done.send((i, r.status)).unwrap();
         });
         wait_metric(gw.addr, "kvroute_queue_depth", (i + 1) as f64, 10 * SECOND).await;
