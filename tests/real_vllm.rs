@@ -871,9 +871,23 @@ async fn cache_aware_routes_on_real_vllm_kv_events_to_a_prefix_it_never_routed()
     // A long prefix served by worker 1 behind the gateway's back (another client, another
     // replica): the gateway never routed it, so only the events can tell where it is.
     let prefix = words(31_337, 600);
+    let held = |m: &str| {
+        let name = pool.urls[1].trim_start_matches("http://");
+        common::metric(m, &format!("kvroute_kv_event_blocks{{worker=\"{name}\"}}")).unwrap_or(0.0)
+    };
+    let before = held(&metrics_text(gw.addr).await);
     let direct = complete(pool.addr(1), format!("{prefix} first")).await;
     assert_eq!(direct.status, 200);
-    tokio::time::sleep(Duration::from_millis(500)).await; // let the events arrive
+    // Wait until worker 1's events have told the gateway about the prefix's 32-token blocks.
+    let blocks = direct.json()["usage"]["prompt_tokens"].as_u64().unwrap() as f64 / 32.0;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    while held(&metrics_text(gw.addr).await) < before + blocks.floor() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "worker 1's blocks never arrived"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     let r = complete(gw.addr, format!("{prefix} second")).await;
     assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
     let worker1 = pool.urls[1].trim_start_matches("http://");
