@@ -114,6 +114,13 @@ struct SimArgs {
     /// after each worker's URL as `tcp://PUB tcp://REPLAY`).
     #[arg(long)]
     kv_events: bool,
+    /// Tokenize as a vLLM worker serving this model does: its `tokenizer.json` (KV blocks then
+    /// carry the model's token ids, so a gateway with the same tokenizer can follow them).
+    #[arg(long)]
+    tokenizer: Option<std::path::PathBuf>,
+    /// The model's `tokenizer_config.json`, for its chat template.
+    #[arg(long)]
+    tokenizer_config: Option<std::path::PathBuf>,
     /// List the presets and exit.
     #[arg(long)]
     list_presets: bool,
@@ -141,6 +148,8 @@ impl SimArgs {
         c.faults.drop_after_tokens = self.drop_after_tokens.or(c.faults.drop_after_tokens);
         c.fault_worker = self.fault_worker.or(c.fault_worker);
         c.kv_events |= self.kv_events;
+        c.tokenizer = self.tokenizer.or(c.tokenizer);
+        c.tokenizer_config = self.tokenizer_config.or(c.tokenizer_config);
         c.validate()?;
         Ok(c)
     }

@@ -278,10 +278,25 @@ impl ModelTokenizer {
             .map_err(|e| TokenizeError::Template(e.to_string()))
     }
 
-    fn encode(&self, text: &str, special: bool) -> Result<Vec<u32>, TokenizeError> {
+    /// The same tokenizer without the piece cache: every chat request encoded whole, exactly as
+    /// vLLM does (what a simulated worker uses, so the gateway's cache is checked against it).
+    pub fn whole(mut self) -> Self {
+        self.pieces = None;
+        self
+    }
+
+    /// `text` encoded, with or without the tokenizer's special tokens.
+    pub fn encode(&self, text: &str, special: bool) -> Result<Vec<u32>, TokenizeError> {
         self.tokenizer
             .encode_fast(text, special)
             .map(|e| e.get_ids().to_vec())
+            .map_err(|e| TokenizeError::Encode(e.to_string()))
+    }
+
+    /// Token ids back to text, special tokens left out.
+    pub fn decode(&self, ids: &[u32]) -> Result<String, TokenizeError> {
+        self.tokenizer
+            .decode(ids, true)
             .map_err(|e| TokenizeError::Encode(e.to_string()))
     }
 }

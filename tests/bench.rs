@@ -244,6 +244,8 @@ async fn compare_on_a_running_pool_empties_its_caches_before_each_arm() {
         &bench::Target::Existing {
             workers: urls.clone(),
             time_scale: sim.time_scale,
+            kv_events: Vec::new(),
+            tokenizer: None,
         },
         &arms,
         &load,

@@ -406,3 +406,166 @@ async fn a_simulated_worker_publishes_the_blocks_it_caches_and_their_clearing() 
     assert_eq!(feed.stats.gaps.load(Ordering::Relaxed), 0);
     cancel.cancel();
 }
+
+fn repo(p: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(p)
+}
+
+/// Simulated workers that tokenize with a model's tokenizer.json publish blocks of that model's
+/// token ids; a gateway tokenizing with the same files finds a conversation that another client
+/// served on worker 1 (behind the gateway's back) and routes its next turn there, predicting the
+/// cached tokens the worker then reports.
+#[tokio::test]
+async fn a_simulated_worker_with_a_models_tokenizer_is_routed_to_by_its_events() {
+    use common::{gateway, metric, metrics_text, request};
+    let (tokenizer_json, tokenizer_config) = (
+        repo("tests/tokenize/tiny-tokenizer.json"),
+        repo("tests/vllm/model/tokenizer_config.json"),
+    );
+    let cfg = kvroute::sim::SimConfig {
+        workers: 2,
+        port: 0,
+        time_scale: 50.0,
+        kv_events: true,
+        tokenizer: Some(tokenizer_json.clone()),
+        tokenizer_config: Some(tokenizer_config.clone()),
+        ..Default::default()
+    };
+    let cancel = CancellationToken::new();
+    let mut tasks = tokio::task::JoinSet::new();
+    let sims = kvroute::sim::start(&cfg, cfg.bind().await.unwrap(), &cancel, &mut tasks)
+        .await
+        .unwrap();
+    let model = cfg.engine_params().unwrap().model;
+    let messages = |turns: usize| {
+        let mut m = vec![json!({"role": "system", "content": "You route requests. ".repeat(30)})];
+        for t in 0..turns {
+            m.push(json!({"role": "user", "content": format!("Question {t}: where is my cache? ").repeat(12)}));
+            m.push(
+                json!({"role": "assistant", "content": format!("Answer {t} is here. ").repeat(8)}),
+            );
+        }
+        m.push(json!({"role": "user", "content": "And now?"}));
+        Value::from(m)
+    };
+    // The worker tokenizes as the gateway's tokenizer does (the model's files, encoded whole).
+    let ours =
+        kvroute::tokenize::ModelTokenizer::load(&tokenizer_json, Some(&tokenizer_config)).unwrap();
+    let t = request(
+        sims[1].addr,
+        "POST",
+        "/tokenize",
+        json!({ "messages": messages(2) }).to_string().as_bytes(),
+    )
+    .await;
+    assert_eq!(common::token_ids(&t), ours.chat(&messages(2)).unwrap());
+
+    let mut config = kvroute::config::Config {
+        workers: sims
+            .iter()
+            .enumerate()
+            .map(|(i, s)| {
+                let src = s.kv_events.clone().unwrap();
+                kvroute::config::WorkerConfig {
+                    name: Some(format!("w{i}")),
+                    kv_events: Some(src.endpoint),
+                    kv_events_replay: src.replay,
+                    ..kvroute::config::WorkerConfig::from_url(format!("http://{}", s.addr))
+                }
+            })
+            .collect(),
+        tokenizers: vec![kvroute::config::TokenizerConfig {
+            model: model.clone(),
+            tokenizer_json,
+            tokenizer_config: Some(tokenizer_config),
+        }],
+        ..kvroute::config::Config::default()
+    }
+    .with_overrides(kvroute::config::Overrides {
+        policy: Some("cache_aware".into()),
+        ..Default::default()
+    })
+    .unwrap();
+    config.load_signals.interval_seconds = 0.0;
+    let gw = gateway(config).await;
+    let chat = |addr: std::net::SocketAddr, messages: Value| {
+        let body = json!({"model": model, "messages": messages, "max_tokens": 2});
+        async move {
+            request(
+                addr,
+                "POST",
+                "/v1/chat/completions",
+                body.to_string().as_bytes(),
+            )
+            .await
+        }
+    };
+    // The feeds join late (ZMQ): prompt both workers directly until each has a batch counted.
+    let batches = |m: &str, w: &str| {
+        metric(
+            m,
+            &format!("kvroute_kv_event_batches_total{{worker=\"{w}\"}}"),
+        )
+        .unwrap_or(0.0)
+    };
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    for k in 0.. {
+        let m = metrics_text(gw.addr).await;
+        if batches(&m, "w0") > 0.0 && batches(&m, "w1") > 0.0 {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "feeds never joined: {m}"
+        );
+        for s in &sims {
+            let warm = json!([{"role": "user", "content": format!("warm-up {k} ").repeat(40)}]);
+            assert_eq!(chat(s.addr, warm).await.status, 200);
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // Two turns of a conversation served by worker 1 directly.
+    let direct = chat(sims[1].addr, messages(2)).await;
+    assert_eq!(direct.status, 200);
+    let held = |m: &str| metric(m, "kvroute_kv_event_blocks{worker=\"w1\"}").unwrap_or(0.0);
+    let want = direct.json()["usage"]["prompt_tokens"].as_u64().unwrap() as f64
+        / kvroute::sim::kv::DEFAULT_BLOCK_SIZE as f64;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while held(&metrics_text(gw.addr).await) < want.floor() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "worker 1's blocks never arrived"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // Its third turn through the gateway, which never saw the first two.
+    let r = chat(gw.addr, messages(3)).await;
+    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+    assert_eq!(r.header("x-kvroute-worker"), Some("w1"));
+    let cached = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
+    let m = metrics_text(gw.addr).await;
+    assert_eq!(
+        metric(
+            &m,
+            r#"kvroute_routing_decisions_total{arm="cache_aware",outcome="exact_match",policy="cache_aware"}"#
+        ),
+        Some(1.0),
+        "{m}"
+    );
+    let predicted = metric(
+        &m,
+        r#"kvroute_predicted_cached_tokens_total{arm="cache_aware",policy="cache_aware",worker="w1"}"#,
+    )
+    .unwrap();
+    assert!(
+        cached >= 256,
+        "the worker reused the conversation: {cached} cached tokens"
+    );
+    assert_eq!(
+        predicted, cached as f64,
+        "the events predicted the worker's cache exactly"
+    );
+    cancel.cancel();
+}

@@ -55,6 +55,18 @@ pub enum BenchCommand {
         /// to them in turn, so a conversation's turns alternate between replicas.
         #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=16))]
         replicas: u16,
+        /// The served model's tokenizer.json: simulated workers tokenize with it (as vLLM
+        /// serving that model does), and `POLICY+events` arms tokenize requests with it to follow
+        /// the workers' KV cache events.
+        #[arg(long)]
+        tokenizer: Option<PathBuf>,
+        /// The model's tokenizer_config.json, for its chat template.
+        #[arg(long)]
+        tokenizer_config: Option<PathBuf>,
+        /// With --pool: each worker's KV event endpoints, in --pool order, comma-separated, as
+        /// `tcp://HOST:PUB` or `tcp://HOST:PUB|tcp://HOST:REPLAY`.
+        #[arg(long, value_delimiter = ',')]
+        pool_kv_events: Vec<String>,
         #[command(flatten)]
         load: LoadArgs,
     },
@@ -255,9 +267,13 @@ pub async fn run(cmd: BenchCommand) -> Result<(), BenchError> {
             block_size,
             pool,
             replicas,
+            tokenizer,
+            tokenizer_config,
+            pool_kv_events,
             load,
         } => {
             let time_scale = load.time_scale;
+            let wants_events = policies.iter().any(|p| p.ends_with(super::EVENTS_SUFFIX));
             if let Some(bad) = external
                 .iter()
                 .find(|e| super::external::parse(e).is_none())
@@ -275,6 +291,9 @@ pub async fn run(cmd: BenchCommand) -> Result<(), BenchError> {
                     preset,
                     block_size,
                     time_scale,
+                    kv_events: wants_events,
+                    tokenizer: tokenizer.clone(),
+                    tokenizer_config: tokenizer_config.clone(),
                     ..SimConfig::default()
                 };
                 sim.validate()?;
@@ -288,9 +307,30 @@ pub async fn run(cmd: BenchCommand) -> Result<(), BenchError> {
                     "pool: {} running worker(s), prefix caches reset before each policy\n",
                     pool.len()
                 );
+                if !pool_kv_events.is_empty() && pool_kv_events.len() != pool.len() {
+                    return Err(BenchError::Setup(format!(
+                        "--pool-kv-events names {} endpoint(s) for {} worker(s)",
+                        pool_kv_events.len(),
+                        pool.len()
+                    )));
+                }
                 super::Target::Existing {
                     workers: pool,
                     time_scale,
+                    kv_events: pool_kv_events
+                        .iter()
+                        .map(|e| {
+                            let (endpoint, replay) = match e.split_once('|') {
+                                Some((p, r)) => (p.to_owned(), Some(r.to_owned())),
+                                None => (e.clone(), None),
+                            };
+                            Some(crate::kv_events::EventSource { endpoint, replay })
+                        })
+                        .collect(),
+                    tokenizer: tokenizer.map(|tokenizer_json| super::TokenizerFiles {
+                        tokenizer_json,
+                        tokenizer_config,
+                    }),
                 }
             };
             if replicas > 1 {

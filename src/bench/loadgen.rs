@@ -165,7 +165,7 @@ pub async fn run(spec: &LoadSpec) -> Result<Vec<Sample>, LoadError> {
     Ok(samples)
 }
 
-async fn first_model(client: &HttpClient, base: &str) -> Result<String, LoadError> {
+pub(crate) async fn first_model(client: &HttpClient, base: &str) -> Result<String, LoadError> {
     let err = |detail: String| LoadError::Target {
         url: format!("{base}/v1/models"),
         detail,

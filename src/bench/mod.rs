@@ -22,8 +22,9 @@ use tokio::net::TcpListener;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
-use crate::config::{Config, Overrides};
-use crate::sim::{self, kv, request as sim_request, tokenizer, SimConfig};
+use crate::config::{Config, Overrides, TokenizerConfig};
+use crate::kv_events::EventSource;
+use crate::sim::{self, kv, request as sim_request, tokenizer::SimTokenizer, SimConfig};
 use loadgen::LoadSpec;
 use report::{Run, WorkerReport};
 use stats::{summarize, Sample};
@@ -37,6 +38,18 @@ pub enum BenchError {
     Sim(#[from] sim::SimError),
     #[error("{0}")]
     Setup(String),
+}
+
+/// An arm named `POLICY+events` runs `POLICY` with its gateway following the workers' KV cache
+/// events and tokenizing requests with the bench's `--tokenizer` (the exact cache state of issue
+/// 13); the same policy without the suffix learns from the requests it routed only.
+pub const EVENTS_SUFFIX: &str = "+events";
+
+/// The model files a `+events` gateway tokenizes with (the workers' own).
+#[derive(Clone, Debug, PartialEq)]
+pub struct TokenizerFiles {
+    pub tokenizer_json: std::path::PathBuf,
+    pub tokenizer_config: Option<std::path::PathBuf>,
 }
 
 /// Default SLO when a workload class names none: TTFT and TPOT in milliseconds.
@@ -146,6 +159,9 @@ pub enum Target {
     Existing {
         workers: Vec<String>,
         time_scale: f64,
+        /// Each worker's KV event endpoints, in `workers` order, for `+events` arms.
+        kv_events: Vec<Option<EventSource>>,
+        tokenizer: Option<TokenizerFiles>,
     },
 }
 
@@ -178,9 +194,27 @@ pub async fn start_pool_replicated(
     };
     let cancel = CancellationToken::new();
     let mut tasks = JoinSet::new();
-    let addrs = sim::spawn(&cfg, cfg.bind().await?, &cancel, &mut tasks).await?;
-    let workers: Vec<String> = addrs.iter().map(|a| format!("http://{a}")).collect();
-    start_gateway(workers, arm, cfg.host, cancel, tasks, replicas).await
+    let started = sim::start(&cfg, cfg.bind().await?, &cancel, &mut tasks).await?;
+    let workers: Vec<String> = started
+        .iter()
+        .map(|w| format!("http://{}", w.addr))
+        .collect();
+    let exact = Exact {
+        kv_events: started.into_iter().map(|w| w.kv_events).collect(),
+        tokenizer: cfg.tokenizer.clone().map(|tokenizer_json| TokenizerFiles {
+            tokenizer_json,
+            tokenizer_config: cfg.tokenizer_config.clone(),
+        }),
+    };
+    start_gateway(workers, arm, cfg.host, cancel, tasks, replicas, &exact).await
+}
+
+/// What a `+events` arm's gateway is told beyond the workers' URLs.
+#[derive(Clone, Debug, Default)]
+pub struct Exact {
+    /// Each worker's KV event endpoints, in pool order.
+    pub kv_events: Vec<Option<EventSource>>,
+    pub tokenizer: Option<TokenizerFiles>,
 }
 
 /// A gateway running `arm` in front of running workers whose prefix caches are emptied first.
@@ -188,6 +222,7 @@ pub async fn start_on_existing(
     workers: &[String],
     arm: &str,
     replicas: usize,
+    exact: &Exact,
 ) -> Result<Pool, BenchError> {
     workers::reset_prefix_caches(workers)
         .await
@@ -201,6 +236,7 @@ pub async fn start_on_existing(
         cancel,
         JoinSet::new(),
         replicas,
+        exact,
     )
     .await
 }
@@ -212,6 +248,7 @@ async fn start_gateway(
     cancel: CancellationToken,
     mut tasks: JoinSet<()>,
     replicas: usize,
+    exact: &Exact,
 ) -> Result<Pool, BenchError> {
     if let Some((name, template)) = external::parse(arm) {
         let router = external::start(name, template, &workers).await?;
@@ -223,6 +260,10 @@ async fn start_gateway(
             _router: Some(router),
         });
     }
+    let (arm, events) = match arm.strip_suffix(EVENTS_SUFFIX) {
+        Some(policy) => (policy, true),
+        None => (arm, false),
+    };
     let is_file = arm.ends_with(".yaml") || arm.ends_with(".yml");
     let base = if is_file {
         Config::parse_file(std::path::Path::new(arm))
@@ -237,7 +278,13 @@ async fn start_gateway(
                 policy: (!is_file).then(|| arm.to_string()),
             })
         })
-        .and_then(|c| c.validate().map(|()| c))
+        .map_err(|e| BenchError::Setup(e.to_string()))?;
+    let mut config = config;
+    if events {
+        follow_events(&mut config, &workers, exact).await?;
+    }
+    config
+        .validate()
         .map_err(|e| BenchError::Setup(e.to_string()))?;
     let mut urls = Vec::new();
     for _ in 0..replicas.max(1) {
@@ -263,6 +310,42 @@ async fn start_gateway(
         _tasks: tasks,
         _router: None,
     })
+}
+
+/// Points a `+events` arm's gateway at each worker's KV event endpoints and gives it the workers'
+/// tokenizer, under the model name the workers serve.
+async fn follow_events(
+    config: &mut Config,
+    workers: &[String],
+    exact: &Exact,
+) -> Result<(), BenchError> {
+    let files = exact.tokenizer.as_ref().ok_or_else(|| {
+        BenchError::Setup(format!(
+            "an arm ending in {EVENTS_SUFFIX} needs --tokenizer (the workers' tokenizer.json)"
+        ))
+    })?;
+    if exact.kv_events.iter().all(Option::is_none) {
+        return Err(BenchError::Setup(format!(
+            "an arm ending in {EVENTS_SUFFIX} needs workers that publish KV events \
+             (--pool-kv-events for a running pool)"
+        )));
+    }
+    for (w, source) in config.workers.iter_mut().zip(&exact.kv_events) {
+        if let Some(s) = source {
+            w.kv_events = Some(s.endpoint.clone());
+            w.kv_events_replay = s.replay.clone();
+        }
+    }
+    let base = workers
+        .first()
+        .ok_or_else(|| BenchError::Setup("no workers".into()))?;
+    let model = loadgen::first_model(&loadgen::client(), base).await?;
+    config.tokenizers = vec![TokenizerConfig {
+        model,
+        tokenizer_json: files.tokenizer_json.clone(),
+        tokenizer_config: files.tokenizer_config.clone(),
+    }];
+    Ok(())
 }
 
 /// The same seeded workload through one gateway per arm (policy name or config file), in turn,
@@ -291,8 +374,17 @@ pub async fn compare_replicated(
     for policy in policies {
         let pool = match target {
             Target::Sim(sim_cfg) => start_pool_replicated(sim_cfg, policy, replicas).await?,
-            Target::Existing { workers, .. } => {
-                start_on_existing(workers, policy, replicas).await?
+            Target::Existing {
+                workers,
+                kv_events,
+                tokenizer,
+                ..
+            } => {
+                let exact = Exact {
+                    kv_events: kv_events.clone(),
+                    tokenizer: tokenizer.clone(),
+                };
+                start_on_existing(workers, policy, replicas, &exact).await?
             }
         };
         let spec = LoadSpec {
@@ -308,12 +400,26 @@ pub async fn compare_replicated(
         };
         let (run, samples) = run_once(&label, &spec, &pool.workers, slo, k).await?;
         if limit.is_none() {
-            let (blocks, block_size) = match target {
+            let ((blocks, block_size), tok) = match target {
                 Target::Sim(sim_cfg) => {
                     let p = sim_cfg.engine_params()?;
-                    (p.num_gpu_blocks * sim_cfg.workers, p.block_size)
+                    (
+                        (p.num_gpu_blocks * sim_cfg.workers, p.block_size),
+                        sim_cfg.load_tokenizer()?,
+                    )
                 }
-                Target::Existing { workers, .. } => workers::cache_capacity(workers).await,
+                Target::Existing {
+                    workers, tokenizer, ..
+                } => {
+                    let tok = match tokenizer {
+                        Some(f) => {
+                            SimTokenizer::load(&f.tokenizer_json, f.tokenizer_config.as_deref())
+                                .map_err(|e| BenchError::Setup(e.to_string()))?
+                        }
+                        None => SimTokenizer::Own,
+                    };
+                    (workers::cache_capacity(workers).await, tok)
+                }
             };
             let warmup = spec.warmup.mul_f64(k);
             limit = (blocks > 0 && block_size > 0).then(|| {
@@ -323,6 +429,7 @@ pub async fn compare_replicated(
                     &samples,
                     warmup,
                     (blocks, block_size),
+                    &tok,
                 )
             });
         }
@@ -380,6 +487,7 @@ pub fn limit_hit_rate(
     samples: &[Sample],
     warmup: Duration,
     (total_blocks, block_size): (usize, usize),
+    tok: &SimTokenizer,
 ) -> f64 {
     let warm = warmup.as_secs_f64();
     let mut order: Vec<&Sample> = samples.iter().collect();
@@ -392,15 +500,17 @@ pub fn limit_hit_rate(
     let (mut queries, mut hits) = (0usize, 0usize);
     for s in order {
         let req = w.request(seed, s.index);
-        let text = if req.chat {
+        let tokens = if req.chat {
             let messages: Vec<sim_request::Message> =
                 serde_json::from_value(req.body["messages"].clone()).unwrap_or_default();
-            sim_request::chat_template(&messages).unwrap_or_default()
+            sim_request::chat_tokens(&messages, tok).unwrap_or_default()
         } else {
-            req.body["prompt"].as_str().unwrap_or_default().to_string()
+            tok.prompt(req.body["prompt"].as_str().unwrap_or_default())
+                .unwrap_or_default()
         };
-        let mut tokens = vec![sim_request::BOS];
-        tokens.extend(tokenizer::tokenize(&text));
+        if tokens.is_empty() {
+            continue;
+        }
         let mut hashes = Vec::new();
         cache.extend_hashes(&mut hashes, &tokens);
         let usable = (tokens.len() - 1) / block_size;

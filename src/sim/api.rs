@@ -25,7 +25,7 @@ use super::engine::{splitmix, Event};
 use super::metrics::SimMetrics;
 use super::request::{self, Reject};
 use super::worker::EngineHandle;
-use super::{tokenizer, Faults};
+use super::{tokenizer::SimTokenizer, Faults};
 use crate::error::error_response;
 
 /// What the simulator puts where vLLM names its version and build.
@@ -39,6 +39,7 @@ pub struct WorkerState {
     pub faults: Faults,
     /// Seeds response ids and the fault dice; differs per worker.
     pub seed: u64,
+    pub tokenizer: SimTokenizer,
     requests: AtomicU64,
     in_flight: Arc<AtomicUsize>,
 }
@@ -51,6 +52,7 @@ impl WorkerState {
         max_model_len: usize,
         faults: Faults,
         seed: u64,
+        tokenizer: SimTokenizer,
     ) -> Self {
         Self {
             engine,
@@ -59,6 +61,7 @@ impl WorkerState {
             max_model_len,
             faults,
             seed,
+            tokenizer,
             requests: AtomicU64::new(0),
             in_flight: Arc::new(AtomicUsize::new(0)),
         }
@@ -173,29 +176,31 @@ async fn tokenize(State(s): State<Arc<WorkerState>>, body: Bytes) -> Response {
         .get("add_special_tokens")
         .and_then(Value::as_bool)
         .unwrap_or(true);
-    let text = if let Some(p) = v.get("prompt").and_then(Value::as_str) {
-        p.to_string()
+    let tokens = if let Some(p) = v.get("prompt").and_then(Value::as_str) {
+        s.tokenizer.encode(p, special)
     } else if let Some(m) = v.get("messages") {
         let messages: Vec<request::Message> = match serde_json::from_value(m.clone()) {
             Ok(m) => m,
             Err(e) => return bad_request(&e.to_string()),
         };
-        match request::chat_template(&messages) {
-            Ok(t) => t,
+        match request::chat_tokens(&messages, &s.tokenizer) {
+            Ok(t) => Ok(t),
             Err(r) => return reject(r),
         }
     } else {
         return bad_request("Field required: prompt or messages");
     };
-    let mut tokens = if special { vec![request::BOS] } else { vec![] };
-    tokens.extend(tokenizer::tokenize(&text));
+    let tokens = match tokens {
+        Ok(t) => t,
+        Err(e) => return bad_request(&e.to_string()),
+    };
     Json(json!({
         "count": tokens.len(), "max_model_len": s.max_model_len, "tokens": tokens, "token_strs": null
     }))
     .into_response()
 }
 
-async fn detokenize(body: Bytes) -> Response {
+async fn detokenize(State(s): State<Arc<WorkerState>>, body: Bytes) -> Response {
     let v: Value = match serde_json::from_slice(&body) {
         Ok(v) => v,
         Err(e) => return bad_request(&e.to_string()),
@@ -206,10 +211,12 @@ async fn detokenize(body: Bytes) -> Response {
     let ids: Vec<u32> = ids
         .iter()
         .filter_map(Value::as_u64)
-        .filter(|i| *i != u64::from(request::BOS))
         .map(|i| i as u32)
         .collect();
-    Json(json!({"prompt": tokenizer::detokenize(&ids)})).into_response()
+    match s.tokenizer.decode(&ids) {
+        Ok(prompt) => Json(json!({ "prompt": prompt })).into_response(),
+        Err(e) => bad_request(&e.to_string()),
+    }
 }
 
 async fn completions(state: State<Arc<WorkerState>>, body: Bytes) -> Response {
@@ -252,7 +259,7 @@ async fn generate(State(s): State<Arc<WorkerState>>, body: Bytes, chat: bool) ->
         }
     }
     let parsed = match request::parse(&body)
-        .and_then(|b| request::validate(b, chat, &s.model, s.max_model_len))
+        .and_then(|b| request::validate(b, chat, &s.tokenizer, &s.model, s.max_model_len))
     {
         Ok(p) => p,
         Err(r) => return reject(r),

@@ -13,7 +13,7 @@ use std::collections::VecDeque;
 
 use super::kv::KvCache;
 use super::presets::EngineParams;
-use super::tokenizer;
+use super::tokenizer::SimTokenizer;
 
 pub type SeqId = u64;
 
@@ -122,6 +122,8 @@ pub struct Engine {
     running: Vec<Seq>,
     next_id: SeqId,
     pub counters: Counters,
+    /// Whose vocabulary output tokens come from.
+    tokenizer: SimTokenizer,
 }
 
 impl Engine {
@@ -133,7 +135,14 @@ impl Engine {
             running: Vec::new(),
             next_id: 1,
             counters: Counters::default(),
+            tokenizer: SimTokenizer::Own,
         }
+    }
+
+    /// Generates output tokens of this vocabulary (the worker's tokenizer) instead of the
+    /// simulator's own.
+    pub fn set_tokenizer(&mut self, tokenizer: SimTokenizer) {
+        self.tokenizer = tokenizer;
     }
 
     /// Forgets every cached prefix; refused while a request holds blocks (as in vLLM).
@@ -271,7 +280,7 @@ impl Engine {
                 continue; // a prompt chunk; more to prefill
             }
             let k = s.output_len();
-            let token = output_token(s.req.seed, k);
+            let (token, piece) = self.tokenizer.output_token(s.req.seed, k);
             s.tokens.push(token);
             self.counters.generation_tokens += 1;
             if s.client_gone {
@@ -282,7 +291,6 @@ impl Engine {
                 Some(_) => out.inter_token.push(end - s.last_token),
             }
             s.last_token = end;
-            let piece = tokenizer::piece(token);
             let before = s.text.len();
             s.text.push_str(&piece);
             let k = k + 1;
@@ -415,23 +423,6 @@ impl Engine {
         self.counters.preemptions += 1;
         self.waiting.push_front(s);
     }
-}
-
-/// Short words, each one token under the simulator's tokenizer (leading space + ≤3 letters).
-const WORDS: &[&str] = &[
-    " the", " of", " and", " to", " in", " is", " it", " you", " was", " for", " on", " are",
-    " as", " his", " at", " be", " had", " by", " but", " not", " all", " we", " can", " use",
-    " an", " she", " do", " how", " if", " up", " out", " so", " her", " him", " my", " new",
-    " now", " way", " day", " may", " see", " two", " get", " sun", " sea", " old", " red", " run",
-    " big", " low", " far", " key", " map", " end",
-];
-
-/// The `k`th output token for `seed`: deterministic, so a client can check a relayed stream.
-fn output_token(seed: u64, k: usize) -> u32 {
-    let w = WORDS[(splitmix(seed.wrapping_add(k as u64)) % WORDS.len() as u64) as usize];
-    let ids = tokenizer::tokenize(w);
-    debug_assert_eq!(ids.len(), 1, "{w:?} must be one token");
-    ids[0]
 }
 
 /// SplitMix64: a tiny, well-mixed PRNG step.

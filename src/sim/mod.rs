@@ -69,6 +69,11 @@ pub struct SimConfig {
     /// Publish KV cache events as vLLM does with `--kv-events-config` (ZMQ PUB and replay
     /// sockets on free ports of `host`).
     pub kv_events: bool,
+    /// Tokenize with this model `tokenizer.json` instead of the simulator's own split, as a vLLM
+    /// worker serving that model does (its KV blocks then carry the model's token ids).
+    pub tokenizer: Option<std::path::PathBuf>,
+    /// The model's `tokenizer_config.json`, for its chat template (chat requests).
+    pub tokenizer_config: Option<std::path::PathBuf>,
 }
 
 impl Default for SimConfig {
@@ -86,6 +91,8 @@ impl Default for SimConfig {
             fault_worker: None,
             seed: 0,
             kv_events: false,
+            tokenizer: None,
+            tokenizer_config: None,
         }
     }
 }
@@ -155,7 +162,21 @@ impl SimConfig {
                 "faults.error_rate must be in 0..1".into(),
             ));
         }
+        if self.tokenizer_config.is_some() && self.tokenizer.is_none() {
+            return Err(SimError::Invalid(
+                "tokenizer_config needs tokenizer (the model's tokenizer.json)".into(),
+            ));
+        }
         self.engine_params()
+    }
+
+    /// What the workers tokenize with.
+    pub fn load_tokenizer(&self) -> Result<tokenizer::SimTokenizer, SimError> {
+        match &self.tokenizer {
+            None => Ok(tokenizer::SimTokenizer::Own),
+            Some(path) => tokenizer::SimTokenizer::load(path, self.tokenizer_config.as_deref())
+                .map_err(|e| SimError::Invalid(e.to_string())),
+        }
     }
 
     /// Binds every worker's listener (port + i, or free ports when port is 0).
@@ -208,6 +229,7 @@ pub async fn start(
     tasks: &mut JoinSet<()>,
 ) -> Result<Vec<SimWorker>, SimError> {
     let params = cfg.validate()?;
+    let tokenizer = cfg.load_tokenizer()?;
     let mut workers = Vec::with_capacity(listeners.len());
     for (i, listener) in listeners.into_iter().enumerate() {
         let addr = listener.local_addr().map_err(|source| SimError::Bind {
@@ -215,6 +237,7 @@ pub async fn start(
             source,
         })?;
         let mut engine = Engine::new(params.clone());
+        engine.set_tokenizer(tokenizer.clone());
         let (kv_events, publish) = if cfg.kv_events {
             engine.record_kv_events();
             let (source, sockets) = events::bind(cfg.host)
@@ -249,6 +272,7 @@ pub async fn start(
             params.max_model_len,
             faults,
             engine::splitmix(cfg.seed ^ i as u64),
+            tokenizer.clone(),
         ));
         let app = api::router(state);
         let stop = cancel.clone();

@@ -10,10 +10,9 @@ use serde::Deserialize;
 use serde_json::Value;
 
 use super::engine::{splitmix, EngineRequest};
-use super::tokenizer;
+use super::tokenizer::SimTokenizer;
 
-/// Token id the simulated tokenizer puts before every prompt (Llama-style BOS).
-pub const BOS: u32 = 1;
+pub use super::tokenizer::BOS;
 
 #[derive(Debug)]
 pub enum Reject {
@@ -75,7 +74,7 @@ pub struct RequestBody {
     pub n: Option<i64>,
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, serde::Serialize)]
 pub struct Message {
     pub role: String,
     #[serde(default)]
@@ -145,14 +144,10 @@ pub fn chat_template(messages: &[Message]) -> Result<String, Reject> {
 }
 
 /// Prompt tokens of a completions `prompt`: text or token ids, one prompt.
-fn prompt_tokens(prompt: &Value) -> Result<Vec<u32>, Reject> {
+fn prompt_tokens(prompt: &Value, tok: &SimTokenizer) -> Result<Vec<u32>, Reject> {
     let one = |v: &Value| -> Result<Vec<u32>, Reject> {
         match v {
-            Value::String(s) => {
-                let mut t = vec![BOS];
-                t.extend(tokenizer::tokenize(s));
-                Ok(t)
-            }
+            Value::String(s) => tok.prompt(s).map_err(|e| Reject::BadRequest(e.to_string())),
             Value::Array(ids) if ids.iter().all(Value::is_u64) => Ok(ids
                 .iter()
                 .filter_map(Value::as_u64)
@@ -177,9 +172,26 @@ fn prompt_tokens(prompt: &Value) -> Result<Vec<u32>, Reject> {
     }
 }
 
+/// A chat request's prompt tokens: the model's template and tokenizer when the worker has them,
+/// else the simulator's ChatML rendering and split.
+pub fn chat_tokens(messages: &[Message], tok: &SimTokenizer) -> Result<Vec<u32>, Reject> {
+    let rendered = match tok {
+        SimTokenizer::Own => chat_template(messages)?,
+        SimTokenizer::Model(m) => {
+            let value =
+                serde_json::to_value(messages).map_err(|e| Reject::BadRequest(e.to_string()))?;
+            m.render_chat(&value)
+                .map_err(|e| Reject::BadRequest(e.to_string()))?
+        }
+    };
+    tok.encode_chat(&rendered)
+        .map_err(|e| Reject::BadRequest(e.to_string()))
+}
+
 pub fn validate(
     body: RequestBody,
     chat: bool,
+    tok: &SimTokenizer,
     served_model: &str,
     max_model_len: usize,
 ) -> Result<Parsed, Reject> {
@@ -195,9 +207,7 @@ pub fn validate(
             .messages
             .as_deref()
             .ok_or_else(|| Reject::BadRequest("Field required: messages".into()))?;
-        let mut t = vec![BOS];
-        t.extend(tokenizer::tokenize(&chat_template(messages)?));
-        t
+        chat_tokens(messages, tok)?
     } else {
         let p = body.prompt.as_ref().ok_or_else(|| Reject::Param {
             message: "Either prompt or prompt_embeds must be provided and non-empty. \
@@ -205,7 +215,7 @@ pub fn validate(
                 .into(),
             param: "prompt",
         })?;
-        prompt_tokens(p)?
+        prompt_tokens(p, tok)?
     };
     if prompt.is_empty() {
         return Err(Reject::BadRequest("Prompt cannot be empty".into()));
