@@ -80,6 +80,55 @@ async fn routed(s: AppState, route: Route, field: PromptField, req: Request) -> 
     respond(&s, route, (arm.policy.name(), &arm.name), result)
 }
 
+/// `POST /debug/route/v1/completions` (and `.../chat/completions`): where the request would be
+/// routed now and why, without sending it and without changing any routing state. For
+/// operators ("why did this go there?") and for checking that replicas agree.
+pub async fn debug_route_completions(State(s): State<AppState>, req: Request) -> Response {
+    debug_route(s, PromptField::Prompt, req).await
+}
+
+pub async fn debug_route_chat(State(s): State<AppState>, req: Request) -> Response {
+    debug_route(s, PromptField::Messages, req).await
+}
+
+async fn debug_route(s: AppState, field: PromptField, req: Request) -> Response {
+    let up = &s.upstreams;
+    let arms = s.arms.load_full();
+    let (parts, body) = req.into_parts();
+    let answer = async {
+        let body = read_body(&parts.headers, body, &up.config).await?;
+        let mut info = routing_key::extract(&body, field, &up.config.routing_key)?;
+        if !up.tokenizers.is_empty() {
+            info.tokens = tokens_of(up, &info, &body, field);
+        }
+        let arm = arms.pick(&parts.headers, &info);
+        let snapshot = up.pool.snapshot();
+        let workers = crate::workers::eligible(&snapshot, info.model.as_deref())?;
+        let Some(peeked) = arm.policy.peek(&workers, &info) else {
+            return Ok(None);
+        };
+        Ok::<_, ApiError>(Some(serde_json::json!({
+            "policy": arm.policy.name(),
+            "arm": &*arm.name,
+            "worker": &*workers[peeked.index].name,
+            "outcome": peeked.outcome.as_str(),
+            "prompt_tokens": peeked.prediction.map(|p| p.prompt_tokens),
+            "predicted_cached_tokens": peeked.prediction.map(|p| p.cached_tokens),
+            "tokenized": info.tokens.is_some(),
+        })))
+    };
+    match answer.await {
+        Ok(Some(v)) => Json(v).into_response(),
+        Ok(None) => error_response(
+            StatusCode::NOT_IMPLEMENTED,
+            "NotImplementedError",
+            "this arm's policy cannot say where a request would go without routing it",
+            None,
+        ),
+        Err(e) => e.into_response(),
+    }
+}
+
 /// The request's token ids as its model's worker will see them, when a tokenizer is configured
 /// for the model (or one is configured and the request names none). A request the tokenizer
 /// cannot take (token-id prompts, a template error) is routed without them.
@@ -327,7 +376,8 @@ pub async fn authenticate(
     next: axum::middleware::Next,
 ) -> Response {
     let auth = &s.upstreams.auth;
-    if !auth.enabled() || !req.uri().path().starts_with("/v1/") {
+    let path = req.uri().path();
+    if !auth.enabled() || !(path.starts_with("/v1/") || path.starts_with("/debug/")) {
         return next.run(req).await;
     }
     let permit = match auth.admit(req.headers()) {

@@ -63,6 +63,14 @@ pub fn app(state: AppState) -> Router {
         .route("/v1/chat/completions", post(routes::chat_completions))
         .route("/v1/models", get(routes::models))
         .route("/v1/{*rest}", any(routes::passthrough))
+        .route(
+            "/debug/route/v1/completions",
+            post(routes::debug_route_completions),
+        )
+        .route(
+            "/debug/route/v1/chat/completions",
+            post(routes::debug_route_chat),
+        )
         .route("/health", get(routes::health))
         .route("/ready", get(routes::ready))
         .route("/metrics", get(routes::metrics))

@@ -197,3 +197,60 @@ async fn load_signals_are_polled_from_the_workers_metrics() {
     stop.cancel();
     task.await.unwrap().unwrap();
 }
+
+/// `/debug/route` says where a request would go and why, and changes nothing: asking about a
+/// new conversation many times neither records it in the index nor moves where it would go, and
+/// the request itself then goes where the answer said. A rotating policy says it cannot tell.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn debug_route_tells_where_a_request_would_go_without_routing_it() {
+    let pool = sim(4).await;
+    let gw = gateway(config(&pool)).await;
+    for c in 0..4 {
+        send(gw.addr, &chat(c, 1)).await;
+    }
+    let index_blocks = |text: &str| {
+        metric(
+            text,
+            r#"kvroute_index_blocks{arm="cache_aware",policy="cache_aware"}"#,
+        )
+        .unwrap()
+    };
+    let before = index_blocks(&metrics_text(gw.addr).await);
+    let ask = |body: Vec<u8>| async move {
+        let r = request(gw.addr, "POST", "/debug/route/v1/chat/completions", &body).await;
+        assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+        r.json()
+    };
+    // The second turn of conversation 2: it is held where its first turn went.
+    let answer = ask(chat(2, 2)).await;
+    assert_eq!(answer["policy"], "cache_aware");
+    assert_eq!(answer["outcome"], "longest_match", "{answer}");
+    assert!(
+        answer["predicted_cached_tokens"].as_u64().unwrap() > 600,
+        "{answer}"
+    );
+    // A conversation nobody has seen: asked five times, the same answer, nothing learnt.
+    let first = ask(chat(50, 1)).await;
+    for _ in 0..4 {
+        assert_eq!(ask(chat(50, 1)).await["worker"], first["worker"]);
+    }
+    assert_eq!(index_blocks(&metrics_text(gw.addr).await), before);
+    let (worker, _) = send(gw.addr, &chat(50, 1)).await;
+    assert_eq!(first["worker"], worker.as_str());
+    // Bad input is refused as on the real route.
+    let r = request(gw.addr, "POST", "/debug/route/v1/chat/completions", b"{").await;
+    assert_eq!(r.status, 400);
+
+    let mut rr = config(&pool);
+    rr.policy = kvroute::config::PolicyConfig::RoundRobin;
+    let gw = gateway(rr).await;
+    let r = request(
+        gw.addr,
+        "POST",
+        "/debug/route/v1/chat/completions",
+        &chat(1, 1),
+    )
+    .await;
+    assert_eq!(r.status, 501, "{}", String::from_utf8_lossy(&r.body));
+    assert_eq!(r.json()["error"]["code"], 501);
+}

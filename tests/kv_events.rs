@@ -233,6 +233,24 @@ async fn a_gap_is_filled_from_the_replay_socket() {
     stop.cancel();
 }
 
+/// A feed that joins a publisher after it has sent blocks (a gateway started after its workers,
+/// a new replica) catches up from the replay socket instead of knowing only what comes next.
+#[tokio::test]
+async fn a_late_subscriber_catches_up_from_the_replay_socket() {
+    let (mut py, first) = Py::start(&["publish", "--replay"]);
+    // Published before anyone subscribed: gone from the wire, kept in the replay buffer.
+    publish(&mut py, stored(&[11, 12], None, &[1, 2, 3, 4]), true);
+    publish(&mut py, stored(&[13], Some(12), &[5, 6]), true);
+    let (feed, stop) = connected_feed(&first).await;
+    let a = chain(ROOT, &[1, 2]);
+    let b = chain(a, &[3, 4]);
+    let c = chain(b, &[5, 6]);
+    eventually(|| feed.blocks().prefix_depth(&[a, b, c]) == 3).await;
+    assert!(feed.stats.caught_up.load(Ordering::Relaxed) >= 2);
+    assert_eq!(feed.stats.gaps.load(Ordering::Relaxed), 0);
+    stop.cancel();
+}
+
 #[tokio::test]
 async fn without_replay_a_gap_drops_the_blocks_and_a_restart_clears_them() {
     let (mut py, first) = Py::start(&["publish"]);

@@ -70,7 +70,7 @@ pub async fn run_once(
     let snapshot = |urls: Vec<String>, target: String| async move {
         (
             workers::scrape_each(&urls).await,
-            workers::routing_outcomes(&target).await,
+            workers::gateway_counters(&target).await,
         )
     };
     let (urls, target, warmup) = (worker_metrics.to_vec(), spec.url.clone(), spec.warmup);
@@ -89,7 +89,7 @@ pub async fn run_once(
         s.scale(time_scale);
     }
     let (workers_before, routing_before) = before.await.unwrap_or_default();
-    let (workers_after, mut routing) = snapshot(worker_metrics.to_vec(), spec.url.clone()).await;
+    let (workers_after, routing) = snapshot(worker_metrics.to_vec(), spec.url.clone()).await;
     let per_worker: Vec<WorkerReport> = worker_metrics
         .iter()
         .zip(&workers_after)
@@ -101,9 +101,7 @@ pub async fn run_once(
         .collect();
     let each: Vec<_> = per_worker.iter().map(|w| w.counters.clone()).collect();
     let workers = (!worker_metrics.is_empty()).then(|| workers::WorkerCounters::total(&each));
-    for (outcome, n) in &mut routing {
-        *n -= routing_before.get(outcome).copied().unwrap_or(0.0);
-    }
+    let routing = routing.since(&routing_before);
     let warmup = spec.warmup.as_secs_f64() * time_scale;
     let mut duration = spec.duration.as_secs_f64() * time_scale;
     if spec.max_requests.is_some() {
@@ -123,7 +121,13 @@ pub async fn run_once(
             summary,
             workers,
             per_worker,
-            routing,
+            cached_tokens: (routing.predicted_cached > 0.0 || routing.reported_cached > 0.0)
+                .then_some(report::CachedTokens {
+                    predicted: routing.predicted_cached,
+                    reported: routing.reported_cached,
+                }),
+            routing: routing.outcomes,
+            replica_agreement: None,
             ttfts,
         },
         samples,
@@ -398,7 +402,14 @@ pub async fn compare_replicated(
                 .file_stem()
                 .map_or(policy.clone(), |s| s.to_string_lossy().into_owned()),
         };
-        let (run, samples) = run_once(&label, &spec, &pool.workers, slo, k).await?;
+        let (mut run, samples) = run_once(&label, &spec, &pool.workers, slo, k).await?;
+        if replicas > 1 && external::parse(policy).is_none() {
+            let model = match &spec.model {
+                Some(m) => m.clone(),
+                None => loadgen::first_model(&loadgen::client(), &pool.workers[0]).await?,
+            };
+            run.replica_agreement = replica_agreement(&spec, &samples, &model).await;
+        }
         if limit.is_none() {
             let ((blocks, block_size), tok) = match target {
                 Target::Sim(sim_cfg) => {
@@ -437,6 +448,69 @@ pub async fn compare_replicated(
         drop(pool); // tear this pool down before the next arm's starts
     }
     Ok((runs, limit))
+}
+
+/// Requests the replica-agreement check asks about: the last of the window.
+const AGREEMENT_PROBES: usize = 200;
+
+/// Whether a pool's gateway replicas would route the same requests to the same workers: after
+/// the run, with the workers idle, each replica is asked (`/debug/route`, which changes nothing)
+/// where the window's last [`AGREEMENT_PROBES`] requests would go. Counted over the requests
+/// some replica expects cached tokens for, since a prefix no one holds can go anywhere. `None`
+/// for one gateway or a target that cannot answer (another router, a rotating policy).
+async fn replica_agreement(
+    spec: &LoadSpec,
+    samples: &[Sample],
+    model: &str,
+) -> Option<report::Agreement> {
+    use http_body_util::{BodyExt, Full};
+    let gateways: Vec<&str> = spec.url.split(',').collect();
+    if gateways.len() < 2 {
+        return None;
+    }
+    // Load signals are polled (default every second): let the idle workers' last poll land on
+    // every replica, so the answers differ by what each knows of the caches only.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let client = loadgen::client();
+    let mut probes: Vec<&Sample> = samples.iter().filter(|s| s.ok).collect();
+    probes.sort_by(|a, b| b.intended.total_cmp(&a.intended));
+    probes.truncate(AGREEMENT_PROBES);
+    let mut out = report::Agreement::default();
+    for s in probes {
+        let req = spec.workload.request(spec.seed, s.index);
+        let mut body = req.body;
+        body["model"] = serde_json::Value::from(model);
+        let path = if req.chat {
+            "/debug/route/v1/chat/completions"
+        } else {
+            "/debug/route/v1/completions"
+        };
+        let mut answers = Vec::with_capacity(gateways.len());
+        for g in &gateways {
+            let r = http::Request::post(format!("{}{path}", g.trim_end_matches('/')))
+                .header(http::header::CONTENT_TYPE, "application/json")
+                .body(Full::new(bytes::Bytes::from(body.to_string())))
+                .ok()?;
+            let resp = client.request(r).await.ok()?;
+            if !resp.status().is_success() {
+                return None;
+            }
+            let b = resp.into_body().collect().await.ok()?.to_bytes();
+            let v: serde_json::Value = serde_json::from_slice(&b).ok()?;
+            answers.push((
+                v["worker"].as_str().unwrap_or_default().to_owned(),
+                v["predicted_cached_tokens"].as_u64().unwrap_or(0),
+            ));
+        }
+        out.probed += 1;
+        if answers.iter().any(|(_, cached)| *cached > 0) {
+            out.cached += 1;
+            if answers.iter().all(|(w, _)| *w == answers[0].0) {
+                out.agreed += 1;
+            }
+        }
+    }
+    Some(out)
 }
 
 /// Concurrency (or, with `rates`, open-loop rate) sweep against `spec.url`.

@@ -18,9 +18,31 @@ pub struct Run {
     pub per_worker: Vec<WorkerReport>,
     /// Routing decisions the target (when it is kvroute) counted during the window, by outcome.
     pub routing: std::collections::BTreeMap<String, f64>,
+    /// Cached prompt tokens the target's policy predicted and the workers then reported, over
+    /// the answers that reported them (kvroute targets with a learning policy).
+    pub cached_tokens: Option<CachedTokens>,
+    /// With several gateway replicas: how often they would route the same request alike.
+    pub replica_agreement: Option<Agreement>,
     /// TTFTs of the window's successful requests (seconds), for the CDF plot.
     #[serde(skip)]
     pub ttfts: Vec<f64>,
+}
+
+/// Replicas asked where the same requests would go, after a run.
+#[derive(Clone, Copy, Debug, Default, Serialize)]
+pub struct Agreement {
+    pub probed: usize,
+    /// Requests some replica expected cached tokens for.
+    pub cached: usize,
+    /// Of those, the ones every replica would send to the same worker.
+    pub agreed: usize,
+}
+
+/// Predicted against reported cached tokens over a run.
+#[derive(Clone, Copy, Debug, Serialize)]
+pub struct CachedTokens {
+    pub predicted: f64,
+    pub reported: f64,
 }
 
 /// One worker's counters over a run.
@@ -28,6 +50,17 @@ pub struct Run {
 pub struct WorkerReport {
     pub worker: String,
     pub counters: WorkerCounters,
+}
+
+/// A token count in k / M.
+fn si(n: f64) -> String {
+    if n >= 1e6 {
+        format!("{:.2}M", n / 1e6)
+    } else if n >= 1e3 {
+        format!("{:.1}k", n / 1e3)
+    } else {
+        format!("{n:.0}")
+    }
 }
 
 fn ms(s: f64) -> String {
@@ -97,6 +130,26 @@ pub fn table(runs: &[Run]) -> String {
             .collect::<Vec<_>>()
             .join(", ")
     });
+    row("predicted / reported cached", &|r| match r.cached_tokens {
+        Some(c) if c.reported > 0.0 => format!(
+            "{} / {} ({:.2}x)",
+            si(c.predicted),
+            si(c.reported),
+            c.predicted / c.reported
+        ),
+        _ => "-".into(),
+    });
+    if runs.iter().any(|r| r.replica_agreement.is_some()) {
+        row("replicas agree (cached)", &|r| match r.replica_agreement {
+            Some(a) if a.cached > 0 => format!(
+                "{:.1}% of {}",
+                a.agreed as f64 / a.cached as f64 * 100.0,
+                a.cached
+            ),
+            Some(a) => format!("none of {} cached", a.probed),
+            None => "-".into(),
+        });
+    }
     row("worker preemptions", &|r| {
         r.workers
             .as_ref()
@@ -329,6 +382,8 @@ mod tests {
             workers: None,
             per_worker: Vec::new(),
             routing: Default::default(),
+            cached_tokens: None,
+            replica_agreement: None,
             ttfts: vec![0.1, 0.2, p95],
         }
     }

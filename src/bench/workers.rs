@@ -112,31 +112,63 @@ pub async fn scrape_each(workers: &[String]) -> Vec<WorkerCounters> {
     out
 }
 
-/// The routing outcomes a kvroute target has counted (`kvroute_routing_decisions_total`, by
-/// `outcome`, over all policies and arms); empty for a target that is not kvroute.
-pub async fn routing_outcomes(targets: &str) -> std::collections::BTreeMap<String, f64> {
-    let mut out = std::collections::BTreeMap::new();
+/// What a kvroute target counted about its own routing, summed over its replicas; empty for a
+/// target that is not kvroute.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct GatewayCounters {
+    /// Routing decisions by outcome (`kvroute_routing_decisions_total`, over policies and arms).
+    pub outcomes: std::collections::BTreeMap<String, f64>,
+    /// Cached prompt tokens the policies predicted, over answers that reported `cached_tokens`.
+    pub predicted_cached: f64,
+    /// The `cached_tokens` those answers reported.
+    pub reported_cached: f64,
+}
+
+impl GatewayCounters {
+    pub fn since(&self, before: &Self) -> Self {
+        let mut outcomes = self.outcomes.clone();
+        for (o, n) in &mut outcomes {
+            *n -= before.outcomes.get(o).copied().unwrap_or(0.0);
+        }
+        Self {
+            outcomes,
+            predicted_cached: self.predicted_cached - before.predicted_cached,
+            reported_cached: self.reported_cached - before.reported_cached,
+        }
+    }
+}
+
+/// The [`GatewayCounters`] of a kvroute target (base URLs, comma-separated for replicas).
+pub async fn gateway_counters(targets: &str) -> GatewayCounters {
+    let mut out = GatewayCounters::default();
     for target in targets.split(',') {
         let Some(text) = metrics_text(&client(), target).await else {
             continue;
         };
-        add_outcomes(&text, &mut out);
+        add_gateway_counters(&text, &mut out);
     }
     out
 }
 
-fn add_outcomes(text: &str, out: &mut std::collections::BTreeMap<String, f64>) {
-    for line in text
-        .lines()
-        .filter(|l| l.starts_with("kvroute_routing_decisions_total{"))
-    {
-        let outcome = line
-            .split("outcome=\"")
-            .nth(1)
-            .and_then(|r| r.split('"').next());
-        let value = line.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok());
-        if let (Some(o), Some(v)) = (outcome, value) {
-            *out.entry(o.to_owned()).or_default() += v;
+fn add_gateway_counters(text: &str, out: &mut GatewayCounters) {
+    for line in text.lines().filter(|l| l.starts_with("kvroute_")) {
+        let Some(value) = line.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok()) else {
+            continue;
+        };
+        let name = line.split(['{', ' ']).next().unwrap_or("");
+        match name {
+            "kvroute_routing_decisions_total" => {
+                let outcome = line
+                    .split("outcome=\"")
+                    .nth(1)
+                    .and_then(|r| r.split('"').next());
+                if let Some(o) = outcome {
+                    *out.outcomes.entry(o.to_owned()).or_default() += value;
+                }
+            }
+            "kvroute_predicted_cached_tokens_total" => out.predicted_cached += value,
+            "kvroute_reported_cached_tokens_total" => out.reported_cached += value,
+            _ => {}
         }
     }
 }

@@ -42,6 +42,9 @@ pub struct FeedStats {
     pub events: AtomicU64,
     /// Jumps in the sequence seen on the live socket.
     pub gaps: AtomicU64,
+    /// Batches applied from the replay socket on joining a publisher that had already sent
+    /// some (see `catch_up`).
+    pub caught_up: AtomicU64,
     /// Gaps filled from the replay socket.
     pub replays_ok: AtomicU64,
     /// Gaps that could not be filled (the blocks were dropped and rebuilt).
@@ -148,10 +151,19 @@ async fn subscribe(source: &EventSource, feed: &Feed) -> zeromq::ZmqResult<()> {
             }
         };
         match last {
+            None if seq > 0 => {
+                let n = catch_up(source, feed, seq).await;
+                feed.stats.caught_up.fetch_add(n as u64, Ordering::Relaxed);
+                tracing::info!(endpoint = %source.endpoint, batches = n, first_live = seq, "caught up from the replay socket");
+            }
             Some(l) if seq <= l => {
                 // Backwards: the publisher restarted, and with it the worker's cache.
                 feed.stats.restarts.fetch_add(1, Ordering::Relaxed);
                 feed.blocks().clear();
+                if seq > 0 {
+                    let n = catch_up(source, feed, seq).await;
+                    feed.stats.caught_up.fetch_add(n as u64, Ordering::Relaxed);
+                }
             }
             Some(l) if seq > l + 1 => {
                 feed.stats.gaps.fetch_add(1, Ordering::Relaxed);
@@ -172,10 +184,45 @@ async fn subscribe(source: &EventSource, feed: &Feed) -> zeromq::ZmqResult<()> {
 /// Applies the batches `from..until` from the replay socket, in order; false when they could
 /// not all be had.
 async fn fill_gap(source: &EventSource, feed: &Feed, from: i64, until: i64) -> bool {
-    let Some(endpoint) = &source.replay else {
+    let Some(got) = replay(source, from, until).await else {
         return false;
     };
-    let replay = async {
+    // Every missing batch, or none: a partial replay would leave holes in the chains.
+    if got.len() as i64 != until - from {
+        return false;
+    }
+    for (_, payload) in got {
+        feed.apply(&payload);
+    }
+    true
+}
+
+/// Joining a publisher that has already sent `until` batches (a gateway started after its
+/// workers, a new replica, a worker restarted while this feed was away): applies what the replay
+/// socket still holds of them, the unbroken run that ends just before `until`, so the feed
+/// starts with the worker's current blocks rather than only those stored from now on. What the
+/// publisher no longer buffers is missed; blocks whose parents went with it cannot be keyed and
+/// are skipped, so the feed knows less, never something false. Returns the batches applied.
+async fn catch_up(source: &EventSource, feed: &Feed, until: i64) -> usize {
+    let Some(got) = replay(source, 0, until).await else {
+        return 0;
+    };
+    let mut start = got.len();
+    while start > 0 && got[start - 1].0 == until - (got.len() - start + 1) as i64 {
+        start -= 1;
+    }
+    let run = &got[start..];
+    for (_, payload) in run {
+        feed.apply(payload);
+    }
+    run.len()
+}
+
+/// The batches `from..until` the replay socket returns, in order, without duplicates; `None`
+/// when there is no replay endpoint or it did not answer in time.
+async fn replay(source: &EventSource, from: i64, until: i64) -> Option<Vec<(i64, Bytes)>> {
+    let endpoint = source.replay.as_ref()?;
+    let ask = async {
         let mut dealer = zeromq::DealerSocket::new();
         dealer.connect(endpoint).await?;
         let request = ZmqMessage::try_from(vec![
@@ -199,17 +246,10 @@ async fn fill_gap(source: &EventSource, feed: &Feed, from: i64, until: i64) -> b
         }
         Ok::<_, zeromq::ZmqError>(got)
     };
-    let Ok(Ok(mut got)) = tokio::time::timeout(REPLAY_TIMEOUT, replay).await else {
-        return false;
+    let Ok(Ok(mut got)) = tokio::time::timeout(REPLAY_TIMEOUT, ask).await else {
+        return None;
     };
     got.sort_by_key(|(s, _)| *s);
     got.dedup_by_key(|(s, _)| *s);
-    // Every missing batch, or none: a partial replay would leave holes in the chains.
-    if got.len() as i64 != until - from {
-        return false;
-    }
-    for (_, payload) in got {
-        feed.apply(&payload);
-    }
-    true
+    Some(got)
 }

@@ -117,14 +117,9 @@ impl CacheAware {
             .min_by(|a, b| a.0.total_cmp(&b.0))
             .map(|(_, i)| Selection::new(i, Outcome::Fallback))
     }
-}
 
-impl Policy for CacheAware {
-    fn name(&self) -> &'static str {
-        "cache_aware"
-    }
-
-    fn select(&self, workers: &[Arc<Worker>], req: &RequestInfo) -> Option<Selection> {
+    /// The choice for `req` and what it expects there; changes no routing state.
+    fn decide(&self, workers: &[Arc<Worker>], req: &RequestInfo) -> Option<Selection> {
         let Some(&last) = req.block_hashes.last() else {
             return self.least_work(workers);
         };
@@ -231,8 +226,6 @@ impl Policy for CacheAware {
             (_, 0) => Outcome::Replicated,
             _ => Outcome::Spilled,
         };
-        let worker = &workers[chosen.index];
-        self.index.insert(&req.block_hashes, worker.id_hash);
         let prediction = Prediction {
             prompt_tokens: prompt.round() as u32,
             cached_tokens: match chosen.exact {
@@ -241,22 +234,40 @@ impl Policy for CacheAware {
             },
             matched_blocks: chosen.depth as u32,
         };
-        tracing::debug!(
-            policy = "cache_aware",
-            outcome = outcome.as_str(),
-            worker = %worker.name,
-            matched_blocks = chosen.depth,
-            longest_blocks = deepest,
-            predicted_cached_tokens = prediction.cached_tokens,
-            prompt_tokens = prediction.prompt_tokens,
-            cost = chosen.cost,
-            "routing decision"
-        );
         Some(Selection {
             index: chosen.index,
             outcome,
             prediction: Some(prediction),
         })
+    }
+}
+
+impl Policy for CacheAware {
+    fn name(&self) -> &'static str {
+        "cache_aware"
+    }
+
+    fn select(&self, workers: &[Arc<Worker>], req: &RequestInfo) -> Option<Selection> {
+        let selection = self.decide(workers, req)?;
+        let Some(prediction) = selection.prediction else {
+            return Some(selection); // no key: nothing to learn
+        };
+        let worker = &workers[selection.index];
+        self.index.insert(&req.block_hashes, worker.id_hash);
+        tracing::debug!(
+            policy = "cache_aware",
+            outcome = selection.outcome.as_str(),
+            worker = %worker.name,
+            matched_blocks = prediction.matched_blocks,
+            predicted_cached_tokens = prediction.cached_tokens,
+            prompt_tokens = prediction.prompt_tokens,
+            "routing decision"
+        );
+        Some(selection)
+    }
+
+    fn peek(&self, workers: &[Arc<Worker>], req: &RequestInfo) -> Option<Selection> {
+        self.decide(workers, req)
     }
 
     fn learns(&self) -> bool {

@@ -116,6 +116,13 @@ pub trait Policy: Send + Sync + 'static {
     /// Picks one of `workers` for `req`, or `None` when none is usable.
     fn select(&self, workers: &[Arc<Worker>], req: &RequestInfo) -> Option<Selection>;
 
+    /// The choice [`Policy::select`] would make for `req` now, without making it: nothing is
+    /// learnt or recorded (`/debug/route`). `None` from a policy whose choice is a turn of a
+    /// rotation and means nothing until it is taken.
+    fn peek(&self, _workers: &[Arc<Worker>], _req: &RequestInfo) -> Option<Selection> {
+        None
+    }
+
     /// Whether [`Policy::observe`] does anything (the proxy then reads usage from answers).
     fn learns(&self) -> bool {
         false

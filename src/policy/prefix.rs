@@ -92,6 +92,11 @@ impl Policy for Prefix {
         }
         self.fallback(workers)
     }
+
+    /// Its choice depends on the key and the loads only: peeking is choosing.
+    fn peek(&self, workers: &[Arc<Worker>], req: &RequestInfo) -> Option<Selection> {
+        self.select(workers, req)
+    }
 }
 
 #[cfg(test)]
