@@ -215,38 +215,86 @@ impl ModelTokenizer {
     /// A chat request's messages (the OpenAI `messages` array), rendered and encoded as vLLM
     /// does for `/v1/chat/completions`.
     pub fn chat(&self, messages: &Value) -> Result<Vec<u32>, TokenizeError> {
+        let pending = self.prepare_chat(messages)?;
+        self.finish(pending)
+    }
+
+    /// The cheap half of tokenizing a completion's prompt: nothing is cached, so all of it is
+    /// left to [`ModelTokenizer::finish`].
+    pub fn prepare_prompt(&self, text: &str) -> Pending {
+        Pending {
+            uncached_bytes: text.len(),
+            parts: vec![Part::Encode {
+                text: text.to_owned(),
+                special: true,
+                key: None,
+            }],
+        }
+    }
+
+    /// The cheap half of tokenizing a chat request: the template rendered, the text split at its
+    /// added tokens, and the pieces seen before taken from the cache. What is left to encode
+    /// ([`Pending::uncached_bytes`]) tells the caller whether [`ModelTokenizer::finish`] is
+    /// worth moving off its event loop.
+    pub fn prepare_chat(&self, messages: &Value) -> Result<Pending, TokenizeError> {
         let text = self.render_chat(messages)?;
         let Some(cache) = &self.pieces else {
-            return self.encode(&text, false);
+            return Ok(Pending {
+                uncached_bytes: text.len(),
+                parts: vec![Part::Encode {
+                    text,
+                    special: false,
+                    key: None,
+                }],
+            });
         };
-        let mut out = Vec::new();
+        let mut pending = Pending {
+            parts: Vec::new(),
+            uncached_bytes: 0,
+        };
+        let map = cache.map.lock().unwrap_or_else(|e| e.into_inner());
         for piece in self.split(&text) {
-            match piece {
-                Piece::Added(id) => out.push(id),
+            pending.parts.push(match piece {
+                Piece::Added(id) => Part::Added(id),
                 Piece::Text(t) => {
                     let key = xxh3_64(t.as_bytes());
-                    let hit = cache
-                        .map
-                        .lock()
-                        .unwrap_or_else(|e| e.into_inner())
-                        .ids
-                        .get(&key)
-                        .cloned();
-                    let ids = match hit {
-                        Some(ids) => ids,
+                    match map.ids.get(&key) {
+                        Some(ids) => Part::Cached(Arc::clone(ids)),
                         None => {
-                            let ids: Arc<[u32]> = self.encode(t, false)?.into();
-                            let mut g = cache.map.lock().unwrap_or_else(|e| e.into_inner());
-                            if g.tokens + ids.len() > PIECE_CACHE_TOKENS {
-                                g.ids.clear();
-                                g.tokens = 0;
+                            pending.uncached_bytes += t.len();
+                            Part::Encode {
+                                text: t.to_owned(),
+                                special: false,
+                                key: Some(key),
                             }
-                            g.tokens += ids.len();
-                            g.ids.insert(key, Arc::clone(&ids));
-                            ids
                         }
-                    };
+                    }
+                }
+            });
+        }
+        Ok(pending)
+    }
+
+    /// Encodes what [`ModelTokenizer::prepare_chat`] (or `prepare_prompt`) left, caching the new
+    /// pieces, and returns the request's token ids.
+    pub fn finish(&self, pending: Pending) -> Result<Vec<u32>, TokenizeError> {
+        let mut out = Vec::new();
+        for part in pending.parts {
+            match part {
+                Part::Added(id) => out.push(id),
+                Part::Cached(ids) => out.extend_from_slice(&ids),
+                Part::Encode { text, special, key } => {
+                    let ids = self.encode(&text, special)?;
                     out.extend_from_slice(&ids);
+                    if let (Some(key), Some(cache)) = (key, &self.pieces) {
+                        let mut g = cache.map.lock().unwrap_or_else(|e| e.into_inner());
+                        if g.tokens + ids.len() > PIECE_CACHE_TOKENS {
+                            g.ids.clear();
+                            g.tokens = 0;
+                        }
+                        g.tokens += ids.len();
+                        g.ids.insert(key, ids.into());
+                    }
                 }
             }
         }
@@ -299,6 +347,31 @@ impl ModelTokenizer {
             .decode(ids, true)
             .map_err(|e| TokenizeError::Encode(e.to_string()))
     }
+}
+
+/// A request half tokenized: see [`ModelTokenizer::prepare_chat`].
+pub struct Pending {
+    parts: Vec<Part>,
+    uncached_bytes: usize,
+}
+
+impl Pending {
+    /// Bytes of text the cache did not have, still to encode (about 0.15 ms per KB with a
+    /// Llama 3 vocabulary).
+    pub fn uncached_bytes(&self) -> usize {
+        self.uncached_bytes
+    }
+}
+
+enum Part {
+    Added(u32),
+    Cached(Arc<[u32]>),
+    Encode {
+        text: String,
+        special: bool,
+        /// The piece cache's key, for a chat piece.
+        key: Option<u64>,
+    },
 }
 
 enum Piece<'t> {

@@ -100,3 +100,40 @@ fn cached_pieces_give_the_same_ids_as_encoding_the_whole() {
         messages.push(json!({"role": "assistant", "content": format!("answer {turn}")}));
     }
 }
+
+/// Tokenizing in two halves: `prepare_chat` takes the pieces seen before from the cache and
+/// leaves only new text to encode (what the gateway moves off its event loop when long);
+/// `finish` gives the same ids as encoding at once.
+#[test]
+fn only_new_text_is_left_to_encode() {
+    let t = tiny();
+    let system = "You route requests to the worker holding their cache. ".repeat(20);
+    let convo = |turns: usize| {
+        let mut m = vec![json!({"role": "system", "content": system})];
+        for k in 0..turns {
+            m.push(json!({"role": "user", "content": format!("question {k}")}));
+            m.push(json!({"role": "assistant", "content": format!("answer {k}")}));
+        }
+        m.push(json!({"role": "user", "content": "the new question"}));
+        json!(m)
+    };
+    let first = t.prepare_chat(&convo(1)).unwrap();
+    assert!(first.uncached_bytes() > system.len(), "nothing seen yet");
+    assert_eq!(
+        t.finish(first).unwrap(),
+        t.render_chat(&convo(1))
+            .map(|text| {
+                let mut w = t.prompt(&text).unwrap();
+                w.remove(0); // the template wrote the BOS itself
+                w
+            })
+            .unwrap()
+    );
+    // The next turn: only its two new messages' text (and the roles' headers) is new.
+    let next = t.prepare_chat(&convo(2)).unwrap();
+    assert!(next.uncached_bytes() < 64, "{}", next.uncached_bytes());
+    let ids = t.finish(next).unwrap();
+    assert_eq!(ids, t.chat(&convo(2)).unwrap());
+    // A completion's prompt is not cached: all of it is left.
+    assert_eq!(t.prepare_prompt("abc def").uncached_bytes(), 7);
+}
