@@ -63,15 +63,7 @@ async fn routed(s: AppState, route: Route, field: PromptField, req: Request) -> 
     let up = &s.upstreams;
     let arms = s.arms.load_full();
     let (parts, body) = req.into_parts();
-    let keyed = async {
-        let body = read_body(&parts.headers, body, &up.config).await?;
-        let mut info = routing_key::extract(&body, field, &up.config.routing_key)?;
-        if !up.tokenizers.is_empty() {
-            info.tokens = tokens_of(up, &info, &body, field).await;
-        }
-        Ok::<_, ApiError>((body, info))
-    };
-    let (body, info) = match keyed.await {
+    let (body, info) = match keyed(up, &parts, body, field).await {
         Ok(x) => x,
         Err(e) => return respond(&s, route, arms.unpicked_labels(), Err(e)),
     };
@@ -96,11 +88,7 @@ async fn debug_route(s: AppState, field: PromptField, req: Request) -> Response 
     let arms = s.arms.load_full();
     let (parts, body) = req.into_parts();
     let answer = async {
-        let body = read_body(&parts.headers, body, &up.config).await?;
-        let mut info = routing_key::extract(&body, field, &up.config.routing_key)?;
-        if !up.tokenizers.is_empty() {
-            info.tokens = tokens_of(up, &info, &body, field).await;
-        }
+        let (_, info) = keyed(up, &parts, body, field).await?;
         let arm = arms.pick(&parts.headers, &info);
         let snapshot = up.pool.snapshot();
         let workers = crate::workers::eligible(&snapshot, info.model.as_deref())?;
@@ -127,6 +115,22 @@ async fn debug_route(s: AppState, field: PromptField, req: Request) -> Response 
         ),
         Err(e) => e.into_response(),
     }
+}
+
+/// The request's body, read within the limits, and what routing needs of it: the routing key
+/// and, when a tokenizer is configured for its model, its token ids.
+async fn keyed(
+    up: &crate::proxy::Upstreams,
+    parts: &http::request::Parts,
+    body: Body,
+    field: PromptField,
+) -> Result<(Bytes, RequestInfo), ApiError> {
+    let body = read_body(&parts.headers, body, &up.config).await?;
+    let mut info = routing_key::extract(&body, field, &up.config.routing_key)?;
+    if !up.tokenizers.is_empty() {
+        info.tokens = tokens_of(up, &info, &body, field).await;
+    }
+    Ok((body, info))
 }
 
 /// Text to encode above which tokenizing moves to the blocking pool (about 0.3 ms of encoding

@@ -364,6 +364,22 @@ fn the_simulators_batches_decode_with_vllms_msgspec_structs() {
     );
 }
 
+/// Simulated workers, stopped with the token.
+async fn start_sims(
+    cfg: &kvroute::sim::SimConfig,
+) -> (
+    Vec<kvroute::sim::SimWorker>,
+    CancellationToken,
+    tokio::task::JoinSet<()>,
+) {
+    let cancel = CancellationToken::new();
+    let mut tasks = tokio::task::JoinSet::new();
+    let sims = kvroute::sim::start(cfg, cfg.bind().await.unwrap(), &cancel, &mut tasks)
+        .await
+        .unwrap();
+    (sims, cancel, tasks)
+}
+
 #[tokio::test]
 async fn a_simulated_worker_publishes_the_blocks_it_caches_and_their_clearing() {
     let cfg = kvroute::sim::SimConfig {
@@ -373,11 +389,7 @@ async fn a_simulated_worker_publishes_the_blocks_it_caches_and_their_clearing() 
         kv_events: true,
         ..Default::default()
     };
-    let cancel = CancellationToken::new();
-    let mut tasks = tokio::task::JoinSet::new();
-    let sims = kvroute::sim::start(&cfg, cfg.bind().await.unwrap(), &cancel, &mut tasks)
-        .await
-        .unwrap();
+    let (sims, cancel, _tasks) = start_sims(&cfg).await;
     let worker = sims[0].addr;
     let source = sims[0].kv_events.clone().expect("event endpoints");
     let feed = Arc::new(Feed::new(100_000));
@@ -449,11 +461,7 @@ async fn a_simulated_worker_with_a_models_tokenizer_is_routed_to_by_its_events()
         tokenizer_config: Some(tokenizer_config.clone()),
         ..Default::default()
     };
-    let cancel = CancellationToken::new();
-    let mut tasks = tokio::task::JoinSet::new();
-    let sims = kvroute::sim::start(&cfg, cfg.bind().await.unwrap(), &cancel, &mut tasks)
-        .await
-        .unwrap();
+    let (sims, cancel, _tasks) = start_sims(&cfg).await;
     let model = cfg.engine_params().unwrap().model;
     let messages = |turns: usize| {
         let mut m = vec![json!({"role": "system", "content": "You route requests. ".repeat(30)})];

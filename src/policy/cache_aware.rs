@@ -146,8 +146,29 @@ impl CacheAware {
             };
             Some(blocks.prefix_depth(&chains[i].1) as u64 * u64::from(size))
         };
-        let unknown = (req.prompt_bytes - req.bytes_at_depth(deepest)) as f64 / bpt;
-        let key = req.block_hashes.get(deepest).copied().unwrap_or(last);
+        // What each worker's own events say it holds, when the request was tokenized.
+        let exacts: Vec<Option<u64>> = match req.tokens {
+            Some(_) => workers.iter().map(|w| exact_tokens(w)).collect(),
+            None => Vec::new(),
+        };
+        let mut unknown = (req.prompt_bytes - req.bytes_at_depth(deepest)) as f64 / bpt;
+        let mut key = req.block_hashes.get(deepest).copied().unwrap_or(last);
+        // When every usable worker publishes events, the part no worker holds and the home's key
+        // come from them too: every replica reads the same events, so every replica then agrees
+        // on the home, whatever each has routed itself.
+        let all_exact = !exacts.is_empty()
+            && workers
+                .iter()
+                .zip(&exacts)
+                .all(|(w, e)| e.is_some() || !w.is_usable());
+        if all_exact {
+            if let Some((size, chain)) = chains.first().filter(|(_, c)| !c.is_empty()) {
+                let held = exacts.iter().flatten().copied().max().unwrap_or(0);
+                unknown = (prompt - held as f64).max(0.0);
+                let past = (held / u64::from(*size)) as usize;
+                key = chain[past.min(chain.len() - 1)];
+            }
+        }
 
         // One bit per holder (by the low bits of its id): most workers hold nothing, and this
         // answers that without searching the holders.
@@ -179,11 +200,7 @@ impl CacheAware {
                 depth = matches.depth_of(w.id_hash);
             }
             // What the worker's own events say beats what this gateway has routed there.
-            let exact = if req.tokens.is_some() {
-                exact_tokens(w)
-            } else {
-                None
-            };
+            let exact = exacts.get(index).copied().flatten();
             match exact {
                 Some(held) => cost -= miss * held as f64,
                 None if depth > 0 => {
@@ -339,6 +356,50 @@ mod tests {
 
     fn pick(p: &CacheAware, ws: &[Arc<Worker>], r: &RequestInfo) -> Selection {
         p.select(ws, r).unwrap()
+    }
+
+    /// Workers that all publish events and hold none of 4-token blocks of unrelated tokens.
+    fn workers_with_events(n: usize) -> Vec<Arc<Worker>> {
+        use crate::kv_events::{Feed, KvEvent};
+        let metrics = crate::metrics::Metrics::new();
+        (0..n)
+            .map(|i| {
+                let cfg = crate::config::WorkerConfig::from_url(format!(
+                    "http://127.0.0.1:{}",
+                    12000 + i
+                ));
+                let mut w = Worker::new(&cfg, &metrics).unwrap();
+                let feed = Feed::new(1000);
+                feed.blocks().apply(&KvEvent::BlockStored {
+                    block_hashes: vec![7],
+                    parent_block_hash: None,
+                    token_ids: vec![u32::MAX; 4],
+                    block_size: 4,
+                    lora_id: None,
+                    medium: None,
+                });
+                w.events = Some(Arc::new(feed));
+                Arc::new(w)
+            })
+            .collect()
+    }
+
+    /// Two replicas fed the same events choose alike even when one has routed part of the
+    /// prompt itself and the other has not: the home of what no worker holds comes from the
+    /// events, not from each replica's own index.
+    #[test]
+    fn replicas_fed_the_same_events_pick_the_same_home() {
+        let ws = workers_with_events(4);
+        let (a, b) = (policy(), policy());
+        for c in 0..64u64 {
+            let mut req = convo(c, 1, 3);
+            req.tokens = Some((0..40).map(|t| (c * 1000 + t) as u32).collect());
+            // Replica a once sent the first two blocks of this prompt to some worker.
+            a.index
+                .insert(&req.block_hashes[..2], ws[c as usize % 4].id_hash);
+            let (sa, sb) = (a.peek(&ws, &req).unwrap(), b.peek(&ws, &req).unwrap());
+            assert_eq!(sa.index, sb.index, "conversation {c}");
+        }
     }
 
     #[test]
