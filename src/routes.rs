@@ -154,10 +154,17 @@ async fn tokens_of(
         None if up.tokenizers.len() == 1 => up.tokenizers.values().next()?,
         None => return None,
     };
-    let v: serde_json::Value = serde_json::from_slice(body).ok()?;
+    // Only the field the tokenizer reads is built; the rest of the body is skipped.
+    #[derive(serde::Deserialize)]
+    struct Prompt<'a> {
+        #[serde(borrow)]
+        prompt: Option<std::borrow::Cow<'a, str>>,
+        messages: Option<serde_json::Value>,
+    }
+    let p: Prompt = serde_json::from_slice(body).ok()?;
     let pending = match field {
-        PromptField::Prompt => Ok(tokenizer.prepare_prompt(v.get("prompt")?.as_str()?)),
-        PromptField::Messages => tokenizer.prepare_chat(v.get("messages")?),
+        PromptField::Prompt => Ok(tokenizer.prepare_prompt(&p.prompt?)),
+        PromptField::Messages => tokenizer.prepare_chat(&p.messages?),
     };
     let tokens = match pending {
         Ok(p) if p.uncached_bytes() > INLINE_TOKENIZE_BYTES => {

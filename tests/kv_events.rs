@@ -589,6 +589,24 @@ async fn a_simulated_worker_with_a_models_tokenizer_is_routed_to_by_its_events()
         cached >= 256,
         "the worker reused the conversation: {cached} cached tokens"
     );
+    // A completion's string prompt is tokenized too; a prompt of token ids is routed without.
+    let ask = |prompt: Value| {
+        let body = json!({"model": model, "prompt": prompt}).to_string();
+        async move {
+            let r = request(
+                gw.addr,
+                "POST",
+                "/debug/route/v1/completions",
+                body.as_bytes(),
+            )
+            .await;
+            assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+            r.json()
+        }
+    };
+    let text = ask(json!("Route this \"quoted\" request. ".repeat(10))).await;
+    assert_eq!(text["tokenized"], true, "{text}");
+    assert_eq!(ask(json!([1, 2, 3])).await["tokenized"], false);
     assert_eq!(
         predicted, cached as f64,
         "the events predicted the worker's cache exactly"

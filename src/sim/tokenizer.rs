@@ -172,11 +172,6 @@ pub fn detokenize(ids: &[u32]) -> String {
     String::from_utf8_lossy(&bytes).into_owned()
 }
 
-/// One token's text (may be a partial character for a lone multi-byte piece id).
-pub fn piece(id: u32) -> String {
-    detokenize(&[id])
-}
-
 /// Splits before every whitespace run that follows a non-space, and around ASCII punctuation.
 fn words(text: &str) -> impl Iterator<Item = &str> {
     let mut start = 0;
@@ -226,7 +221,7 @@ mod tests {
     fn words_keep_leading_space() {
         let ids = tokenize("hi there");
         assert_eq!(
-            ids.iter().map(|i| piece(*i)).collect::<Vec<_>>(),
+            ids.iter().map(|i| detokenize(&[*i])).collect::<Vec<_>>(),
             ["hi", " the", "re"]
         );
     }
