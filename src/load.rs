@@ -30,11 +30,14 @@ use crate::{proxy::Upstreams, workers::Worker};
 /// Largest `/metrics` answer read; vLLM's is tens of kilobytes.
 const METRICS_LIMIT: usize = 4 << 20;
 
-/// Laid out in declaration order, 24 bytes: it sits in the worker's first cache line.
+/// Laid out in declaration order, 32 bytes: it sits in the worker's first cache line.
 #[derive(Debug)]
 #[repr(C)]
 pub struct Load {
     pending_prefill: AtomicU64,
+    /// Prompt tokens of this gateway's requests in flight on the worker, counted from the choice
+    /// to the end of the answer: the context each decode step reads on their behalf.
+    context_tokens: AtomicU64,
     /// Requests the worker had at the last poll beyond this gateway's own in flight then.
     others: AtomicU32,
     /// Share of the cached tokens a policy predicted that the worker then reported, in permille,
@@ -49,6 +52,7 @@ impl Default for Load {
     fn default() -> Self {
         Self {
             pending_prefill: AtomicU64::new(0),
+            context_tokens: AtomicU64::new(0),
             others: AtomicU32::new(0),
             kv_usage_permille: AtomicU32::new(0),
             polled: AtomicBool::new(false),
@@ -69,6 +73,11 @@ impl Load {
     /// Prompt tokens this gateway sent that the worker has not started answering.
     pub fn pending_prefill(&self) -> u64 {
         self.pending_prefill.load(Ordering::Relaxed)
+    }
+
+    /// Prompt tokens of this gateway's requests in flight on the worker.
+    pub fn context_tokens(&self) -> u64 {
+        self.context_tokens.load(Ordering::Relaxed)
     }
 
     /// Requests queued or running on the worker: this gateway's in-flight count now, plus what the
@@ -114,22 +123,25 @@ impl Load {
     }
 }
 
-/// Prompt tokens counted in a worker's pending prefill until dropped (or [`PrefillGuard::done`]).
+/// One request's share of a worker's load: its uncached prompt tokens count in the worker's pending
+/// prefill until it starts answering ([`PrefillGuard::done`]) and its whole prompt in the
+/// worker's in-flight context until dropped.
 #[derive(Debug)]
 pub struct PrefillGuard {
     worker: Arc<Worker>,
     tokens: u64,
+    context: u64,
 }
 
 impl PrefillGuard {
-    pub fn new(worker: &Arc<Worker>, tokens: u64) -> Self {
-        worker
-            .load
-            .pending_prefill
-            .fetch_add(tokens, Ordering::Relaxed);
+    pub fn new(worker: &Arc<Worker>, tokens: u64, context: u64) -> Self {
+        let load = &worker.load;
+        load.pending_prefill.fetch_add(tokens, Ordering::Relaxed);
+        load.context_tokens.fetch_add(context, Ordering::Relaxed);
         Self {
             worker: Arc::clone(worker),
             tokens,
+            context,
         }
     }
 
@@ -150,6 +162,10 @@ impl PrefillGuard {
 impl Drop for PrefillGuard {
     fn drop(&mut self) {
         self.done();
+        self.worker
+            .load
+            .context_tokens
+            .fetch_sub(self.context, Ordering::Relaxed);
     }
 }
 
@@ -276,6 +292,21 @@ mod tests {
         assert_eq!(l.queued(3), 3);
         l.store(None, 0);
         assert_eq!(l.queued(2), 2);
+    }
+
+    #[test]
+    fn a_request_counts_its_prefill_until_it_answers_and_its_prompt_until_it_ends() {
+        let w = &crate::workers::test_workers(1)[0];
+        let mut a = PrefillGuard::new(w, 100, 400);
+        let b = PrefillGuard::new(w, 30, 50);
+        assert_eq!((w.load.pending_prefill(), w.load.context_tokens()), (130, 450));
+        a.done();
+        a.done();
+        assert_eq!((w.load.pending_prefill(), w.load.context_tokens()), (30, 450));
+        drop(a);
+        assert_eq!((w.load.pending_prefill(), w.load.context_tokens()), (30, 50));
+        drop(b);
+        assert_eq!((w.load.pending_prefill(), w.load.context_tokens()), (0, 0));
     }
 
     #[test]

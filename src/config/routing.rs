@@ -115,9 +115,14 @@ pub struct CacheAwareParams {
     /// Memory the prefix index may use, in bytes.
     pub index_max_bytes: usize,
     /// What one request queued or running on a worker costs a new arrival there, in prompt
-    /// tokens of prefill. The default is about 64 decode steps of one more sequence in the batch
-    /// (the decode of a typical answer), priced in prefill tokens of a 7B model on one GPU.
+    /// tokens of prefill, besides its context (`context_weight`): the per-sequence share of a
+    /// decode step.
     pub request_cost_tokens: f64,
+    /// What each prompt token of a request queued or running on a worker costs a new arrival
+    /// there, in prompt tokens of prefill: every decode step reads that request's KV cache, so a
+    /// long conversation weighs on a worker more than a short question. At the default 0.04, a
+    /// 512-token request costs about 24 tokens and a 1,536-token one about 65.
+    pub context_weight: f64,
     /// Canonical prompt bytes per token until the workers' `usage` reports teach the real ratio.
     pub bytes_per_token: f64,
     /// Share of the prompt that no worker is known to hold that the request's rendezvous home is
@@ -136,7 +141,8 @@ impl Default for CacheAwareParams {
     fn default() -> Self {
         Self {
             index_max_bytes: 64 << 20,
-            request_cost_tokens: 64.0,
+            request_cost_tokens: 4.0,
+            context_weight: 0.04,
             bytes_per_token: 4.0,
             home_affinity: 0.5,
             miss_weight: 3.0,
@@ -153,13 +159,15 @@ impl CacheAwareParams {
         }
         let ok = self.request_cost_tokens.is_finite()
             && self.request_cost_tokens >= 0.0
+            && self.context_weight.is_finite()
+            && self.context_weight >= 0.0
             && finite_pos(self.bytes_per_token)
             && (0.0..=1.0).contains(&self.home_affinity)
             && finite_pos(self.miss_weight)
             && self.pending_weight.is_finite()
             && self.pending_weight >= 0.0;
         if !ok {
-            return Err("cache_aware: request_cost_tokens >= 0, bytes_per_token > 0, home_affinity in [0, 1], miss_weight > 0, pending_weight >= 0".into());
+            return Err("cache_aware: request_cost_tokens >= 0, context_weight >= 0, bytes_per_token > 0, home_affinity in [0, 1], miss_weight > 0, pending_weight >= 0".into());
         }
         Ok(())
     }

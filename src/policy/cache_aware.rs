@@ -6,13 +6,15 @@
 //! turns are whole blocks of its later ones). For each usable worker `w`, in prompt tokens:
 //!
 //! `cost(w) = miss_weight × (prompt − trust(w) × held(w)) + pending_weight × pending_prefill(w)
-//!           + request_cost × queued(w)`
+//!           + (request_cost + context_weight × context(w)) × queued(w)`
 //!
 //! where `held` is the matched prefix, `trust` the share of predicted cached tokens the worker
 //! has been confirming (its `usage.prompt_tokens_details.cached_tokens`), `pending_prefill` the
-//! uncached prompt tokens this gateway sent it that it has not started answering, and `queued`
-//! this gateway's live in-flight count plus what the worker's own running + waiting showed beyond
-//! it at the last poll ([`crate::load::Load::queued`]). Bytes
+//! uncached prompt tokens this gateway sent it that it has not started answering, `context` the
+//! mean prompt tokens of this gateway's requests in flight there (each decode step reads their KV
+//! cache, so a long conversation queued costs more than a short question), and `queued` this
+//! gateway's live in-flight count plus what the worker's own running + waiting showed beyond it
+//! at the last poll ([`crate::load::Load::queued`]). Bytes
 //! become tokens at the ratio the workers' `usage` reports teach (start: `bytes_per_token`).
 //!
 //! The request's rendezvous home (highest `mix(key, worker)`, where `key` is the hash of the
@@ -99,21 +101,32 @@ impl CacheAware {
         f64::from_bits(self.bytes_per_token.load(Ordering::Relaxed))
     }
 
-    /// The work queued on `w`, in prompt tokens: the one definition both paths price with.
+    /// The work queued on `w`, in prompt tokens: the one definition both paths price with. Each
+    /// queued request costs `request_cost_tokens` plus `context_weight` per token of its prompt;
+    /// requests the worker has beyond this gateway's (another replica's) are taken to be like
+    /// this gateway's there on average, or like `prompt` (the request being placed) when this
+    /// gateway has none there.
     #[inline]
-    fn queue_cost(&self, w: &Worker) -> f64 {
+    fn queue_cost(&self, w: &Worker, prompt: f64) -> f64 {
+        let local = w.inflight();
+        let mean_context = match local {
+            0 => prompt,
+            n => w.load.context_tokens() as f64 / n as f64,
+        };
+        let per_request = self.params.request_cost_tokens + self.params.context_weight * mean_context;
         self.params.pending_weight * w.load.pending_prefill() as f64
-            + self.params.request_cost_tokens * w.load.queued(w.inflight()) as f64
+            + per_request * w.load.queued(local) as f64
     }
 
     /// No key: the usable worker with the least work queued, ties rotating.
-    fn least_work(&self, workers: &[Arc<Worker>]) -> Option<Selection> {
+    fn least_work(&self, workers: &[Arc<Worker>], req: &RequestInfo) -> Option<Selection> {
+        let prompt = req.prompt_bytes as f64 / self.bytes_per_token();
         let n = workers.len();
         let start = self.tie_break.fetch_add(1, Ordering::Relaxed) % n.max(1);
         (0..n)
             .map(|k| (start + k) % n)
             .filter(|&i| workers[i].is_usable())
-            .map(|i| (self.queue_cost(&workers[i]), i))
+            .map(|i| (self.queue_cost(&workers[i], prompt), i))
             .min_by(|a, b| a.0.total_cmp(&b.0))
             .map(|(_, i)| Selection::new(i, Outcome::Fallback))
     }
@@ -121,7 +134,7 @@ impl CacheAware {
     /// The choice for `req` and what it expects there; changes no routing state.
     fn decide(&self, workers: &[Arc<Worker>], req: &RequestInfo) -> Option<Selection> {
         let Some(&last) = req.block_hashes.last() else {
-            return self.least_work(workers);
+            return self.least_work(workers, req);
         };
         let matches = self.index.matches(&req.block_hashes);
         let deepest = matches.deepest();
@@ -194,7 +207,7 @@ impl CacheAware {
             if !w.is_usable() {
                 continue;
             }
-            let mut cost = full_price + self.queue_cost(w);
+            let mut cost = full_price + self.queue_cost(w, prompt);
             let mut depth = 0;
             if holders & (1 << (w.id_hash & 63)) != 0 {
                 depth = matches.depth_of(w.id_hash);
@@ -337,13 +350,26 @@ mod tests {
         CacheAware::new(CacheAwareParams::default())
     }
 
-    /// Weights 1, so the arithmetic in the comments is plain tokens.
+    /// Weights 1 and 64 tokens per queued request whatever its context, so the arithmetic in
+    /// the comments is plain tokens.
     fn unit() -> CacheAware {
         CacheAware::new(CacheAwareParams {
             miss_weight: 1.0,
             pending_weight: 1.0,
+            request_cost_tokens: 64.0,
+            context_weight: 0.0,
             ..CacheAwareParams::default()
         })
+    }
+
+    /// A request in flight on `w` as the proxy accounts it: its slot, `pending` uncached tokens
+    /// until it answers and a `context`-token prompt until it ends.
+    fn hold(
+        w: &Arc<Worker>,
+        pending: u64,
+        context: u64,
+    ) -> (crate::workers::InflightGuard, crate::load::PrefillGuard) {
+        (w.acquire(), crate::load::PrefillGuard::new(w, pending, context))
     }
 
     /// A conversation: `shared` blocks common to all, then `own` blocks of conversation `c`.
@@ -528,17 +554,30 @@ mod tests {
     }
 
     #[test]
-    fn the_default_weighs_a_miss_three_times_its_tokens() {
-        // The same 512-token prefix stays with its holder at 20 in flight (1,280 tokens of queue
-        // against 1,536 of weighted prefill elsewhere) and is copied at 26 (1,664).
+    fn the_default_weighs_a_miss_three_times_its_tokens_and_a_queued_request_by_its_context() {
+        // A 576-token request whose first 512 tokens its holder holds: 192 weighted tokens of
+        // prefill there, 1,728 elsewhere, and up to 96 of credit (3 × 0.5 × its 64 unknown tokens)
+        // on whichever worker is the home of its last block. A queued request costs 4 + 0.04 × its
+        // prompt tokens.
         let ws = test_workers(3);
         let p = policy();
-        let home = pick(&p, &ws, &convo(0, 8, 0)).index;
-        let held: Vec<_> = (0..20).map(|_| ws[home].acquire()).collect();
-        assert_eq!(pick(&p, &ws, &convo(5, 8, 1)).index, home);
-        let more: Vec<_> = (0..6).map(|_| ws[home].acquire()).collect();
-        assert_ne!(pick(&p, &ws, &convo(6, 8, 1)).index, home);
-        drop((held, more));
+        let holder = pick(&p, &ws, &convo(0, 8, 0)).index;
+        // 512-token requests in flight cost 24.48 each: it stays at 58 (1,612) ...
+        let mut held: Vec<_> = (0..58).map(|_| hold(&ws[holder], 0, 512)).collect();
+        assert_eq!(pick(&p, &ws, &convo(5, 8, 1)).index, holder);
+        // ... and is copied at 67 (1,832).
+        held.extend((0..9).map(|_| hold(&ws[holder], 0, 512)));
+        assert_ne!(pick(&p, &ws, &convo(6, 8, 1)).index, holder);
+        drop(held);
+        // 2,048-token conversations in flight cost 85.92 each: it stays at 15 (1,481) and is
+        // copied at 20 (1,910). (A fresh policy: the first one now knows a copy.)
+        let p = policy();
+        let holder = pick(&p, &ws, &convo(0, 8, 0)).index;
+        let mut held: Vec<_> = (0..15).map(|_| hold(&ws[holder], 0, 2048)).collect();
+        assert_eq!(pick(&p, &ws, &convo(7, 8, 1)).index, holder);
+        held.extend((0..5).map(|_| hold(&ws[holder], 0, 2048)));
+        assert_ne!(pick(&p, &ws, &convo(8, 8, 1)).index, holder);
+        drop(held);
     }
 
     #[test]
@@ -550,13 +589,15 @@ mod tests {
         for c in 0..40 {
             let s = pick(&p, &ws, &convo(100 + c, 0, 4));
             per_worker[s.index] += 1;
-            held.push(ws[s.index].acquire()); // in flight, as the proxy would hold it
+            // In flight, as the proxy would hold it: 256 tokens, none of them started.
+            held.push(hold(&ws[s.index], 256, 256));
         }
-        // Each new prompt's home is credited its unknown 256 tokens × 0.5 × 3 = 384 tokens, six
-        // requests' worth: no worker gets further ahead of the least loaded than that.
+        // Each new prompt's home is credited its unknown 256 tokens × 0.5 × 3 = 384 tokens; each
+        // request placed costs 0.5 × 256 pending + 4 + 0.04 × 256 = 142: no worker gets more
+        // than three requests ahead of the least loaded.
         let (min, max) = (per_worker.iter().min(), per_worker.iter().max());
         assert!(
-            max.zip(min).is_some_and(|(a, b)| a - b <= 7),
+            max.zip(min).is_some_and(|(a, b)| a - b <= 3),
             "{per_worker:?}"
         );
     }
