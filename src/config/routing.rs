@@ -51,7 +51,7 @@ pub enum PolicyConfig {
 
 impl Default for PolicyConfig {
     fn default() -> Self {
-        PolicyConfig::Prefix(PrefixParams::default())
+        PolicyConfig::CacheAware(CacheAwareParams::default())
     }
 }
 
