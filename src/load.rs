@@ -299,12 +299,21 @@ mod tests {
         let w = &crate::workers::test_workers(1)[0];
         let mut a = PrefillGuard::new(w, 100, 400);
         let b = PrefillGuard::new(w, 30, 50);
-        assert_eq!((w.load.pending_prefill(), w.load.context_tokens()), (130, 450));
+        assert_eq!(
+            (w.load.pending_prefill(), w.load.context_tokens()),
+            (130, 450)
+        );
         a.done();
         a.done();
-        assert_eq!((w.load.pending_prefill(), w.load.context_tokens()), (30, 450));
+        assert_eq!(
+            (w.load.pending_prefill(), w.load.context_tokens()),
+            (30, 450)
+        );
         drop(a);
-        assert_eq!((w.load.pending_prefill(), w.load.context_tokens()), (30, 50));
+        assert_eq!(
+            (w.load.pending_prefill(), w.load.context_tokens()),
+            (30, 50)
+        );
         drop(b);
         assert_eq!((w.load.pending_prefill(), w.load.context_tokens()), (0, 0));
     }

@@ -480,7 +480,10 @@ mod tests {
     #[test]
     fn defaults_fill_a_minimal_file() {
         let c = Config::from_yaml("workers: [{url: 'http://127.0.0.1:9000'}]").unwrap();
-        assert_eq!(c.policy, PolicyConfig::CacheAware(CacheAwareParams::default()));
+        assert_eq!(
+            c.policy,
+            PolicyConfig::CacheAware(CacheAwareParams::default())
+        );
         assert_eq!(c.body_limit_bytes, Config::default().body_limit_bytes);
         assert_eq!(worker_name(&c.workers[0]), "127.0.0.1:9000");
     }

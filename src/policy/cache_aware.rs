@@ -113,7 +113,8 @@ impl CacheAware {
             0 => prompt,
             n => w.load.context_tokens() as f64 / n as f64,
         };
-        let per_request = self.params.request_cost_tokens + self.params.context_weight * mean_context;
+        let per_request =
+            self.params.request_cost_tokens + self.params.context_weight * mean_context;
         self.params.pending_weight * w.load.pending_prefill() as f64
             + per_request * w.load.queued(local) as f64
     }
@@ -369,7 +370,10 @@ mod tests {
         pending: u64,
         context: u64,
     ) -> (crate::workers::InflightGuard, crate::load::PrefillGuard) {
-        (w.acquire(), crate::load::PrefillGuard::new(w, pending, context))
+        (
+            w.acquire(),
+            crate::load::PrefillGuard::new(w, pending, context),
+        )
     }
 
     /// A conversation: `shared` blocks common to all, then `own` blocks of conversation `c`.

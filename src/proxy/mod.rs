@@ -157,7 +157,9 @@ pub async fn forward(
             prefill: PrefillGuard::new(
                 worker,
                 selection.prediction.map_or(0, |p| u64::from(p.uncached())),
-                selection.prediction.map_or(0, |p| u64::from(p.prompt_tokens)),
+                selection
+                    .prediction
+                    .map_or(0, |p| u64::from(p.prompt_tokens)),
             ),
             usage: None,
             failed: false,
