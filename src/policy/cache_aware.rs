@@ -109,14 +109,19 @@ impl CacheAware {
     #[inline]
     fn queue_cost(&self, w: &Worker, prompt: f64) -> f64 {
         let local = w.inflight();
-        let mean_context = match local {
-            0 => prompt,
-            n => w.load.context_tokens() as f64 / n as f64,
+        let queued = w.load.queued(local);
+        let own = w.load.context_tokens() as f64;
+        // Tokens read per decode step on behalf of the queue; no division with one gateway.
+        let context = if queued == local {
+            own
+        } else if local == 0 {
+            prompt * queued as f64
+        } else {
+            own * queued as f64 / local as f64
         };
-        let per_request =
-            self.params.request_cost_tokens + self.params.context_weight * mean_context;
         self.params.pending_weight * w.load.pending_prefill() as f64
-            + per_request * w.load.queued(local) as f64
+            + self.params.request_cost_tokens * queued as f64
+            + self.params.context_weight * context
     }
 
     /// No key: the usable worker with the least work queued, ties rotating.
