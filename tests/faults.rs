@@ -399,10 +399,11 @@ async fn fault_matrix_what_the_client_sees_and_nothing_leaks() {
             },
         });
     }
-    // Refused: the only worker's port is closed.
-    let closed = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    // Refused: the only worker's port is bound but not listening, so connections to it are reset
+    // and no other test's listener can take the port over while this one runs.
+    let closed = tokio::net::TcpSocket::new_v4().unwrap();
+    closed.bind("127.0.0.1:0".parse().unwrap()).unwrap();
     let url = format!("http://{}", closed.local_addr().unwrap());
-    drop(closed);
     let mut cfg = config_for(&[], "round_robin");
     cfg.workers = vec![kvroute::config::WorkerConfig {
         name: Some("w0".into()),
