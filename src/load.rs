@@ -124,16 +124,16 @@ impl Load {
 }
 
 /// One request's share of a worker's load: its uncached prompt tokens count in the worker's pending
-/// prefill until it starts answering ([`PrefillGuard::done`]) and its whole prompt in the
+/// prefill until it starts answering ([`RequestLoad::done`]) and its whole prompt in the
 /// worker's in-flight context until dropped.
 #[derive(Debug)]
-pub struct PrefillGuard {
+pub struct RequestLoad {
     worker: Arc<Worker>,
     tokens: u64,
     context: u64,
 }
 
-impl PrefillGuard {
+impl RequestLoad {
     pub fn new(worker: &Arc<Worker>, tokens: u64, context: u64) -> Self {
         let load = &worker.load;
         load.pending_prefill.fetch_add(tokens, Ordering::Relaxed);
@@ -159,7 +159,7 @@ impl PrefillGuard {
     }
 }
 
-impl Drop for PrefillGuard {
+impl Drop for RequestLoad {
     fn drop(&mut self) {
         self.done();
         self.worker
@@ -297,8 +297,8 @@ mod tests {
     #[test]
     fn a_request_counts_its_prefill_until_it_answers_and_its_prompt_until_it_ends() {
         let w = &crate::workers::test_workers(1)[0];
-        let mut a = PrefillGuard::new(w, 100, 400);
-        let b = PrefillGuard::new(w, 30, 50);
+        let mut a = RequestLoad::new(w, 100, 400);
+        let b = RequestLoad::new(w, 30, 50);
         assert_eq!(
             (w.load.pending_prefill(), w.load.context_tokens()),
             (130, 450)

@@ -374,10 +374,10 @@ mod tests {
         w: &Arc<Worker>,
         pending: u64,
         context: u64,
-    ) -> (crate::workers::InflightGuard, crate::load::PrefillGuard) {
+    ) -> (crate::workers::InflightGuard, crate::load::RequestLoad) {
         (
             w.acquire(),
-            crate::load::PrefillGuard::new(w, pending, context),
+            crate::load::RequestLoad::new(w, pending, context),
         )
     }
 

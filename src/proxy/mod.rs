@@ -28,7 +28,7 @@ use crate::{
     admission::{self, Shed},
     config::Config,
     error::ApiError,
-    load::PrefillGuard,
+    load::RequestLoad,
     metrics::Metrics,
     policy::arms::Arm,
     routing_key::RequestInfo,
@@ -154,7 +154,7 @@ pub async fn forward(
             policy: Arc::clone(&arm.policy),
             info: Arc::clone(shared.get_or_insert_with(|| Arc::new(info.clone()))),
             selection,
-            prefill: PrefillGuard::new(
+            load: RequestLoad::new(
                 worker,
                 selection.prediction.map_or(0, |p| u64::from(p.uncached())),
                 selection

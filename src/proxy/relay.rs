@@ -23,7 +23,7 @@ use tokio::time::{Instant, Sleep};
 
 use super::{copy_headers, Route, WORKER_HEADER};
 use crate::{
-    load::PrefillGuard,
+    load::RequestLoad,
     metrics::Metrics,
     policy::{arms::ARM_HEADER, Observed, Policy, Selection, Usage},
     routing_key::RequestInfo,
@@ -42,8 +42,9 @@ pub(super) struct Feedback {
     pub policy: Arc<dyn Policy>,
     pub info: Arc<RequestInfo>,
     pub selection: Selection,
-    /// The uncached prompt tokens counted in the worker's pending prefill until it answers.
-    pub prefill: PrefillGuard,
+    /// This request's share of the worker's load: its uncached prompt tokens in the pending
+    /// prefill until the worker answers, its prompt in the in-flight context until it ends.
+    pub load: RequestLoad,
     pub usage: Option<Usage>,
     /// The worker answered with a non-2xx status or failed: it did not take the prompt.
     pub failed: bool,
@@ -139,7 +140,7 @@ impl Tracker {
     /// A frame of the answer went by: the prefill is over, and it may carry the usage.
     fn saw(&mut self, data: &[u8]) {
         if let Some(f) = &mut self.feedback {
-            f.prefill.done();
+            f.load.done();
             if let Some(u) = find_usage(data) {
                 f.usage = Some(u);
             }
@@ -151,7 +152,7 @@ impl Tracker {
         let Some(mut f) = self.feedback.take() else {
             return;
         };
-        f.prefill.done();
+        f.load.done();
         let result = match (f.failed, self.phase) {
             (true, _) => Observed::Failed,
             (false, Phase::Finished) => Observed::Answered(f.usage),
