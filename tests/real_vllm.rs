@@ -121,21 +121,70 @@ fn words(seed: u64, n: usize) -> String {
 }
 
 /// `id` and `created` of the first JSON event of an SSE body.
-fn stream_identity(body: &str) -> (String, String) {
-    let first = body
-        .split("\n\n")
-        .find_map(|e| e.strip_prefix("data: {"))
-        .map(|rest| format!("{{{rest}"))
-        .expect("a JSON event");
-    let v: Value = serde_json::from_str(&first).unwrap();
-    (
-        v["id"].as_str().unwrap().to_owned(),
-        v["created"].to_string(),
-    )
+/// What two greedy generations of the same stream must share, however vLLM happens to cut them
+/// into events: each choice's text and finish reason, the usage, the id and model every event
+/// carries. vLLM may coalesce two tokens into one event in one run and not the other, so the
+/// event count is compared loosely and the bytes not at all (byte-for-byte relay is tested
+/// against deterministic upstreams in `tests/gateway.rs`). The cached-token count is left out
+/// of the usage: the second run may hit the first one's prefix cache.
+#[derive(Debug, PartialEq)]
+struct StreamSummary {
+    texts: std::collections::BTreeMap<u64, String>,
+    finish: std::collections::BTreeMap<u64, String>,
+    usage: Value,
+    models: std::collections::BTreeSet<String>,
+    events: usize,
+}
+
+fn summarise_stream(body: &str) -> StreamSummary {
+    assert!(body.ends_with("data: [DONE]\n\n"), "{body}");
+    let mut texts = std::collections::BTreeMap::new();
+    let mut finish = std::collections::BTreeMap::new();
+    let mut usage = Value::Null;
+    let mut models = std::collections::BTreeSet::new();
+    let mut ids = std::collections::BTreeSet::new();
+    let mut events = 0;
+    for event in body.split("\n\n").filter(|e| !e.is_empty()) {
+        let data = event
+            .strip_prefix("data: ")
+            .unwrap_or_else(|| panic!("not a data event: {event:?}"));
+        if data == "[DONE]" {
+            continue;
+        }
+        events += 1;
+        let v: Value = serde_json::from_str(data).unwrap_or_else(|e| panic!("{e}: {data}"));
+        ids.insert(v["id"].as_str().unwrap().to_owned());
+        models.insert(v["model"].as_str().unwrap().to_owned());
+        if !v["usage"].is_null() {
+            usage = v["usage"].clone();
+            if let Some(u) = usage.as_object_mut() {
+                u.remove("prompt_tokens_details");
+            }
+        }
+        for choice in v["choices"].as_array().into_iter().flatten() {
+            let i = choice["index"].as_u64().unwrap();
+            let piece = choice["text"]
+                .as_str()
+                .or_else(|| choice["delta"]["content"].as_str())
+                .unwrap_or("");
+            texts.entry(i).or_insert_with(String::new).push_str(piece);
+            if let Some(reason) = choice["finish_reason"].as_str() {
+                finish.insert(i, reason.to_owned());
+            }
+        }
+    }
+    assert_eq!(ids.len(), 1, "one id for the whole stream: {ids:?}");
+    StreamSummary {
+        texts,
+        finish,
+        usage,
+        models,
+        events,
+    }
 }
 
 #[tokio::test]
-async fn relays_real_vllm_streams_byte_for_byte() {
+async fn relays_real_vllm_streams_event_for_event() {
     let Some(pool) = Pool::from_env() else { return };
     let _turn = SERIAL.lock().await;
     let gw = pool.gateway(&[0], "round_robin").await;
@@ -160,18 +209,25 @@ async fn relays_real_vllm_streams_byte_for_byte() {
         assert_eq!(direct.status, 200, "{path}");
         assert_eq!(via.status, 200, "{path}");
         assert_eq!(via.header("content-type"), direct.header("content-type"));
-        let direct = String::from_utf8(direct.body).unwrap();
-        let via = String::from_utf8(via.body).unwrap();
-        assert!(direct.ends_with("data: [DONE]\n\n"), "{direct}");
-        // Every byte must match except the per-request id and creation time vLLM stamps.
-        let (d_id, d_created) = stream_identity(&direct);
-        let (v_id, v_created) = stream_identity(&via);
-        let via = via.replace(&v_id, &d_id).replace(
-            &format!("\"created\":{v_created}"),
-            &format!("\"created\":{d_created}"),
+        let direct = summarise_stream(&String::from_utf8(direct.body).unwrap());
+        let mut via = summarise_stream(&String::from_utf8(via.body).unwrap());
+        assert_eq!(direct.usage["completion_tokens"], 12, "{path}: {direct:?}");
+        assert!(
+            direct.events >= 7,
+            "{path}: a stream, not one event: {direct:?}"
         );
-        assert_eq!(via, direct, "{path}: the relayed stream differs");
-        assert!(direct.matches("data: ").count() >= 13, "{direct}");
+        // 12 tokens: vLLM may coalesce a few of them differently from one run to the next.
+        assert!(
+            via.events.abs_diff(direct.events) <= 3,
+            "{path}: {} events relayed, {} direct",
+            via.events,
+            direct.events
+        );
+        via.events = direct.events;
+        assert_eq!(
+            via, direct,
+            "{path}: the relayed stream says something else"
+        );
     }
 }
 
