@@ -11,17 +11,17 @@
 use std::{net::SocketAddr, sync::Arc, time::Duration};
 
 use axum::{body::Body, Router};
-use hyper::body::Incoming;
+use hyper::{body::Incoming, server::conn::http1};
 use hyper_util::{
     rt::{TokioExecutor, TokioIo, TokioTimer},
-    server::{conn::auto, graceful::GracefulShutdown},
+    server::conn::auto,
     service::TowerToHyperService,
 };
 use tokio::{
     net::{TcpListener, TcpSocket, TcpStream},
     sync::{mpsc, OwnedSemaphorePermit, Semaphore},
 };
-use tokio_util::sync::CancellationToken;
+use tokio_util::{sync::CancellationToken, task::TaskTracker};
 use tower::ServiceExt;
 
 use crate::config::LimitsConfig;
@@ -64,8 +64,7 @@ pub async fn serve_spread(
     shutdown: CancellationToken,
 ) -> std::io::Result<()> {
     let permits = Arc::new(Semaphore::new(limits.max_connections));
-    let graceful = GracefulShutdown::new();
-    let builder = conn_builder(limits);
+    let conns = Connections::new(limits);
     static ACCEPT: crate::logging::Throttle = crate::logging::Throttle::new(1);
     let mut turn = 0usize;
     loop {
@@ -106,11 +105,11 @@ pub async fn serve_spread(
                 }
             },
         };
-        serve_conn(&builder, &graceful, &app, tcp, permit);
+        conns.serve(&app, tcp, permit);
     }
     drop(listener);
     drop(others);
-    graceful.shutdown().await;
+    conns.drain().await;
     Ok(())
 }
 
@@ -121,50 +120,151 @@ pub async fn serve_handed(
     app: Router,
     limits: &LimitsConfig,
 ) {
-    let graceful = GracefulShutdown::new();
-    let builder = conn_builder(limits);
+    let conns = Connections::new(limits);
     while let Some((std, permit)) = handed.recv().await {
         match TcpStream::from_std(std) {
-            Ok(tcp) => serve_conn(&builder, &graceful, &app, tcp, permit),
+            Ok(tcp) => conns.serve(&app, tcp, permit),
             Err(e) => tracing::debug!("cannot take a connection over: {e}"),
         }
     }
-    graceful.shutdown().await;
+    conns.drain().await;
 }
 
-fn conn_builder(limits: &LimitsConfig) -> auto::Builder<TokioExecutor> {
-    let mut builder = auto::Builder::new(TokioExecutor::new());
-    builder
-        .http1()
-        .timer(TokioTimer::new())
-        .header_read_timeout(Duration::from_secs_f64(limits.header_read_timeout_seconds));
-    builder
+/// The connections of one event loop: how they are served, and their graceful drain.
+struct Connections {
+    http: Arc<Http>,
+    /// Cancelled when the loop stops accepting: each connection finishes its request and closes.
+    stop: CancellationToken,
+    tracker: TaskTracker,
 }
 
-/// Runs one connection on the calling loop; its permit is released when it closes.
-fn serve_conn(
-    builder: &auto::Builder<TokioExecutor>,
-    graceful: &GracefulShutdown,
-    app: &Router,
-    tcp: TcpStream,
-    permit: OwnedSemaphorePermit,
-) {
-    // Without TCP_NODELAY an SSE event written right after the headers waits for the
-    // client's delayed ACK (~40 ms on Linux).
-    if let Err(e) = tcp.set_nodelay(true) {
-        tracing::debug!("cannot set TCP_NODELAY: {e}");
-    }
-    let service = app
-        .clone()
-        .map_request(|req: http::Request<Incoming>| req.map(Body::new));
-    let conn = builder
-        .serve_connection_with_upgrades(TokioIo::new(tcp), TowerToHyperService::new(service))
-        .into_owned();
-    let conn = graceful.watch(conn);
-    tokio::spawn(async move {
-        if let Err(e) = conn.await {
-            tracing::trace!("connection ended: {e}");
+struct Http {
+    http1: http1::Builder,
+    /// For HTTP/2 with prior knowledge, and for a first segment too short to tell.
+    auto: auto::Builder<TokioExecutor>,
+    /// How long a new connection may stay silent before its first byte.
+    first_byte: Duration,
+}
+
+/// HTTP/2's connection preface (RFC 9113 §3.4): how an h2c client with prior knowledge opens.
+const H2_PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+
+enum Protocol {
+    Http1,
+    /// The preface, or a first segment that is a prefix of it.
+    MaybeHttp2,
+}
+
+impl Connections {
+    fn new(limits: &LimitsConfig) -> Self {
+        let header_timeout = Duration::from_secs_f64(limits.header_read_timeout_seconds);
+        let mut http1 = http1::Builder::new();
+        http1
+            .timer(TokioTimer::new())
+            .header_read_timeout(header_timeout);
+        let mut auto = auto::Builder::new(TokioExecutor::new());
+        auto.http1()
+            .timer(TokioTimer::new())
+            .header_read_timeout(header_timeout);
+        Self {
+            http: Arc::new(Http {
+                http1,
+                auto,
+                first_byte: header_timeout,
+            }),
+            stop: CancellationToken::new(),
+            tracker: TaskTracker::new(),
         }
-        drop(permit);
-    });
+    }
+
+    /// Runs one connection on the calling loop; its permit is released when it closes.
+    ///
+    /// The protocol is told by peeking at the first bytes rather than reading them, as hyper's
+    /// `auto` server does: read, they would reach HTTP/1's buffer as a short first read, and
+    /// growing that buffer for the rest of the request doubles it to 16 KiB for the life of the
+    /// connection (8 KiB of memory per open stream). HTTP/2 (rare here) still goes through `auto`.
+    fn serve(&self, app: &Router, tcp: TcpStream, permit: OwnedSemaphorePermit) {
+        // Without TCP_NODELAY an SSE event written right after the headers waits for the
+        // client's delayed ACK (~40 ms on Linux).
+        if let Err(e) = tcp.set_nodelay(true) {
+            tracing::debug!("cannot set TCP_NODELAY: {e}");
+        }
+        let service = TowerToHyperService::new(
+            app.clone()
+                .map_request(|req: http::Request<Incoming>| req.map(Body::new)),
+        );
+        let (http, stop) = (Arc::clone(&self.http), self.stop.clone());
+        self.tracker.spawn(async move {
+            let _permit = permit;
+            let protocol = tokio::select! {
+                p = tokio::time::timeout(http.first_byte, sniff(&tcp)) => match p {
+                    Ok(Ok(Some(p))) => p,
+                    // Closed, failed, or silent past the header deadline.
+                    _ => return,
+                },
+                () = stop.cancelled() => return,
+            };
+            let ended = match protocol {
+                Protocol::Http1 => {
+                    let conn = http
+                        .http1
+                        .serve_connection(TokioIo::new(tcp), service)
+                        .with_upgrades();
+                    until_stopped(conn, &stop, |c| c.graceful_shutdown())
+                        .await
+                        .map_err(|e| e.to_string())
+                }
+                Protocol::MaybeHttp2 => {
+                    // Boxed: kept out of the (much more common) HTTP/1 connection's task.
+                    let conn = Box::pin(
+                        http.auto
+                            .serve_connection_with_upgrades(TokioIo::new(tcp), service),
+                    );
+                    until_stopped(conn, &stop, |c| c.get_mut().as_mut().graceful_shutdown())
+                        .await
+                        .map_err(|e| e.to_string())
+                }
+            };
+            if let Err(e) = ended {
+                tracing::trace!("connection ended: {e}");
+            }
+        });
+    }
+
+    /// Asks every connection to finish its request and close, and waits until they have.
+    async fn drain(self) {
+        self.stop.cancel();
+        self.tracker.close();
+        self.tracker.wait().await;
+    }
+}
+
+/// Which protocol the connection speaks, from its first bytes left unread in the socket; `None`
+/// when it closes first.
+async fn sniff(tcp: &TcpStream) -> std::io::Result<Option<Protocol>> {
+    let mut first = [0u8; H2_PREFACE.len()];
+    let n = tcp.peek(&mut first).await?;
+    Ok(match n {
+        0 => None,
+        n if first[..n] == H2_PREFACE[..n] => Some(Protocol::MaybeHttp2),
+        _ => Some(Protocol::Http1),
+    })
+}
+
+/// Runs `conn` to its end; once `stop` fires, asks it (through `shut`) to finish gracefully.
+async fn until_stopped<C, E>(
+    conn: C,
+    stop: &CancellationToken,
+    shut: impl FnOnce(std::pin::Pin<&mut C>),
+) -> Result<(), E>
+where
+    C: std::future::Future<Output = Result<(), E>>,
+{
+    let mut conn = std::pin::pin!(conn);
+    tokio::select! {
+        ended = conn.as_mut() => return ended,
+        () = stop.cancelled() => {}
+    }
+    shut(conn.as_mut());
+    conn.await
 }

@@ -58,6 +58,52 @@ async fn headers_that_trickle_in_are_cut_off_while_others_are_served() {
     }
 }
 
+/// A connection that never sends a byte is closed at the header deadline too: the protocol is
+/// told before hyper's own header timer starts, and that wait has the same deadline.
+#[tokio::test]
+async fn a_connection_that_sends_nothing_is_closed_at_the_header_deadline() {
+    let up = upstream("w0", &[]).await;
+    let mut cfg = config_for(&[&up], "round_robin");
+    cfg.limits.header_read_timeout_seconds = 0.3;
+    let gw = gateway(cfg).await;
+    let mut silent = TcpStream::connect(gw.addr).await.unwrap();
+    let (got, closed) = read_to_close(&mut silent, Duration::from_secs(5)).await;
+    assert!(closed && got.is_empty(), "kept open: {got:?}");
+}
+
+/// HTTP/2 with prior knowledge (h2c) is still served beside HTTP/1 on the same port: the
+/// protocol is told from the first bytes, peeked, not read.
+#[tokio::test]
+async fn http2_with_prior_knowledge_is_served() {
+    let up = upstream("w0", &[]).await;
+    let gw = gateway(config_for(&[&up], "round_robin")).await;
+    let tcp = TcpStream::connect(gw.addr).await.unwrap();
+    let (mut sender, conn) = hyper::client::conn::http2::handshake(
+        hyper_util::rt::TokioExecutor::new(),
+        hyper_util::rt::TokioIo::new(tcp),
+    )
+    .await
+    .unwrap();
+    tokio::spawn(conn);
+    let req = http::Request::post(format!("http://{}/v1/completions", gw.addr))
+        .body(http_body_util::Full::new(bytes::Bytes::from_static(
+            br#"{"prompt": "over h2", "max_tokens": 3}"#,
+        )))
+        .unwrap();
+    let resp = sender.send_request(req).await.unwrap();
+    assert_eq!(resp.version(), http::Version::HTTP_2);
+    assert_eq!(resp.status(), 200);
+    let body = http_body_util::BodyExt::collect(resp.into_body())
+        .await
+        .unwrap()
+        .to_bytes();
+    let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(v["worker"], "w0", "{v}");
+    assert_eq!(v["path"], "/v1/completions", "{v}");
+    // And HTTP/1 beside it.
+    assert_eq!(request(gw.addr, "GET", "/health", b"").await.status, 200);
+}
+
 #[tokio::test]
 async fn a_body_that_never_finishes_gets_408() {
     let up = upstream("w0", &[]).await;
