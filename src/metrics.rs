@@ -3,8 +3,11 @@
 //! Label values come from bounded sets: routes are the matched route names, workers are the
 //! configured pool, policies and outcomes are enums, status is the HTTP status code.
 
+use std::sync::{Arc, Mutex, OnceLock};
+
 use prometheus::{
-    Encoder, HistogramOpts, HistogramVec, IntCounterVec, IntGaugeVec, Opts, Registry, TextEncoder,
+    Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGaugeVec, Opts,
+    Registry, TextEncoder,
 };
 
 /// Latency buckets from 1 ms to 5 min: TTFT of a warm prefix is milliseconds, a cold long prompt seconds.
@@ -284,6 +287,20 @@ impl Metrics {
         }))
     }
 
+    /// The series one worker's requests update under one arm, looked up once (see
+    /// [`WorkerSeries`]).
+    pub fn worker_series(&self, policy: &'static str, arm: &str, worker: &str) -> WorkerSeries {
+        WorkerSeries {
+            policy,
+            arm: arm.into(),
+            ttfb: self.ttfb.with_label_values(&[policy, arm, worker]),
+            duration: self.duration.with_label_values(&[policy, arm, worker]),
+            answered: Default::default(),
+            predicted_cached: OnceLock::new(),
+            reported_cached: OnceLock::new(),
+        }
+    }
+
     /// A `Worker` named `name` was made.
     pub fn worker_born(&self, name: &str) {
         let mut names = self.worker_names.lock().unwrap_or_else(|e| e.into_inner());
@@ -402,5 +419,88 @@ fn forget<T: prometheus::core::MetricVecBuilder>(
 impl Default for Metrics {
     fn default() -> Self {
         Self::new()
+    }
+}
+
+/// The series that every request to one worker under one arm updates, resolved once instead of
+/// per request (a label lookup hashes every label value and takes a lock). Kept by the `Worker`
+/// (see `Worker::series`), so they go when its series are removed. Series a request may never
+/// touch (a status, the cached-token counters) are made on first use, as before.
+pub struct WorkerSeries {
+    pub policy: &'static str,
+    pub arm: Arc<str>,
+    pub ttfb: Histogram,
+    pub duration: Histogram,
+    /// `requests` with status 200, by route (`Route as usize`).
+    answered: [OnceLock<IntCounter>; 3],
+    predicted_cached: OnceLock<IntCounter>,
+    reported_cached: OnceLock<IntCounter>,
+}
+
+impl WorkerSeries {
+    /// Counts a request answered with `status` on `route`.
+    pub fn count_request(
+        &self,
+        metrics: &MetricSet,
+        route: crate::proxy::Route,
+        worker: &str,
+        status: http::StatusCode,
+    ) {
+        let labels = |status: &str| {
+            metrics.requests.with_label_values(&[
+                route.as_str(),
+                self.policy,
+                &self.arm,
+                worker,
+                status,
+            ])
+        };
+        if status == http::StatusCode::OK {
+            self.answered[route as usize]
+                .get_or_init(|| labels("200"))
+                .inc();
+        } else {
+            labels(status.as_str()).inc();
+        }
+    }
+
+    /// Counts one answer's predicted and reported cached tokens.
+    pub fn count_cached(&self, metrics: &MetricSet, worker: &str, predicted: u64, reported: u64) {
+        let labels = [self.policy, &*self.arm, worker];
+        self.predicted_cached
+            .get_or_init(|| metrics.predicted_cached_tokens.with_label_values(&labels))
+            .inc_by(predicted);
+        self.reported_cached
+            .get_or_init(|| metrics.reported_cached_tokens.with_label_values(&labels))
+            .inc_by(reported);
+    }
+}
+
+/// A worker's [`WorkerSeries`], one per arm it has served (a handful: arms are few, and a reload
+/// that keeps an arm's name and policy keeps its series).
+#[derive(Default)]
+pub struct SeriesByArm(Mutex<Vec<Arc<WorkerSeries>>>);
+
+impl std::fmt::Debug for SeriesByArm {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("SeriesByArm")
+    }
+}
+
+impl SeriesByArm {
+    pub fn get(
+        &self,
+        metrics: &Metrics,
+        policy: &'static str,
+        arm: &str,
+        worker: &str,
+    ) -> Arc<WorkerSeries> {
+        let mut all = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(s) = all.iter().find(|s| s.policy == policy && &*s.arm == arm) {
+            return Arc::clone(s);
+        }
+        let made = Arc::new(metrics.worker_series(policy, arm, worker));
+        all.push(Arc::clone(&made));
+        made
     }
 }

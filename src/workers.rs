@@ -55,6 +55,8 @@ pub struct Worker {
     pub events: Option<Arc<crate::kv_events::Feed>>,
     /// Stops following the events when the worker is dropped.
     _follow: Option<tokio_util::sync::DropGuard>,
+    /// Its per-request series under each arm, resolved once.
+    series: crate::metrics::SeriesByArm,
 }
 
 /// Blocks remembered per worker from its events: beyond any GPU's KV cache (an 80 GB GPU holds
@@ -118,7 +120,13 @@ impl Worker {
             born: Instant::now(),
             load: crate::load::Load::default(),
             freed,
+            series: Default::default(),
         })
+    }
+
+    /// The series this worker's requests update under the arm `arm` of policy `policy`.
+    pub fn series(&self, policy: &'static str, arm: &str) -> Arc<crate::metrics::WorkerSeries> {
+        self.series.get(&self.metrics, policy, arm, &self.name)
     }
 
     pub fn inflight(&self) -> usize {

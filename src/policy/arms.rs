@@ -26,6 +26,8 @@ pub struct Arm {
     pub name: Arc<str>,
     pub policy: Arc<dyn Policy>,
     weight: f64,
+    /// `routing_decisions` by outcome (`Outcome as usize`), looked up on first use.
+    decisions: [std::sync::OnceLock<prometheus::IntCounter>; super::Outcome::COUNT],
 }
 
 impl Arm {
@@ -34,7 +36,21 @@ impl Arm {
             name: name.into(),
             policy,
             weight: 1.0,
+            decisions: Default::default(),
         }
+    }
+
+    /// Counts one routing decision of this arm.
+    pub fn count_decision(&self, metrics: &crate::metrics::MetricSet, outcome: super::Outcome) {
+        self.decisions[outcome as usize]
+            .get_or_init(|| {
+                metrics.routing_decisions.with_label_values(&[
+                    self.policy.name(),
+                    &self.name,
+                    outcome.as_str(),
+                ])
+            })
+            .inc();
     }
 }
 
@@ -57,9 +73,8 @@ impl Arms {
             .arms
             .iter()
             .map(|a| Arm {
-                name: a.name.as_str().into(),
-                policy: build(&a.policy),
                 weight: a.weight,
+                ..Arm::new(&a.name, build(&a.policy))
             })
             .collect();
         Self {

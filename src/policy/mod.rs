@@ -41,6 +41,9 @@ pub enum Outcome {
 }
 
 impl Outcome {
+    /// How many outcomes there are.
+    pub const COUNT: usize = Outcome::ExactMatch as usize + 1;
+
     pub fn as_str(self) -> &'static str {
         match self {
             Outcome::Preferred => "preferred",

@@ -77,9 +77,9 @@ pub struct Upstreams {
 /// Which kind of request this is, for the `route` label and for whether routing is counted.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Route {
-    Completions,
-    ChatCompletions,
-    Passthrough,
+    Completions = 0,
+    ChatCompletions = 1,
+    Passthrough = 2,
 }
 
 impl Route {
@@ -145,10 +145,7 @@ pub async fn forward(
             continue;
         };
         if route != Route::Passthrough {
-            up.metrics
-                .routing_decisions
-                .with_label_values(&[policy.name(), &arm.name, selection.outcome.as_str()])
-                .inc();
+            arm.count_decision(&up.metrics, selection.outcome);
         }
         let feedback = policy.learns().then(|| Feedback {
             policy: Arc::clone(&arm.policy),
@@ -165,10 +162,9 @@ pub async fn forward(
             failed: false,
         });
         let tracker = Tracker {
+            series: worker.series(policy.name(), &arm.name),
             slot,
             metrics: up.metrics.clone(),
-            policy: policy.name(),
-            arm: arm.name.clone(),
             started,
             phase: Phase::Waiting,
             feedback,

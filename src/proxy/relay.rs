@@ -24,7 +24,7 @@ use tokio::time::{Instant, Sleep};
 use super::{copy_headers, Route, WORKER_HEADER};
 use crate::{
     load::RequestLoad,
-    metrics::Metrics,
+    metrics::{Metrics, WorkerSeries},
     policy::{arms::ARM_HEADER, Observed, Policy, Selection, Usage},
     routing_key::RequestInfo,
     workers::InflightGuard,
@@ -54,8 +54,8 @@ pub(super) struct Feedback {
 pub(super) struct Tracker {
     pub slot: InflightGuard,
     pub metrics: Metrics,
-    pub policy: &'static str,
-    pub arm: Arc<str>,
+    /// The worker's series under this request's arm (with the `policy` and `arm` labels).
+    pub series: Arc<WorkerSeries>,
     pub started: Instant,
     pub phase: Phase,
     pub feedback: Option<Feedback>,
@@ -89,22 +89,10 @@ impl Tracker {
         idle: Duration,
     ) -> Response {
         let (parts, incoming) = resp.into_parts();
-        let worker = self.worker().to_owned();
-        let arm = self.arm.clone();
-        self.metrics
-            .ttfb
-            .with_label_values(&[self.policy, &self.arm, &worker])
-            .observe(self.started.elapsed().as_secs_f64());
-        self.metrics
-            .requests
-            .with_label_values(&[
-                route.as_str(),
-                self.policy,
-                &self.arm,
-                &worker,
-                parts.status.as_str(),
-            ])
-            .inc();
+        let worker = Arc::clone(self.slot.worker());
+        let series = Arc::clone(&self.series);
+        series.ttfb.observe(self.started.elapsed().as_secs_f64());
+        series.count_request(&self.metrics, route, &worker.name, parts.status);
         if let Some(f) = &mut self.feedback {
             f.failed = !parts.status.is_success();
         }
@@ -128,10 +116,10 @@ impl Tracker {
         }));
         *out.status_mut() = parts.status;
         copy_headers(&parts.headers, out.headers_mut(), &[]);
-        if let Ok(v) = HeaderValue::from_str(&worker) {
+        if let Ok(v) = HeaderValue::from_str(&worker.name) {
             out.headers_mut().insert(WORKER_HEADER, v);
         }
-        if let Ok(v) = HeaderValue::from_str(&arm) {
+        if let Ok(v) = HeaderValue::from_str(&series.arm) {
             out.headers_mut().insert(ARM_HEADER, v);
         }
         out
@@ -171,16 +159,9 @@ impl Tracker {
         else {
             return;
         };
-        let labels = [self.policy, &*self.arm, &*worker.name];
         let predicted = u64::from(p.cached_tokens);
-        self.metrics
-            .predicted_cached_tokens
-            .with_label_values(&labels)
-            .inc_by(predicted);
-        self.metrics
-            .reported_cached_tokens
-            .with_label_values(&labels)
-            .inc_by(cached);
+        self.series
+            .count_cached(&self.metrics, &worker.name, predicted, cached);
         // Within a tenth of the prompt (the gateway's blocks and the worker's differ) is right.
         let slack = u64::from(p.prompt_tokens / 10).max(16);
         let verdict = if predicted > cached + slack {
@@ -192,7 +173,7 @@ impl Tracker {
         };
         self.metrics
             .cache_predictions
-            .with_label_values(&[self.policy, &*self.arm, verdict])
+            .with_label_values(&[self.series.policy, &*self.series.arm, verdict])
             .inc();
     }
 }
@@ -216,9 +197,8 @@ impl Drop for Tracker {
             tracing::debug!(worker = %self.worker(), phase, "client went away; upstream request dropped");
         }
         self.settle_feedback();
-        self.metrics
+        self.series
             .duration
-            .with_label_values(&[self.policy, &self.arm, self.worker()])
             .observe(self.started.elapsed().as_secs_f64());
     }
 }
