@@ -2,6 +2,7 @@
 """Proxy overhead: the same load direct to a fast upstream, through kvroute and through nginx.
 
     python3 benches/overhead.py [--bin target/release/kvroute] [--rounds 3] [--seconds 5]
+                                [--baseline OTHER_KVROUTE_BINARY]
 
 Everything runs on loopback, each in its own process:
 - the upstream: an nginx that answers `POST /v1/completions` at once with a small JSON
@@ -12,6 +13,10 @@ Everything runs on loopback, each in its own process:
   one per core), both in front of that upstream;
 - the load: `wrk -t1 -c32` POSTing a small completion request, direct / kvroute / nginx
   interleaved in each round.
+
+With `--baseline`, a second kvroute (another build, e.g. the commit before a change) joins the
+interleaved rounds as `kvroute-baseline`, so a change is measured against its parent side by
+side, and holds its 5,000 streams too.
 
 Reports req/s and p50/p99 latency per target and shape (median over rounds, and each round),
 the proxies' CPU seconds per 10k requests (from /proc), and each proxy's resident memory per
@@ -193,6 +198,7 @@ def main():
     ap.add_argument("--seconds", type=int, default=5)
     ap.add_argument("--streams", type=int, default=5000)
     ap.add_argument("--memory-only", action="store_true", help="skip the wrk rounds")
+    ap.add_argument("--baseline", help="another kvroute binary, measured beside --bin")
     a = ap.parse_args()
     ensure_tools()
     cores = os.cpu_count()
@@ -241,17 +247,25 @@ def main():
     }}
   }}
 """, cores)
-    kv = subprocess.Popen(
-        [a.bin, "serve", "--listen", "127.0.0.1:0", "--worker", f"http://127.0.0.1:{up_port}"],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env={**os.environ, "RUST_LOG": "error"},
-    )
-    kv_port = int(kv.stdout.readline().strip().rsplit(":", 1)[1])
-    for p in (up_port, ngx_port, kv_port):
-        wait_port(p)
+    def start_kvroute(binary):
+        p = subprocess.Popen(
+            [binary, "serve", "--listen", "127.0.0.1:0", "--worker", f"http://127.0.0.1:{up_port}"],
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env={**os.environ, "RUST_LOG": "error"},
+        )
+        return p, int(p.stdout.readline().strip().rsplit(":", 1)[1])
+
+    kv, kv_port = start_kvroute(a.bin)
+    base, base_port = start_kvroute(a.baseline) if a.baseline else (None, None)
+    for p in (up_port, ngx_port, kv_port, base_port):
+        if p:
+            wait_port(p)
     lua = f"{d}/post.lua"
     with open(lua, "w") as f:
         f.write(f'wrk.method = "POST"\nwrk.body = \'{BODY}\'\nwrk.headers["Content-Type"] = "application/json"\n')
-    targets = {"direct": (up_port, None), "kvroute": (kv_port, [kv.pid]), "nginx": (ngx_port, pids_of(proxy))}
+    targets = {"direct": (up_port, None), "kvroute": (kv_port, [kv.pid])}
+    if base:
+        targets["kvroute-baseline"] = (base_port, [base.pid])
+    targets["nginx"] = (ngx_port, pids_of(proxy))
     results = {}
     try:
         for shape, query in (("json", ""), ("sse-100", "?sse=1")):
@@ -279,20 +293,28 @@ def main():
             kp = statistics.median(x["p99"] for x in results[(shape, "kvroute")])
             np_ = statistics.median(x["p99"] for x in results[(shape, "nginx")])
             print(f"{shape}: kvroute / nginx req/s {k / n:.2f}x, p99 {kp / np_:.2f}x")
+            if base:
+                b = statistics.median(x["rps"] for x in results[(shape, "kvroute-baseline")])
+                bp = statistics.median(x["p99"] for x in results[(shape, "kvroute-baseline")])
+                kc = statistics.median(x["cpu10k"] for x in results[(shape, "kvroute")])
+                bc = statistics.median(x["cpu10k"] for x in results[(shape, "kvroute-baseline")])
+                print(f"{shape}: kvroute / baseline req/s {k / b:.2f}x, p99 {kp / bp:.2f}x, CPU per request {kc / bc:.2f}x")
         # Memory per open stream.
         print()
-        for name, port, pids, health in (
-            ("kvroute", kv_port, [kv.pid], kv_port),
-            ("nginx", ngx_port, pids_of(proxy), None),
-        ):
+        held = [("kvroute", kv_port, [kv.pid], kv_port)]
+        if base:
+            held.append(("kvroute-baseline", base_port, [base.pid], base_port))
+        held.append(("nginx", ngx_port, pids_of(proxy), None))
+        for name, port, pids, health in held:
             before = rss_bytes(pids)
             print(f"holding {a.streams} streams through {name}...", file=sys.stderr, flush=True)
             conns, lat = asyncio.run(_hold(port, a.streams, health, pids, before, name))
     finally:
         # SIGTERM: nginx's master stops its workers (SIGKILL would orphan them).
-        for p in (kv, proxy, upstream):
+        procs = [p for p in (kv, base, proxy, upstream) if p]
+        for p in procs:
             p.terminate()
-        for p in (kv, proxy, upstream):
+        for p in procs:
             try:
                 p.wait(timeout=10)
             except subprocess.TimeoutExpired:
