@@ -293,6 +293,7 @@ impl Metrics {
         WorkerSeries {
             policy,
             arm: arm.into(),
+            arm_header: http::HeaderValue::from_str(arm).ok(),
             ttfb: self.ttfb.with_label_values(&[policy, arm, worker]),
             duration: self.duration.with_label_values(&[policy, arm, worker]),
             answered: Default::default(),
@@ -429,6 +430,8 @@ impl Default for Metrics {
 pub struct WorkerSeries {
     pub policy: &'static str,
     pub arm: Arc<str>,
+    /// The arm's name as the `x-kvroute-arm` response header, when it can be one.
+    pub arm_header: Option<http::HeaderValue>,
     pub ttfb: Histogram,
     pub duration: Histogram,
     /// `requests` with status 200, by route (`Route as usize`).

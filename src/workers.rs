@@ -41,6 +41,11 @@ pub struct Worker {
     pub name: String,
     pub scheme: Scheme,
     pub authority: Authority,
+    /// The `Host` header sent to the worker (its host, and its port unless the scheme's
+    /// default), made once rather than per request.
+    pub host_header: http::HeaderValue,
+    /// The worker's name as the `x-kvroute-worker` response header, when it can be one.
+    pub name_header: Option<http::HeaderValue>,
     /// Models served; empty means any.
     pub models: Vec<String>,
     inflight_gauge: prometheus::IntGauge,
@@ -62,6 +67,21 @@ pub struct Worker {
 /// Blocks remembered per worker from its events: beyond any GPU's KV cache (an 80 GB GPU holds
 /// some 10^5 blocks of 16 tokens for a 7B model), about 64 MiB at most.
 pub const EVENT_BLOCKS_PER_WORKER: usize = 1 << 20;
+
+/// The `Host` header for requests to `uri`: its host, and its port unless the scheme's default.
+fn host_header(uri: &http::Uri) -> Option<http::HeaderValue> {
+    let host = uri.host()?;
+    let default_port = match uri.scheme_str() {
+        Some("https") => 443,
+        _ => 80,
+    };
+    match uri.port_u16() {
+        Some(port) if port != default_port => {
+            http::HeaderValue::from_str(&format!("{host}:{port}")).ok()
+        }
+        _ => http::HeaderValue::from_str(host).ok(),
+    }
+}
 
 impl Drop for Worker {
     fn drop(&mut self) {
@@ -88,6 +108,7 @@ impl Worker {
             .authority()
             .cloned()
             .ok_or_else(|| format!("{}: no host", cfg.url))?;
+        let host_header = host_header(&uri).ok_or_else(|| format!("{}: bad host", cfg.url))?;
         metrics.worker_born(&name);
         let (events, follow) = match (events, tokio::runtime::Handle::try_current()) {
             (Some(source), Ok(rt)) => {
@@ -107,6 +128,8 @@ impl Worker {
             metrics: metrics.clone(),
             scheme: uri.scheme().cloned().unwrap_or(Scheme::HTTP),
             authority,
+            host_header,
+            name_header: http::HeaderValue::from_str(&name).ok(),
             models: cfg.models.clone(),
             id_hash: xxh3_64(name.as_bytes()),
             inflight_gauge: metrics.worker_inflight.with_label_values(&[&name]),

@@ -169,12 +169,7 @@ pub async fn forward(
             phase: Phase::Waiting,
             feedback,
         };
-        let mut request = upstream_request(
-            parts,
-            worker.scheme.clone(),
-            worker.authority.clone(),
-            body.clone(),
-        )?;
+        let mut request = upstream_request(parts, worker, body.clone())?;
         if let Some(key) = &up.auth.worker_authorization {
             // The gateway's own key: the client's never reaches a worker.
             request
@@ -327,16 +322,20 @@ fn is_hop_by_hop(name: &HeaderName) -> bool {
 
 /// Copies end-to-end headers, dropping hop-by-hop ones and any the `Connection` header names.
 pub(super) fn copy_headers(from: &HeaderMap, to: &mut HeaderMap, also_skip: &[HeaderName]) {
-    let named: Vec<String> = from
-        .get_all(header::CONNECTION)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(',').map(|s| s.trim().to_ascii_lowercase()))
-        .collect();
+    // The header names that `Connection` lists (RFC 9110 §7.6.1), compared without allocating.
+    let named_by_connection = |name: &HeaderName| {
+        from.get_all(header::CONNECTION)
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+            .flat_map(|v| v.split(','))
+            .any(|listed| listed.trim().eq_ignore_ascii_case(name.as_str()))
+    };
+    let has_connection = from.contains_key(header::CONNECTION);
+    to.reserve(from.len());
     for (name, value) in from {
         if is_hop_by_hop(name)
             || also_skip.contains(name)
-            || named.iter().any(|n| n == name.as_str())
+            || (has_connection && named_by_connection(name))
         {
             continue;
         }
@@ -346,31 +345,116 @@ pub(super) fn copy_headers(from: &HeaderMap, to: &mut HeaderMap, also_skip: &[He
 
 fn upstream_request(
     parts: &http::request::Parts,
-    scheme: http::uri::Scheme,
-    authority: http::uri::Authority,
+    worker: &Worker,
     body: Bytes,
 ) -> Result<Request<Full<Bytes>>, ApiError> {
-    let path = parts
-        .uri
-        .path_and_query()
-        .map(|p| p.as_str())
-        .unwrap_or("/");
-    let uri = Uri::builder()
-        .scheme(scheme)
-        .authority(authority)
-        .path_and_query(path)
-        .build()
+    let mut uri = http::uri::Parts::default();
+    uri.scheme = Some(worker.scheme.clone());
+    uri.authority = Some(worker.authority.clone());
+    // Cloned, not parsed again: the path shares the request head's bytes.
+    uri.path_and_query = Some(
+        parts
+            .uri
+            .path_and_query()
+            .cloned()
+            .unwrap_or_else(|| http::uri::PathAndQuery::from_static("/")),
+    );
+    let uri = Uri::from_parts(uri)
         .map_err(|e| ApiError::InvalidRequest(format!("cannot build upstream URI: {e}")))?;
+    let length = body.len();
     let mut req = Request::new(Full::new(body));
     *req.method_mut() = parts.method.clone();
     *req.uri_mut() = uri;
+    let headers = req.headers_mut();
     copy_headers(
         &parts.headers,
-        req.headers_mut(),
+        headers,
         &[header::HOST, header::CONTENT_LENGTH],
     );
+    // Made once per worker; the HTTP client would format it for every request.
+    headers.insert(header::HOST, worker.host_header.clone());
+    // The client's own length header when it is the body's (it is, unless the body came
+    // chunked): the HTTP client would otherwise make a new one for every request.
+    if let Some(declared) = parts.headers.get(header::CONTENT_LENGTH) {
+        let digits = declared.as_bytes();
+        let same = !digits.is_empty()
+            && digits.iter().all(u8::is_ascii_digit)
+            && declared.to_str().ok().and_then(|v| v.parse().ok()) == Some(length);
+        if same {
+            headers.insert(header::CONTENT_LENGTH, declared.clone());
+        }
+    }
     Ok(req)
 }
 
 /// Shared handle used by the handlers.
 pub type SharedUpstreams = Arc<Upstreams>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::WorkerConfig;
+
+    fn worker(url: &str) -> Worker {
+        Worker::new(&WorkerConfig::from_url(url.to_owned()), &Metrics::new()).unwrap()
+    }
+
+    fn client_request(head: &[(&str, &str)]) -> http::request::Parts {
+        let mut req = Request::post("/v1/completions?x=1").body(()).unwrap();
+        for (k, v) in head {
+            req.headers_mut().append(
+                HeaderName::from_bytes(k.as_bytes()).unwrap(),
+                v.parse().unwrap(),
+            );
+        }
+        req.into_parts().0
+    }
+
+    #[test]
+    fn hop_by_hop_headers_and_those_connection_names_stay_behind() {
+        let parts = client_request(&[
+            ("connection", "keep-alive, X-Private"),
+            ("connection", " x-other "),
+            ("keep-alive", "timeout=5"),
+            ("te", "trailers"),
+            ("x-private", "secret"),
+            ("x-other", "1"),
+            ("x-kept", "a"),
+            ("x-kept", "b"),
+            ("authorization", "Bearer k"),
+        ]);
+        let mut out = HeaderMap::new();
+        copy_headers(&parts.headers, &mut out, &[header::AUTHORIZATION]);
+        let names: Vec<&str> = out.keys().map(|k| k.as_str()).collect();
+        assert_eq!(names, ["x-kept"]);
+        let kept: Vec<&str> = out
+            .get_all("x-kept")
+            .iter()
+            .map(|v| v.to_str().unwrap())
+            .collect();
+        assert_eq!(kept, ["a", "b"]);
+    }
+
+    #[test]
+    fn the_upstream_request_names_the_worker_as_host_and_keeps_a_matching_length() {
+        let parts = client_request(&[
+            ("host", "gateway.example"),
+            ("content-length", "5"),
+            ("x-kept", "a"),
+        ]);
+        let w = worker("http://127.0.0.1:8001");
+        let req = upstream_request(&parts, &w, Bytes::from_static(b"hello")).unwrap();
+        assert_eq!(req.uri(), "http://127.0.0.1:8001/v1/completions?x=1");
+        assert_eq!(req.headers()[header::HOST], "127.0.0.1:8001");
+        assert_eq!(req.headers()[header::CONTENT_LENGTH], "5");
+        assert_eq!(req.headers()["x-kept"], "a");
+        // A length that is not the body's is left to the HTTP client, which sets the body's.
+        let parts = client_request(&[("content-length", "+5")]);
+        let req = upstream_request(&parts, &w, Bytes::from_static(b"hello")).unwrap();
+        assert!(req.headers().get(header::CONTENT_LENGTH).is_none());
+        // The scheme's default port is left out of Host, as the HTTP client would.
+        let w = worker("http://vllm-0.vllm:80");
+        let req = upstream_request(&parts, &w, Bytes::new()).unwrap();
+        assert_eq!(req.headers()[header::HOST], "vllm-0.vllm");
+    }
+}

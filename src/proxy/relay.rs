@@ -15,7 +15,7 @@ use std::{
 
 use axum::{body::Body, response::Response};
 use bytes::Bytes;
-use http::HeaderValue;
+use http::HeaderName;
 use http_body::{Body as HttpBody, Frame, SizeHint};
 use hyper::body::Incoming;
 use memchr::memmem;
@@ -116,11 +116,13 @@ impl Tracker {
         }));
         *out.status_mut() = parts.status;
         copy_headers(&parts.headers, out.headers_mut(), &[]);
-        if let Ok(v) = HeaderValue::from_str(&worker.name) {
-            out.headers_mut().insert(WORKER_HEADER, v);
+        if let Some(v) = &worker.name_header {
+            out.headers_mut()
+                .insert(HeaderName::from_static(WORKER_HEADER), v.clone());
         }
-        if let Ok(v) = HeaderValue::from_str(&series.arm) {
-            out.headers_mut().insert(ARM_HEADER, v);
+        if let Some(v) = &series.arm_header {
+            out.headers_mut()
+                .insert(HeaderName::from_static(ARM_HEADER), v.clone());
         }
         out
     }
