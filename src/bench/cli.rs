@@ -336,6 +336,15 @@ pub async fn run(cmd: BenchCommand) -> Result<(), BenchError> {
             if replicas > 1 {
                 println!("{replicas} gateway replicas per kvroute arm, requests sent in turn\n");
             }
+            let order: Vec<&str> = super::arm_order(policies.len(), spec.seed)
+                .into_iter()
+                .map(|i| policies[i].as_str())
+                .collect();
+            println!(
+                "arms run in the order {} (rotated by the seed, so that runs over consecutive \
+                 seeds give every arm every position)\n",
+                order.join(", ")
+            );
             let (runs, limit) = super::compare_replicated(
                 &target,
                 &policies,

@@ -363,9 +363,23 @@ pub async fn compare(
     compare_replicated(target, policies, spec, slo, 1).await
 }
 
+/// The order in which `compare` runs its `n` arms for `seed`: the given order rotated by the seed,
+/// so runs over `n` consecutive seeds put every arm in every position once. Arms run one after
+/// another on the same machine, and position alone moved results by 2-4% (the machine's state
+/// drifts over a run: what ran before, page cache, thermal); a fixed order would hand that to the
+/// same arm in every run. Results are still reported in the given order.
+pub fn arm_order(n: usize, seed: u64) -> Vec<usize> {
+    if n == 0 {
+        return Vec::new();
+    }
+    let shift = (seed % n as u64) as usize;
+    (0..n).map(|i| (i + shift) % n).collect()
+}
+
 /// Like [`compare`], with `replicas` kvroute gateways per arm in front of the same workers, sharing
 /// nothing, and the requests sent to them in turn (so a conversation's turns alternate between
-/// replicas: the hardest split for affinity). External arms run one instance.
+/// replicas: the hardest split for affinity). External arms run one instance. The arms run in
+/// [`arm_order`] and are returned in the given order.
 pub async fn compare_replicated(
     target: &Target,
     policies: &[String],
@@ -373,9 +387,10 @@ pub async fn compare_replicated(
     slo: (f64, f64),
     replicas: usize,
 ) -> Result<(Vec<Run>, Option<f64>), BenchError> {
-    let mut runs = Vec::new();
+    let mut runs: Vec<(usize, Run)> = Vec::new();
     let mut limit = None;
-    for policy in policies {
+    for at in arm_order(policies.len(), spec.seed) {
+        let policy = &policies[at];
         let pool = match target {
             Target::Sim(sim_cfg) => start_pool_replicated(sim_cfg, policy, replicas).await?,
             Target::Existing {
@@ -444,10 +459,11 @@ pub async fn compare_replicated(
                 )
             });
         }
-        runs.push(run);
+        runs.push((at, run));
         drop(pool); // tear this pool down before the next arm's starts
     }
-    Ok((runs, limit))
+    runs.sort_by_key(|(at, _)| *at);
+    Ok((runs.into_iter().map(|(_, run)| run).collect(), limit))
 }
 
 /// Requests the replica-agreement check asks about: the last of the window.
@@ -627,4 +643,24 @@ pub fn limit_line(limit: Option<f64>, runs: &[Run]) -> String {
         best.0,
         best.1 * 100.0
     )
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn over_as_many_seeds_as_arms_every_arm_runs_in_every_position_once() {
+        for n in 1..6 {
+            let mut seen = vec![vec![0; n]; n]; // [arm][position]
+            for seed in 7..7 + n as u64 {
+                let order = super::arm_order(n, seed);
+                let mut sorted = order.clone();
+                sorted.sort_unstable();
+                assert_eq!(sorted, (0..n).collect::<Vec<_>>(), "a permutation");
+                for (position, arm) in order.into_iter().enumerate() {
+                    seen[arm][position] += 1;
+                }
+            }
+            assert!(seen.iter().flatten().all(|&c| c == 1), "{n}: {seen:?}");
+        }
+    }
 }
