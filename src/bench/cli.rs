@@ -89,7 +89,7 @@ pub enum BenchCommand {
 
 #[derive(Args, Clone)]
 pub struct LoadArgs {
-    /// prefix-repetition, random, multi-turn, zipf or mixed.
+    /// prefix-repetition, random, multi-turn, chat, zipf or mixed.
     #[arg(long, default_value = "prefix-repetition")]
     workload: String,
     /// A YAML file describing the workload (overrides --workload).
