@@ -135,6 +135,13 @@ pub struct CacheAwareParams {
     /// Weight of the prefill this gateway has queued on a worker that it has not started
     /// (chunked prefill overlaps part of it with decoding).
     pub pending_weight: f64,
+    /// Bounded loads: a worker is chosen only while its requests in flight are under this many
+    /// times the mean over the usable workers (counting the new request), rounded up, as in
+    /// consistent hashing with bounded loads (HAProxy's `hash-balance-factor 125` is 1.25). The
+    /// cost alone prices a cold worker's one-off copy of a shared prefix against every request's
+    /// own wait, and can leave a worker idle for good; this bounds that. 0 turns it off; else at
+    /// least 1.
+    pub load_bound: f64,
 }
 
 impl Default for CacheAwareParams {
@@ -147,6 +154,7 @@ impl Default for CacheAwareParams {
             home_affinity: 0.5,
             miss_weight: 3.0,
             pending_weight: 0.5,
+            load_bound: 0.0,
         }
     }
 }
@@ -165,9 +173,10 @@ impl CacheAwareParams {
             && (0.0..=1.0).contains(&self.home_affinity)
             && finite_pos(self.miss_weight)
             && self.pending_weight.is_finite()
-            && self.pending_weight >= 0.0;
+            && self.pending_weight >= 0.0
+            && (self.load_bound == 0.0 || (self.load_bound.is_finite() && self.load_bound >= 1.0));
         if !ok {
-            return Err("cache_aware: request_cost_tokens >= 0, context_weight >= 0, bytes_per_token > 0, home_affinity in [0, 1], miss_weight > 0, pending_weight >= 0".into());
+            return Err("cache_aware: request_cost_tokens >= 0, context_weight >= 0, bytes_per_token > 0, home_affinity in [0, 1], miss_weight > 0, pending_weight >= 0, load_bound 0 or >= 1".into());
         }
         Ok(())
     }

@@ -27,7 +27,10 @@
 //! starts on its home and is copied to another worker whenever the home's queue exceeds the
 //! prefix's prefill (hot prefixes replicate; each conversation still sticks by its deeper
 //! blocks); and simultaneous arrivals do not herd, because each choice adds its prefill and
-//! its request to the chosen worker's accounting before the next choice reads it.
+//! its request to the chosen worker's accounting before the next choice reads it. With
+//! `load_bound` set, a worker at or over that many times the mean load is left out first
+//! (bounded loads): otherwise a worker that never got a copy of a prefix everyone shares can be
+//! passed over for good, since each request alone would rather wait than pay for the copy.
 //!
 //! Outcomes: `longest_match` (the chosen worker holds the longest known prefix), `hash_home` (no
 //! worker holds any of it; the home took it), `replicated` (someone holds it, the chosen worker
@@ -124,6 +127,25 @@ impl CacheAware {
             + self.params.context_weight * context
     }
 
+    /// The fewest requests in flight at which a worker is passed over (`load_bound`; see
+    /// [`CacheAwareParams`]): the bound times the mean over usable workers, counting the new
+    /// request, rounded up. Some usable worker is always under it, since the bound is at least 1.
+    fn load_cap(&self, workers: &[Arc<Worker>]) -> usize {
+        let bound = self.params.load_bound;
+        if bound <= 0.0 {
+            return usize::MAX;
+        }
+        let (mut usable, mut total) = (0usize, 0usize);
+        for w in workers.iter().filter(|w| w.is_usable()) {
+            usable += 1;
+            total += w.load.queued(w.inflight());
+        }
+        if usable == 0 {
+            return usize::MAX;
+        }
+        (bound * (total + 1) as f64 / usable as f64).ceil() as usize
+    }
+
     /// No key: the usable worker with the least work queued, ties rotating.
     fn least_work(&self, workers: &[Arc<Worker>], req: &RequestInfo) -> Option<Selection> {
         let prompt = req.prompt_bytes as f64 / self.bytes_per_token();
@@ -209,8 +231,9 @@ impl CacheAware {
             exact: None,
         };
         let mut home = best;
+        let cap = self.load_cap(workers);
         for (index, w) in workers.iter().enumerate() {
-            if !w.is_usable() {
+            if !w.is_usable() || (cap != usize::MAX && w.load.queued(w.inflight()) >= cap) {
                 continue;
             }
             let mut cost = full_price + self.queue_cost(w, prompt);
@@ -560,6 +583,55 @@ mod tests {
         assert_eq!(p.index.matches(&shared.block_hashes).depths.len(), 2);
         assert_eq!(pick(&p, &ws, &convo(6, 8, 2)).index, s.index);
         assert_eq!(pick(&p, &ws, &convo(5, 8, 2)).index, home);
+    }
+
+    #[test]
+    fn with_a_load_bound_a_worker_without_the_shared_prefix_is_not_left_idle() {
+        // Three workers hold a shared 512-token prefix and have 10 requests each; the fourth
+        // holds nothing and has none. By cost alone, waiting behind 10 requests (160 tokens at 16
+        // each) is cheaper than copying the prefix (512 tokens): it stays with a holder. The bound
+        // (1.25 × 31 / 4, rounded up: 10) passes over the three and sends it to the fourth.
+        let ws = test_workers(4);
+        let shared = convo(0, 8, 0);
+        let run = |bound: f64| {
+            let p = CacheAware::new(CacheAwareParams {
+                load_bound: bound,
+                request_cost_tokens: 16.0,
+                ..unit().params
+            });
+            for w in &ws[..3] {
+                p.index.insert(&shared.block_hashes, w.id_hash);
+            }
+            let held: Vec<_> = ws[..3]
+                .iter()
+                .flat_map(|w| (0..10).map(|_| w.acquire()))
+                .collect();
+            let s = pick(&p, &ws, &convo(9, 8, 1));
+            drop(held);
+            s
+        };
+        let unbounded = run(0.0);
+        assert!(unbounded.index < 3, "{unbounded:?}");
+        assert_eq!(unbounded.outcome, Outcome::LongestMatch);
+        let bounded = run(1.25);
+        assert_eq!((bounded.index, bounded.outcome), (3, Outcome::Replicated));
+        // Under the bound the cost decides as before: one fewer in flight on a holder, and it
+        // takes the request.
+        let p = CacheAware::new(CacheAwareParams {
+            load_bound: 1.25,
+            request_cost_tokens: 16.0,
+            ..unit().params
+        });
+        for w in &ws[..3] {
+            p.index.insert(&shared.block_hashes, w.id_hash);
+        }
+        let mut held: Vec<_> = ws[..3]
+            .iter()
+            .flat_map(|w| (0..10).map(|_| w.acquire()))
+            .collect();
+        held.pop(); // the third holder is down to 9 (cap: 1.25 × 30 / 4, rounded up: 10)
+        let s = pick(&p, &ws, &convo(9, 8, 1));
+        assert_eq!((s.index, s.outcome), (2, Outcome::LongestMatch));
     }
 
     #[test]
