@@ -293,6 +293,7 @@ impl Metrics {
         WorkerSeries {
             policy,
             arm: arm.into(),
+            worker: worker.into(),
             arm_header: http::HeaderValue::from_str(arm).ok(),
             ttfb: self.ttfb.with_label_values(&[policy, arm, worker]),
             duration: self.duration.with_label_values(&[policy, arm, worker]),
@@ -430,6 +431,7 @@ impl Default for Metrics {
 pub struct WorkerSeries {
     pub policy: &'static str,
     pub arm: Arc<str>,
+    worker: Box<str>,
     /// The arm's name as the `x-kvroute-arm` response header, when it can be one.
     pub arm_header: Option<http::HeaderValue>,
     pub ttfb: Histogram,
@@ -446,7 +448,6 @@ impl WorkerSeries {
         &self,
         metrics: &MetricSet,
         route: crate::proxy::Route,
-        worker: &str,
         status: http::StatusCode,
     ) {
         let labels = |status: &str| {
@@ -454,22 +455,20 @@ impl WorkerSeries {
                 route.as_str(),
                 self.policy,
                 &self.arm,
-                worker,
+                &self.worker,
                 status,
             ])
         };
-        if status == http::StatusCode::OK {
-            self.answered[route as usize]
-                .get_or_init(|| labels("200"))
-                .inc();
-        } else {
-            labels(status.as_str()).inc();
+        // A route without a slot (none today) is looked up by its labels, never out of bounds.
+        match self.answered.get(route as usize) {
+            Some(ok) if status == http::StatusCode::OK => ok.get_or_init(|| labels("200")).inc(),
+            _ => labels(status.as_str()).inc(),
         }
     }
 
     /// Counts one answer's predicted and reported cached tokens.
-    pub fn count_cached(&self, metrics: &MetricSet, worker: &str, predicted: u64, reported: u64) {
-        let labels = [self.policy, &*self.arm, worker];
+    pub fn count_cached(&self, metrics: &MetricSet, predicted: u64, reported: u64) {
+        let labels = [self.policy, &*self.arm, &*self.worker];
         self.predicted_cached
             .get_or_init(|| metrics.predicted_cached_tokens.with_label_values(&labels))
             .inc_by(predicted);

@@ -42,15 +42,19 @@ impl Arm {
 
     /// Counts one routing decision of this arm.
     pub fn count_decision(&self, metrics: &crate::metrics::MetricSet, outcome: super::Outcome) {
-        self.decisions[outcome as usize]
-            .get_or_init(|| {
-                metrics.routing_decisions.with_label_values(&[
-                    self.policy.name(),
-                    &self.name,
-                    outcome.as_str(),
-                ])
-            })
-            .inc();
+        let labels = || {
+            metrics.routing_decisions.with_label_values(&[
+                self.policy.name(),
+                &self.name,
+                outcome.as_str(),
+            ])
+        };
+        // An outcome past `Outcome::COUNT` (one added without updating it) is looked up by its
+        // labels, never indexed out of bounds.
+        match self.decisions.get(outcome as usize) {
+            Some(counter) => counter.get_or_init(labels).inc(),
+            None => labels().inc(),
+        }
     }
 }
 

@@ -92,7 +92,7 @@ impl Tracker {
         let worker = Arc::clone(self.slot.worker());
         let series = Arc::clone(&self.series);
         series.ttfb.observe(self.started.elapsed().as_secs_f64());
-        series.count_request(&self.metrics, route, &worker.name, parts.status);
+        series.count_request(&self.metrics, route, parts.status);
         if let Some(f) = &mut self.feedback {
             f.failed = !parts.status.is_success();
         }
@@ -162,8 +162,7 @@ impl Tracker {
             return;
         };
         let predicted = u64::from(p.cached_tokens);
-        self.series
-            .count_cached(&self.metrics, &worker.name, predicted, cached);
+        self.series.count_cached(&self.metrics, predicted, cached);
         // Within a tenth of the prompt (the gateway's blocks and the worker's differ) is right.
         let slack = u64::from(p.prompt_tokens / 10).max(16);
         let verdict = if predicted > cached + slack {
