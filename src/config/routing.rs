@@ -142,6 +142,13 @@ pub struct CacheAwareParams {
     /// own wait, and can leave a worker idle for good; this bounds that. 0 turns it off; else at
     /// least 1.
     pub load_bound: f64,
+    /// Price a copy of a hot prefix (one that at least two workers hold) to an idle worker that
+    /// holds none of the prompt as an investment the requests to come share: `2 / g` of its
+    /// prefill when the mean in flight `g` is over 2 (the first request saves `g` requests'
+    /// wait, the `g` that follow it save `g / 2` each). Otherwise, and for a prefix one worker
+    /// holds, the copy costs its whole prefill; a worker without a prefix that everyone shares
+    /// is not left idle.
+    pub amortize_hot_copies: bool,
 }
 
 impl Default for CacheAwareParams {
@@ -155,6 +162,7 @@ impl Default for CacheAwareParams {
             miss_weight: 3.0,
             pending_weight: 0.5,
             load_bound: 0.0,
+            amortize_hot_copies: true,
         }
     }
 }

@@ -27,10 +27,20 @@
 //! starts on its home and is copied to another worker whenever the home's queue exceeds the
 //! prefix's prefill (hot prefixes replicate; each conversation still sticks by its deeper
 //! blocks); and simultaneous arrivals do not herd, because each choice adds its prefill and
-//! its request to the chosen worker's accounting before the next choice reads it. With
-//! `load_bound` set, a worker at or over that many times the mean load is left out first
-//! (bounded loads): otherwise a worker that never got a copy of a prefix everyone shares can be
-//! passed over for good, since each request alone would rather wait than pay for the copy.
+//! its request to the chosen worker's accounting before the next choice reads it.
+//!
+//! A copy is an investment: once a worker holds a prefix, every later request that shares it
+//! saves that prefill there. Priced against one request's wait, a copy of a prefix everyone
+//! shares is never worth it to a cold worker once the others split the load, and that worker
+//! can stay idle for good. Moving the first request to an idle worker saves it the `g` requests
+//! in flight on an average worker, and the about `g` requests that follow it there save `g / 2`
+//! on average without paying again: `g² / 2` in all against the copy's prefill `P`. So to an
+//! idle worker that holds none of a prompt whose prefix at least two workers hold (hot), the
+//! prefix is priced at `2P / g` when `g > 2` (`amortize_hot_copies`). Only idle workers: the
+//! same discount for any worker below the mean made copies where loads were merely uneven and
+//! cost p95 TTFT on three of five bench workloads (see the README).
+//! With `load_bound` set, a worker at or over that many times the mean load is also left out
+//! first (bounded loads).
 //!
 //! Outcomes: `longest_match` (the chosen worker holds the longest known prefix), `hash_home` (no
 //! worker holds any of it; the home took it), `replicated` (someone holds it, the chosen worker
@@ -70,6 +80,19 @@ pub struct CacheAware {
 fn mix(key: u64, worker: u64) -> u64 {
     let z = (key ^ worker).wrapping_mul(0x9e37_79b9_7f4a_7c15);
     z ^ (z >> 29)
+}
+
+/// The second largest value (the largest that at least two hold), 0 with fewer than two.
+fn second_largest(values: impl Iterator<Item = u64>) -> u64 {
+    let (mut first, mut second) = (0, 0);
+    for v in values {
+        if v > first {
+            (first, second) = (v, first);
+        } else if v > second {
+            second = v;
+        }
+    }
+    second
 }
 
 #[derive(Clone, Copy)]
@@ -232,6 +255,25 @@ impl CacheAware {
         };
         let mut home = best;
         let cap = self.load_cap(workers);
+        // The part of the prompt that at least two workers hold (a hot prefix), and the mean
+        // work in flight that a worker short of it is measured against.
+        let hot = if self.params.amortize_hot_copies {
+            let by_index = second_largest(matches.depths.iter().map(|&(_, d)| d as u64));
+            let by_events = second_largest(exacts.iter().flatten().copied());
+            (req.bytes_at_depth(by_index as usize) as f64 / bpt).max(by_events as f64)
+        } else {
+            0.0
+        };
+        let mean_queued = if hot > 0.0 {
+            let (mut usable, mut total) = (0usize, 0usize);
+            for w in workers.iter().filter(|w| w.is_usable()) {
+                usable += 1;
+                total += w.load.queued(w.inflight());
+            }
+            total as f64 / usable.max(1) as f64
+        } else {
+            0.0
+        };
         for (index, w) in workers.iter().enumerate() {
             if !w.is_usable() || (cap != usize::MAX && w.load.queued(w.inflight()) >= cap) {
                 continue;
@@ -243,12 +285,17 @@ impl CacheAware {
             }
             // What the worker's own events say beats what this gateway has routed there.
             let exact = exacts.get(index).copied().flatten();
-            match exact {
-                Some(held) => cost -= miss * held as f64,
-                None if depth > 0 => {
-                    cost -= miss * (req.bytes_at_depth(depth) as f64 / bpt * w.load.cache_trust());
-                }
-                None => {}
+            let held = match exact {
+                Some(held) => held as f64,
+                None if depth > 0 => req.bytes_at_depth(depth) as f64 / bpt * w.load.cache_trust(),
+                None => 0.0,
+            };
+            cost -= miss * held;
+            // An idle worker holding none of a hot prefix while the others average `mean` in
+            // flight: the copy is shared by the requests that follow it there (see
+            // `amortize_hot_copies`).
+            if hot > 0.0 && held == 0.0 && mean_queued > 2.0 && w.load.queued(w.inflight()) == 0 {
+                cost -= miss * hot * (1.0 - 2.0 / mean_queued);
             }
             let score = mix(key, w.id_hash);
             let c = Candidate {
@@ -597,6 +644,7 @@ mod tests {
             let p = CacheAware::new(CacheAwareParams {
                 load_bound: bound,
                 request_cost_tokens: 16.0,
+                amortize_hot_copies: false,
                 ..unit().params
             });
             for w in &ws[..3] {
@@ -620,6 +668,7 @@ mod tests {
         let p = CacheAware::new(CacheAwareParams {
             load_bound: 1.25,
             request_cost_tokens: 16.0,
+            amortize_hot_copies: false,
             ..unit().params
         });
         for w in &ws[..3] {
@@ -632,6 +681,61 @@ mod tests {
         held.pop(); // the third holder is down to 9 (cap: 1.25 × 30 / 4, rounded up: 10)
         let s = pick(&p, &ws, &convo(9, 8, 1));
         assert_eq!((s.index, s.outcome), (2, Outcome::LongestMatch));
+    }
+
+    #[test]
+    fn a_copy_of_a_hot_prefix_is_shared_by_the_requests_an_idle_worker_will_take() {
+        // Three workers hold a shared 512-token prefix and have `busy` requests each; the fourth
+        // has `idle` and holds `part` blocks of it. Each queued request costs 16 tokens.
+        let ws = test_workers(4);
+        let shared = convo(0, 8, 0);
+        let run = |amortize: bool, busy: usize, idle: usize, part: usize| {
+            let p = CacheAware::new(CacheAwareParams {
+                request_cost_tokens: 16.0,
+                amortize_hot_copies: amortize,
+                ..unit().params
+            });
+            for w in &ws[..3] {
+                p.index.insert(&shared.block_hashes, w.id_hash);
+            }
+            if part > 0 {
+                p.index.insert(&shared.block_hashes[..part], ws[3].id_hash);
+            }
+            let held: Vec<_> = ws[..3]
+                .iter()
+                .flat_map(|w| (0..busy).map(|_| w.acquire()))
+                .chain((0..idle).map(|_| ws[3].acquire()))
+                .collect();
+            let s = pick(&p, &ws, &convo(9, 8, 1));
+            drop(held);
+            s
+        };
+        // Priced in full, the copy (512 tokens) costs more than waiting behind 12 (192 tokens):
+        // the idle worker would stay idle.
+        let full = run(false, 12, 0, 0);
+        assert!(full.index < 3, "{full:?}");
+        // Amortized: the idle worker is 9 below the mean, so the copy costs 2 × 512 / 9 = 114
+        // tokens, less than the 192 of waiting (or 160 after the home's credit).
+        let shared_copy = run(true, 12, 0, 0);
+        assert_eq!(
+            (shared_copy.index, shared_copy.outcome),
+            (3, Outcome::Replicated)
+        );
+        // A worker that is not idle pays for the copy in full, however far below the mean (it
+        // has 2, the mean is 9.5): locality is unchanged where loads are merely uneven.
+        let busy = run(true, 12, 2, 0);
+        assert!(busy.index < 3, "{busy:?}");
+        // A worker that holds part of the prompt is priced by what it holds, as before: a
+        // conversation does not scatter to workers that hold only its start.
+        let partial = run(true, 12, 0, 2);
+        assert!(partial.index < 3, "{partial:?}");
+        // A prefix only one worker holds is not hot: its home keeps it until its queue costs
+        // more than a copy, however idle the others are.
+        let p = unit();
+        p.index.insert(&shared.block_hashes, ws[0].id_hash);
+        let held: Vec<_> = (0..6).map(|_| ws[0].acquire()).collect(); // 384 < 512 tokens
+        assert_eq!(pick(&p, &ws, &convo(9, 8, 1)).index, 0);
+        drop(held);
     }
 
     #[test]
