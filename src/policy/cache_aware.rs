@@ -82,6 +82,16 @@ fn mix(key: u64, worker: u64) -> u64 {
     z ^ (z >> 29)
 }
 
+/// How many workers are usable, and their requests in flight in all.
+fn usable_load(workers: &[Arc<Worker>]) -> (usize, usize) {
+    workers
+        .iter()
+        .filter(|w| w.is_usable())
+        .fold((0, 0), |(n, total), w| {
+            (n + 1, total + w.load.queued(w.inflight()))
+        })
+}
+
 /// The second largest value (the largest that at least two hold), 0 with fewer than two.
 fn second_largest(values: impl Iterator<Item = u64>) -> u64 {
     let (mut first, mut second) = (0, 0);
@@ -153,17 +163,9 @@ impl CacheAware {
     /// The fewest requests in flight at which a worker is passed over (`load_bound`; see
     /// [`CacheAwareParams`]): the bound times the mean over usable workers, counting the new
     /// request, rounded up. Some usable worker is always under it, since the bound is at least 1.
-    fn load_cap(&self, workers: &[Arc<Worker>]) -> usize {
+    fn load_cap(&self, (usable, total): (usize, usize)) -> usize {
         let bound = self.params.load_bound;
-        if bound <= 0.0 {
-            return usize::MAX;
-        }
-        let (mut usable, mut total) = (0usize, 0usize);
-        for w in workers.iter().filter(|w| w.is_usable()) {
-            usable += 1;
-            total += w.load.queued(w.inflight());
-        }
-        if usable == 0 {
+        if bound <= 0.0 || usable == 0 {
             return usize::MAX;
         }
         (bound * (total + 1) as f64 / usable as f64).ceil() as usize
@@ -254,9 +256,7 @@ impl CacheAware {
             exact: None,
         };
         let mut home = best;
-        let cap = self.load_cap(workers);
-        // The part of the prompt that at least two workers hold (a hot prefix), and the mean
-        // work in flight that a worker short of it is measured against.
+        // The part of the prompt that at least two workers hold (a hot prefix).
         let hot = if self.params.amortize_hot_copies {
             let by_index = second_largest(matches.depths.iter().map(|&(_, d)| d as u64));
             let by_events = second_largest(exacts.iter().flatten().copied());
@@ -264,15 +264,13 @@ impl CacheAware {
         } else {
             0.0
         };
-        let mean_queued = if hot > 0.0 {
-            let (mut usable, mut total) = (0usize, 0usize);
-            for w in workers.iter().filter(|w| w.is_usable()) {
-                usable += 1;
-                total += w.load.queued(w.inflight());
-            }
-            total as f64 / usable.max(1) as f64
-        } else {
-            0.0
+        // Usable workers and their requests in flight, summed once for both uses, when needed.
+        let load = (self.params.load_bound > 0.0 || hot > 0.0).then(|| usable_load(workers));
+        let cap = load.map_or(usize::MAX, |l| self.load_cap(l));
+        // The mean work in flight that an idle worker short of the hot prefix is measured against.
+        let mean_queued = match load {
+            Some((usable, total)) if hot > 0.0 && usable > 0 => total as f64 / usable as f64,
+            _ => 0.0,
         };
         for (index, w) in workers.iter().enumerate() {
             if !w.is_usable() || (cap != usize::MAX && w.load.queued(w.inflight()) >= cap) {
