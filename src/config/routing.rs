@@ -149,6 +149,14 @@ pub struct CacheAwareParams {
     /// holds, the copy costs its whole prefill; a worker without a prefix that everyone shares
     /// is not left idle.
     pub amortize_hot_copies: bool,
+    /// Replicas without shared state agree on a conversation's worker. The home's rendezvous key
+    /// is the first block past the part of the prompt that at least two workers hold (a shared
+    /// system prompt), the same for every turn of a conversation on every replica; and when the
+    /// workers' polled load shows traffic beyond this gateway's own (other replicas), the home is
+    /// presumed to hold as much of the prompt as any worker is known to, in proportion to that
+    /// traffic's share (fully from one half on), since the other replicas send it there too.
+    /// Off: the key is the first block past this gateway's longest known match.
+    pub shared_home: bool,
 }
 
 impl Default for CacheAwareParams {
@@ -163,6 +171,7 @@ impl Default for CacheAwareParams {
             pending_weight: 0.5,
             load_bound: 0.0,
             amortize_hot_copies: true,
+            shared_home: true,
         }
     }
 }

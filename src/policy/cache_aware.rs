@@ -18,9 +18,19 @@
 //! become tokens at the ratio the workers' `usage` reports teach (start: `bytes_per_token`).
 //!
 //! The request's rendezvous home (highest `mix(key, worker)`, where `key` is the hash of the
-//! first block past the longest known prefix) is credited `home_affinity` × the tokens no worker
-//! is known to hold, and breaks ties. Replicas that have not seen a conversation thus agree on
-//! where its unknown part most likely is, and a new prefix starts on one worker, not on all.
+//! first block past the part of the prompt that at least two workers hold, with `shared_home`:
+//! past a shared system prompt, so the same for every turn of a conversation on every replica)
+//! is credited `home_affinity` × the tokens no worker is known to hold, and breaks ties.
+//! Replicas that have not seen a conversation thus agree on where its unknown part most likely
+//! is, and a new prefix starts on one worker, not on all.
+//!
+//! Several replicas sharing nothing each know only the turns they routed. Once one of them sends
+//! a turn elsewhere for load, it would follow that copy while the others keep to the home, and
+//! the conversation would bounce between two workers, each missing the other's turns. So when the
+//! workers' polled load shows requests beyond this gateway's own (a share `f` of the pool's), the
+//! home is presumed to hold as much of the prompt as any worker is known to, times `min(1, 2f)`:
+//! the other replicas send the conversation there. A lone gateway sees `f = 0` and follows what
+//! it knows.
 //!
 //! What follows from the cost: a conversation stays with its deepest blocks until the load gap
 //! exceeds what moving would cost in prefill; a prefix shared by everyone (a system prompt)
@@ -113,6 +123,8 @@ struct Candidate {
     depth: usize,
     /// Prompt tokens the worker holds by its KV cache events, when it publishes them.
     exact: Option<u64>,
+    /// Prompt tokens it is priced as holding (`exact`, or the index's match times its trust).
+    held: f64,
 }
 
 impl Candidate {
@@ -218,7 +230,18 @@ impl CacheAware {
             None => Vec::new(),
         };
         let mut unknown = (req.prompt_bytes - req.bytes_at_depth(deepest)) as f64 / bpt;
-        let mut key = req.block_hashes.get(deepest).copied().unwrap_or(last);
+        // Blocks of the prompt that at least two workers hold, by this gateway's index.
+        let shared_depth = if self.params.shared_home || self.params.amortize_hot_copies {
+            second_largest(matches.depths.iter().map(|&(_, d)| d as u64)) as usize
+        } else {
+            0
+        };
+        let key_depth = if self.params.shared_home {
+            shared_depth
+        } else {
+            deepest
+        };
+        let mut key = req.block_hashes.get(key_depth).copied().unwrap_or(last);
         // When every usable worker publishes events, the part no worker holds and the home's key
         // come from them too: every replica reads the same events, so every replica then agrees
         // on the home, whatever each has routed itself.
@@ -254,13 +277,13 @@ impl CacheAware {
             score: 0,
             depth: 0,
             exact: None,
+            held: 0.0,
         };
         let mut home = best;
         // The part of the prompt that at least two workers hold (a hot prefix).
         let hot = if self.params.amortize_hot_copies {
-            let by_index = second_largest(matches.depths.iter().map(|&(_, d)| d as u64));
             let by_events = second_largest(exacts.iter().flatten().copied());
-            (req.bytes_at_depth(by_index as usize) as f64 / bpt).max(by_events as f64)
+            (req.bytes_at_depth(shared_depth) as f64 / bpt).max(by_events as f64)
         } else {
             0.0
         };
@@ -272,8 +295,17 @@ impl CacheAware {
             Some((usable, total)) if hot > 0.0 && usable > 0 => total as f64 / usable as f64,
             _ => 0.0,
         };
+        // Requests in flight on the usable workers: by this gateway, and in all at the last poll.
+        let (mut local_total, mut queued_total) = (0usize, 0usize);
         for (index, w) in workers.iter().enumerate() {
-            if !w.is_usable() || (cap != usize::MAX && w.load.queued(w.inflight()) >= cap) {
+            if !w.is_usable() {
+                continue;
+            }
+            let local = w.inflight();
+            let queued = w.load.queued(local);
+            local_total += local;
+            queued_total += queued;
+            if queued >= cap {
                 continue;
             }
             let mut cost = full_price + self.queue_cost(w, prompt);
@@ -292,7 +324,7 @@ impl CacheAware {
             // An idle worker holding none of a hot prefix while the others average `mean` in
             // flight: the copy is shared by the requests that follow it there (see
             // `amortize_hot_copies`).
-            if hot > 0.0 && held == 0.0 && mean_queued > 2.0 && w.load.queued(w.inflight()) == 0 {
+            if hot > 0.0 && held == 0.0 && mean_queued > 2.0 && queued == 0 {
                 cost -= miss * hot * (1.0 - 2.0 / mean_queued);
             }
             let score = mix(key, w.id_hash);
@@ -302,6 +334,7 @@ impl CacheAware {
                 score,
                 depth,
                 exact,
+                held,
             };
             if c.beats(&best) {
                 best = c;
@@ -314,8 +347,24 @@ impl CacheAware {
             return None;
         }
         let mut chosen = best;
+        // Other replicas send this prompt's conversation to its home too: presume the home holds
+        // as much of it as any worker is known to, in proportion to the share of the pool's
+        // requests this gateway does not see (`shared_home`). Events are everyone's knowledge
+        // already, so not with them.
+        let presumed = if self.params.shared_home
+            && !all_exact
+            && home.depth < deepest
+            && queued_total > local_total
+        {
+            let foreign = (queued_total - local_total) as f64 / queued_total as f64;
+            let known = req.bytes_at_depth(deepest) as f64 / bpt;
+            ((2.0 * foreign).min(1.0) * known - home.held).max(0.0)
+        } else {
+            0.0
+        };
         let credited = Candidate {
-            cost: home.cost - self.params.miss_weight * self.params.home_affinity * unknown,
+            cost: home.cost
+                - self.params.miss_weight * (self.params.home_affinity * unknown + presumed),
             ..home
         };
         if credited.beats(&chosen) {
@@ -325,6 +374,7 @@ impl CacheAware {
         let outcome = match (deepest, chosen.depth) {
             _ if chosen.exact.is_some_and(|t| t > 0) => Outcome::ExactMatch,
             (0, _) if chosen.index == home.index => Outcome::HashHome,
+            (d, c) if c < d && presumed > 0.0 && chosen.index == home.index => Outcome::HashHome,
             (0, _) => Outcome::Spilled,
             (d, c) if c == d => Outcome::LongestMatch,
             (_, 0) => Outcome::Replicated,
@@ -569,9 +619,10 @@ mod tests {
         let other = pick(&p, &ws, &convo(2, 4, 1));
         assert_ne!(first.index, other.index);
         drop(busy);
-        // Their next turns go back to where each one's history is, not to one system-prompt home.
-        let next1 = pick(&p, &ws, &convo(1, 4, 3));
-        let next2 = pick(&p, &ws, &convo(2, 4, 3));
+        // Their next turns go back to where each one's history is, not to one system-prompt home
+        // (nor to the conversation's home, credited with half of the new block).
+        let next1 = pick(&p, &ws, &convo(1, 4, 2));
+        let next2 = pick(&p, &ws, &convo(2, 4, 2));
         assert_eq!(
             (next1.index, next1.outcome),
             (first.index, Outcome::LongestMatch)
@@ -606,6 +657,53 @@ mod tests {
         let t1 = pick(&a, &ws, &convo(3, 4, 2));
         let t2 = pick(&b, &ws, &convo(3, 4, 4));
         assert_eq!(t1.index, t2.index);
+    }
+
+    #[test]
+    fn with_other_replicas_in_the_pool_a_spilled_conversation_returns_to_its_home() {
+        // Both replicas know the system prompt is on every worker. Replica `a` once sent three
+        // turns of conversation 3 to worker `x` (spilled for load); replica `b` never saw it.
+        let ws = test_workers(4);
+        let replica = |shared_home: bool| {
+            let p = CacheAware::new(CacheAwareParams {
+                shared_home,
+                ..CacheAwareParams::default()
+            });
+            for w in ws.iter() {
+                p.index.insert(&[0, 1, 2, 3], w.id_hash);
+            }
+            p
+        };
+        let (a, b) = (replica(true), replica(true));
+        let next = convo(3, 4, 4);
+        let home = b.peek(&ws, &next).unwrap().index;
+        let x = (home + 1) % ws.len();
+        a.index
+            .insert(&convo(3, 4, 3).block_hashes, ws[x].id_hash);
+        // Alone in the pool, `a` knows best: the conversation stays where its history is.
+        let alone = a.peek(&ws, &next).unwrap();
+        assert_eq!((alone.index, alone.outcome), (x, Outcome::LongestMatch));
+        // The workers' polled load shows as many requests again from elsewhere: another replica
+        // sends this conversation's turns to its home, so `a` does too, and the two agree.
+        let mut mine = Vec::new();
+        for w in ws.iter() {
+            mine.extend((0..4).map(|_| w.acquire()));
+            let polled = crate::load::Polled {
+                running: 8.0,
+                ..Default::default()
+            };
+            w.load.store(Some(polled), 4);
+        }
+        let shared = a.peek(&ws, &next).unwrap();
+        assert_eq!((shared.index, shared.outcome), (home, Outcome::HashHome));
+        assert_eq!(b.peek(&ws, &next).unwrap().index, home);
+        // What it predicts is what it knows the home holds, not what it presumed.
+        assert_eq!(shared.prediction.unwrap().matched_blocks, 4);
+        // With `shared_home` off it follows its own history whatever the others do.
+        let own = replica(false);
+        own.index
+            .insert(&convo(3, 4, 3).block_hashes, ws[x].id_hash);
+        assert_eq!(own.peek(&ws, &next).unwrap().index, x);
     }
 
     #[test]
