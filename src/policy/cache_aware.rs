@@ -678,8 +678,7 @@ mod tests {
         let next = convo(3, 4, 4);
         let home = b.peek(&ws, &next).unwrap().index;
         let x = (home + 1) % ws.len();
-        a.index
-            .insert(&convo(3, 4, 3).block_hashes, ws[x].id_hash);
+        a.index.insert(&convo(3, 4, 3).block_hashes, ws[x].id_hash);
         // Alone in the pool, `a` knows best: the conversation stays where its history is.
         let alone = a.peek(&ws, &next).unwrap();
         assert_eq!((alone.index, alone.outcome), (x, Outcome::LongestMatch));
