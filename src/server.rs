@@ -47,6 +47,7 @@ impl AppState {
             upstreams: Arc::new(Upstreams {
                 pool,
                 client: http_client(&config),
+                connections: crate::proxy::Connections::new(config.timeouts.connect()),
                 metrics,
                 config,
                 auth,

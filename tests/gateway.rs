@@ -591,3 +591,68 @@ async fn shutdown_lets_an_in_flight_stream_finish() {
         .unwrap()
         .unwrap();
 }
+
+/// A worker that answers every request with a small JSON body and counts the connections it
+/// accepts; with `keep_alive` false it closes each connection after one answer.
+async fn counting_worker(
+    keep_alive: bool,
+) -> (
+    std::net::SocketAddr,
+    std::sync::Arc<std::sync::atomic::AtomicUsize>,
+) {
+    use std::sync::{atomic::AtomicUsize, Arc};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let accepted = Arc::new(AtomicUsize::new(0));
+    let count = Arc::clone(&accepted);
+    tokio::spawn(async move {
+        loop {
+            let Ok((stream, _)) = listener.accept().await else {
+                return;
+            };
+            count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            tokio::spawn(async move {
+                let service = hyper::service::service_fn(|_req| async {
+                    Ok::<_, std::convert::Infallible>(hyper::Response::new(
+                        http_body_util::Full::new(bytes::Bytes::from_static(b"{\"ok\":true}")),
+                    ))
+                });
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .keep_alive(keep_alive)
+                    .serve_connection(hyper_util::rt::TokioIo::new(stream), service)
+                    .await;
+            });
+        }
+    });
+    (addr, accepted)
+}
+
+#[tokio::test]
+async fn requests_one_after_another_reuse_one_connection_to_the_worker() {
+    use std::sync::atomic::Ordering;
+    for keep_alive in [true, false] {
+        let (addr, accepted) = counting_worker(keep_alive).await;
+        let mut config = Config {
+            workers: vec![WorkerConfig::from_url(format!("http://{addr}"))],
+            ..Config::default()
+        };
+        // Only proxied requests reach the worker: no health checks, no load polls.
+        config.health.interval_seconds = 0.0;
+        config.load_signals.interval_seconds = 0.0;
+        let gw = gateway(config).await;
+        let req = body(json!({"prompt": "p", "max_tokens": 1}));
+        for i in 0..20 {
+            let r = request(gw.addr, "POST", "/v1/completions", &req).await;
+            assert_eq!(r.status, 200, "request {i}, keep-alive {keep_alive}");
+            assert_eq!(r.body, b"{\"ok\":true}");
+        }
+        let opened = accepted.load(Ordering::SeqCst);
+        if keep_alive {
+            // One, or two if a check raced the first answer's end.
+            assert!(opened <= 2, "{opened} connections for 20 requests");
+        } else {
+            // A worker that closes after each answer costs no request, only connections.
+            assert_eq!(opened, 20);
+        }
+    }
+}

@@ -9,6 +9,7 @@
 //! abort the generation.
 
 mod relay;
+mod upstream;
 
 use std::{borrow::Cow, sync::Arc, time::Duration};
 
@@ -23,6 +24,7 @@ use hyper_util::{
 use tokio::time::Instant;
 
 use relay::{Feedback, Phase, Tracker};
+pub use upstream::Connections;
 
 use crate::{
     admission::{self, Shed},
@@ -50,22 +52,25 @@ pub fn http_client(cfg: &Config) -> HttpClient {
 }
 
 thread_local! {
-    /// The connection pool of an event loop that has its own (see `server::serve_state_on`).
-    static OWN_CLIENT: std::cell::OnceCell<HttpClient> = const { std::cell::OnceCell::new() };
+    /// The connections of an event loop that has its own (see `server::serve_state_on`).
+    static OWN_CONNECTIONS: std::cell::OnceCell<Arc<Connections>> = const { std::cell::OnceCell::new() };
 }
 
-/// Gives the calling thread's event loop its own pool of connections to the workers, so a
-/// request and its upstream connection stay on one thread. For a thread that serves one gateway.
+/// Gives the calling thread's event loop its own connections to the workers, so a request and
+/// its upstream connection stay on one thread. For a thread that serves one gateway.
 pub fn use_own_client(cfg: &Config) {
-    OWN_CLIENT.with(|c| {
-        let _ = c.set(http_client(cfg));
+    OWN_CONNECTIONS.with(|c| {
+        let _ = c.set(Arc::new(Connections::new(cfg.timeouts.connect())));
     });
 }
 
 /// Everything the proxy stage needs, shared by all requests.
 pub struct Upstreams {
     pub pool: Pool,
+    /// For the gateway's own requests to workers (health, load, model lists).
     pub client: HttpClient,
+    /// Proxied requests' connections, when the event loop has none of its own.
+    pub connections: Connections,
     pub metrics: Metrics,
     pub config: Config,
     /// Client keys and the key sent to workers.
@@ -177,8 +182,9 @@ pub async fn forward(
                 .insert(header::AUTHORIZATION, key.clone());
         }
         let timeout = up.config.timeouts.first_byte();
-        let sent = OWN_CLIENT.with(|own| own.get().unwrap_or(&up.client).request(request));
-        match tokio::time::timeout(timeout, sent).await {
+        let own = OWN_CONNECTIONS.with(|own| own.get().cloned());
+        let connections = own.as_deref().unwrap_or(&up.connections);
+        match tokio::time::timeout(timeout, connections.send(worker, request)).await {
             Ok(Ok(resp)) => {
                 worker.record_status(
                     resp.status(),
@@ -348,9 +354,8 @@ fn upstream_request(
     worker: &Worker,
     body: Bytes,
 ) -> Result<Request<Full<Bytes>>, ApiError> {
+    // Origin form: the connection is already the worker's, and `Host` names it.
     let mut uri = http::uri::Parts::default();
-    uri.scheme = Some(worker.scheme.clone());
-    uri.authority = Some(worker.authority.clone());
     // Cloned, not parsed again: the path shares the request head's bytes.
     uri.path_and_query = Some(
         parts
@@ -444,7 +449,7 @@ mod tests {
         ]);
         let w = worker("http://127.0.0.1:8001");
         let req = upstream_request(&parts, &w, Bytes::from_static(b"hello")).unwrap();
-        assert_eq!(req.uri(), "http://127.0.0.1:8001/v1/completions?x=1");
+        assert_eq!(req.uri(), "/v1/completions?x=1");
         assert_eq!(req.headers()[header::HOST], "127.0.0.1:8001");
         assert_eq!(req.headers()[header::CONTENT_LENGTH], "5");
         assert_eq!(req.headers()["x-kept"], "a");
