@@ -11,11 +11,15 @@
 //!
 //! A request that a pooled connection could not send (the worker closed it while idle) is sent
 //! again on another, as it never reached the worker; a failure once it was sent is the caller's.
+//! A connection idle for [`IDLE_TIMEOUT`] is closed, so a burst's connections do not stay open.
 
 use std::{
     collections::{HashMap, VecDeque},
     fmt, io,
-    sync::Mutex,
+    sync::{
+        atomic::{AtomicBool, Ordering},
+        Arc, Mutex, Weak,
+    },
     time::Duration,
 };
 
@@ -24,7 +28,7 @@ use http::Request;
 use http_body_util::Full;
 use hyper::{body::Incoming, client::conn::http1};
 use hyper_util::rt::TokioIo;
-use tokio::net::TcpStream;
+use tokio::{net::TcpStream, time::Instant};
 
 use crate::workers::Worker;
 
@@ -34,6 +38,9 @@ type Sender = http1::SendRequest<Full<Bytes>>;
 /// since a connection goes back in its queue when its response starts and is ready again only
 /// once that response has ended.
 const READY_SCAN: usize = 4;
+
+/// A connection not used for this long is closed (counted from when its last response began).
+pub const IDLE_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// Why a request got no response from its worker.
 #[derive(Debug)]
@@ -69,18 +76,69 @@ impl std::error::Error for UpstreamError {
     }
 }
 
+/// A pooled connection and when its last response began.
+struct Pooled {
+    sender: Sender,
+    since: Instant,
+}
+
+impl Pooled {
+    /// Ready, and unused for [`IDLE_TIMEOUT`]: to be closed.
+    fn expired(&self, now: Instant) -> bool {
+        self.sender.is_ready() && now.duration_since(self.since) >= IDLE_TIMEOUT
+    }
+}
+
+type Queues = Mutex<HashMap<u64, VecDeque<Pooled>>>;
+
 /// Keep-alive connections to the workers, by worker.
 pub struct Connections {
     connect_timeout: Duration,
-    idle: Mutex<HashMap<u64, VecDeque<Sender>>>,
+    idle: Arc<Queues>,
+    reaping: AtomicBool,
 }
 
 impl Connections {
     pub fn new(connect_timeout: Duration) -> Self {
         Self {
             connect_timeout,
-            idle: Mutex::new(HashMap::new()),
+            idle: Arc::default(),
+            reaping: AtomicBool::new(false),
         }
+    }
+
+    /// Connections pooled for `worker` (ready or busy).
+    pub fn pooled(&self, worker: u64) -> usize {
+        self.lock().get(&worker).map_or(0, VecDeque::len)
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u64, VecDeque<Pooled>>> {
+        self.idle.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// From the first connection on, a task that closes the expired and forgets the closed
+    /// ones every half [`IDLE_TIMEOUT`], for as long as these connections exist.
+    fn start_reaper(&self) {
+        if self.reaping.swap(true, Ordering::Relaxed) {
+            return;
+        }
+        let queues: Weak<Queues> = Arc::downgrade(&self.idle);
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(IDLE_TIMEOUT / 2);
+            tick.tick().await;
+            loop {
+                tick.tick().await;
+                let Some(queues) = queues.upgrade() else {
+                    return;
+                };
+                let now = Instant::now();
+                let mut queues = queues.lock().unwrap_or_else(|e| e.into_inner());
+                for queue in queues.values_mut() {
+                    queue.retain(|p| !p.sender.is_closed() && !p.expired(now));
+                }
+                queues.retain(|_, q| !q.is_empty());
+            }
+        });
     }
 
     /// Sends `req` (origin-form URI, `Host` set) to `worker` and returns the response head; the
@@ -110,25 +168,30 @@ impl Connections {
     }
 
     fn checkout(&self, worker: u64) -> Option<Sender> {
-        let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
+        let now = Instant::now();
+        let mut idle = self.lock();
         let queue = idle.get_mut(&worker)?;
         let mut looked = 0;
         while looked < READY_SCAN {
-            let sender = queue.pop_front()?;
-            if sender.is_ready() {
-                return Some(sender);
+            let pooled = queue.pop_front()?;
+            if pooled.expired(now) || pooled.sender.is_closed() {
+                continue; // dropped: closes it, or forgets a closed one
             }
-            if !sender.is_closed() {
-                queue.push_back(sender); // still streaming a response
-                looked += 1;
+            if pooled.sender.is_ready() {
+                return Some(pooled.sender);
             }
+            queue.push_back(pooled); // still streaming a response
+            looked += 1;
         }
         None
     }
 
     fn checkin(&self, worker: u64, sender: Sender) {
-        let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
-        idle.entry(worker).or_default().push_back(sender);
+        let since = Instant::now();
+        self.lock()
+            .entry(worker)
+            .or_default()
+            .push_back(Pooled { sender, since });
     }
 
     async fn connect(&self, worker: &Worker) -> Result<Sender, UpstreamError> {
@@ -157,6 +220,7 @@ impl Connections {
                 }
             };
         stream.set_nodelay(true).map_err(UpstreamError::Connect)?;
+        self.start_reaper();
         let (sender, conn) = http1::handshake(TokioIo::new(stream))
             .await
             .map_err(UpstreamError::Request)?;
@@ -166,5 +230,77 @@ impl Connections {
             }
         });
         Ok(sender)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::AtomicUsize;
+
+    use http_body_util::BodyExt;
+
+    use super::*;
+    use crate::{config::WorkerConfig, metrics::Metrics};
+
+    /// A loopback worker answering `ok` on keep-alive connections; counts those it accepts.
+    async fn worker() -> (Worker, Arc<AtomicUsize>) {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let accepted = Arc::new(AtomicUsize::new(0));
+        let count = Arc::clone(&accepted);
+        tokio::spawn(async move {
+            while let Ok((stream, _)) = listener.accept().await {
+                count.fetch_add(1, Ordering::SeqCst);
+                tokio::spawn(async move {
+                    let ok = hyper::service::service_fn(|_| async {
+                        Ok::<_, std::convert::Infallible>(hyper::Response::new(Full::new(
+                            Bytes::from_static(b"ok"),
+                        )))
+                    });
+                    let _ = hyper::server::conn::http1::Builder::new()
+                        .serve_connection(TokioIo::new(stream), ok)
+                        .await;
+                });
+            }
+        });
+        let cfg = WorkerConfig::from_url(format!("http://{addr}"));
+        (Worker::new(&cfg, &Metrics::new()).unwrap(), accepted)
+    }
+
+    async fn get(conns: &Connections, w: &Worker) -> Bytes {
+        let req = Request::get("/")
+            .header(http::header::HOST, w.host_header.clone())
+            .body(Full::new(Bytes::new()))
+            .unwrap();
+        let resp = conns.send(w, req).await.unwrap();
+        resp.into_body().collect().await.unwrap().to_bytes()
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_connection_is_reused_and_closed_once_idle_for_the_timeout() {
+        let (w, accepted) = worker().await;
+        // No connect timeout to fire while the paused clock jumps ahead.
+        let conns = Connections::new(Duration::from_secs(3600));
+        assert_eq!(get(&conns, &w).await, "ok");
+        // The connection task sees the answer end (bounded: no wall-clock wait).
+        for _ in 0..100 {
+            if conns.lock()[&w.id_hash].iter().any(|p| p.sender.is_ready()) {
+                break;
+            }
+            tokio::task::yield_now().await;
+        }
+        assert_eq!(get(&conns, &w).await, "ok");
+        assert_eq!(
+            accepted.load(Ordering::SeqCst),
+            1,
+            "the second request reused it"
+        );
+        assert_eq!(conns.pooled(w.id_hash), 1);
+        // Idle for longer than the timeout: the reaper closes it, and the next request opens
+        // a new one.
+        tokio::time::sleep(IDLE_TIMEOUT * 2).await;
+        assert_eq!(conns.pooled(w.id_hash), 0);
+        assert_eq!(get(&conns, &w).await, "ok");
+        assert_eq!(accepted.load(Ordering::SeqCst), 2);
     }
 }
