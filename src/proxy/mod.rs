@@ -1,6 +1,6 @@
-//! The proxy stage: pick a worker with a policy, send the request over a pooled hyper client,
-//! and relay the response body frame by frame with an in-flight tracker attached to it
-//! (`relay.rs`).
+//! The proxy stage: pick a worker with a policy, send the request over a kept-alive connection
+//! to it (`upstream.rs`), and relay the response body frame by frame with an in-flight tracker
+//! attached to it (`relay.rs`).
 //!
 //! The tracker is the request's accounting: it holds the worker's in-flight slot, and when it is
 //! dropped it releases the slot exactly once and records how the request ended. Dropped before
