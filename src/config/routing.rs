@@ -150,8 +150,9 @@ pub struct CacheAwareParams {
     /// is not left idle.
     pub amortize_hot_copies: bool,
     /// Replicas without shared state agree on a conversation's worker. The home's rendezvous key
-    /// is the first block past the part of the prompt that at least two workers hold (a shared
-    /// system prompt), the same for every turn of a conversation on every replica; and when the
+    /// is the first block past the part of the prompt that most workers hold (more than half, at
+    /// least two: a shared system prompt), the same for every turn of a conversation on every
+    /// replica, even once a spill has put the conversation on a second worker; and when the
     /// workers' polled load shows traffic beyond this gateway's own (other replicas), the home is
     /// presumed to hold as much of the prompt as any worker is known to, in proportion to that
     /// traffic's share (fully from one half on), since the other replicas send it there too.

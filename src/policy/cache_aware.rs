@@ -18,7 +18,7 @@
 //! become tokens at the ratio the workers' `usage` reports teach (start: `bytes_per_token`).
 //!
 //! The request's rendezvous home (highest `mix(key, worker)`, where `key` is the hash of the
-//! first block past the part of the prompt that at least two workers hold, with `shared_home`:
+//! first block past the part of the prompt that most workers hold, with `shared_home`:
 //! past a shared system prompt, so the same for every turn of a conversation on every replica)
 //! is credited `home_affinity` × the tokens no worker is known to hold, and breaks ties.
 //! Replicas that have not seen a conversation thus agree on where its unknown part most likely
@@ -100,6 +100,16 @@ fn usable_load(workers: &[Arc<Worker>]) -> (usize, usize) {
         .fold((0, 0), |(n, total), w| {
             (n + 1, total + w.load.queued(w.inflight()))
         })
+}
+
+/// The `k`-th largest value (the largest that at least `k` hold), 0 with fewer than `k`.
+fn kth_largest(values: impl Iterator<Item = u64>, k: usize) -> u64 {
+    let mut values: Vec<u64> = values.collect();
+    if k == 0 || values.len() < k {
+        return 0;
+    }
+    let (_, kth, _) = values.select_nth_unstable_by(k - 1, |a, b| b.cmp(a));
+    *kth
 }
 
 /// The second largest value (the largest that at least two hold), 0 with fewer than two.
@@ -236,8 +246,12 @@ impl CacheAware {
         } else {
             0
         };
+        // The home's key: past the part of the prompt that most workers hold (a system prompt
+        // everyone shares), not merely two: a conversation that one spill put on a second worker
+        // must keep its key, or its home would move with what each replica happens to know.
         let key_depth = if self.params.shared_home {
-            shared_depth
+            let most = (workers.len() / 2 + 1).max(2);
+            kth_largest(matches.depths.iter().map(|&(_, d)| d as u64), most) as usize
         } else {
             deepest
         };
@@ -703,6 +717,40 @@ mod tests {
         own.index
             .insert(&convo(3, 4, 3).block_hashes, ws[x].id_hash);
         assert_eq!(own.peek(&ws, &next).unwrap().index, x);
+    }
+
+    #[test]
+    fn a_conversation_on_two_workers_keeps_its_home_on_every_replica() {
+        // The system prompt is on all four workers. Replica `a` also put the first turns of each
+        // conversation on two workers (its home and one it spilled to); replica `b` knows
+        // nothing of them. With the other replica's traffic showing in the polled load, both
+        // send every conversation's next turn to the same worker.
+        let ws = test_workers(4);
+        let (a, b) = (policy(), policy());
+        for w in ws.iter() {
+            a.index.insert(&[0, 1, 2, 3], w.id_hash);
+            b.index.insert(&[0, 1, 2, 3], w.id_hash);
+        }
+        let mut mine = Vec::new();
+        for w in ws.iter() {
+            mine.extend((0..4).map(|_| w.acquire()));
+            let polled = crate::load::Polled {
+                running: 8.0,
+                ..Default::default()
+            };
+            w.load.store(Some(polled), 4);
+        }
+        for c in 0..32u64 {
+            let next = convo(c, 4, 4);
+            let home = b.peek(&ws, &next).unwrap().index;
+            let earlier = convo(c, 4, 3);
+            a.index.insert(&earlier.block_hashes, ws[home].id_hash);
+            a.index
+                .insert(&earlier.block_hashes, ws[(home + 1) % 4].id_hash);
+            assert_eq!(a.peek(&ws, &next).unwrap().index, home, "conversation {c}");
+        }
+        assert_eq!(kth_largest([5, 9, 1, 9].into_iter(), 3), 5);
+        assert_eq!(kth_largest([5, 9].into_iter(), 3), 0);
     }
 
     #[test]
