@@ -658,16 +658,37 @@ mod tests {
         assert_eq!(sa.index, pick(&b, &ws, &r).index);
     }
 
+    /// Two replicas whose indexes hold the 4-block system prompt on every worker.
+    fn two_replicas_knowing_the_system_prompt(ws: &[Arc<Worker>]) -> (CacheAware, CacheAware) {
+        let (a, b) = (policy(), policy());
+        for w in ws {
+            a.index.insert(&[0, 1, 2, 3], w.id_hash);
+            b.index.insert(&[0, 1, 2, 3], w.id_hash);
+        }
+        (a, b)
+    }
+
+    /// Four requests of this gateway's in flight on every worker, and a poll that saw as many
+    /// again from elsewhere (another replica's). The guards hold this gateway's requests.
+    fn another_replica_as_busy(ws: &[Arc<Worker>]) -> Vec<crate::workers::InflightGuard> {
+        let mut mine = Vec::new();
+        for w in ws {
+            mine.extend((0..4).map(|_| w.acquire()));
+            let polled = crate::load::Polled {
+                running: 8.0,
+                ..Default::default()
+            };
+            w.load.store(Some(polled), 4);
+        }
+        mine
+    }
+
     #[test]
     fn another_replicas_conversation_is_looked_for_at_its_home() {
         // Replica `a` saw turn 1; replica `b` knows only the shared system prompt (on all workers)
         // and sees turn 2: both must choose the same worker.
         let ws = test_workers(6);
-        let (a, b) = (policy(), policy());
-        for w in ws.iter() {
-            b.index.insert(&[0, 1, 2, 3], w.id_hash);
-            a.index.insert(&[0, 1, 2, 3], w.id_hash);
-        }
+        let (a, b) = two_replicas_knowing_the_system_prompt(&ws);
         let t1 = pick(&a, &ws, &convo(3, 4, 2));
         let t2 = pick(&b, &ws, &convo(3, 4, 4));
         assert_eq!(t1.index, t2.index);
@@ -698,15 +719,7 @@ mod tests {
         assert_eq!((alone.index, alone.outcome), (x, Outcome::LongestMatch));
         // The workers' polled load shows as many requests again from elsewhere: another replica
         // sends this conversation's turns to its home, so `a` does too, and the two agree.
-        let mut mine = Vec::new();
-        for w in ws.iter() {
-            mine.extend((0..4).map(|_| w.acquire()));
-            let polled = crate::load::Polled {
-                running: 8.0,
-                ..Default::default()
-            };
-            w.load.store(Some(polled), 4);
-        }
+        let _mine = another_replica_as_busy(&ws);
         let shared = a.peek(&ws, &next).unwrap();
         assert_eq!((shared.index, shared.outcome), (home, Outcome::HashHome));
         assert_eq!(b.peek(&ws, &next).unwrap().index, home);
@@ -726,20 +739,8 @@ mod tests {
         // nothing of them. With the other replica's traffic showing in the polled load, both
         // send every conversation's next turn to the same worker.
         let ws = test_workers(4);
-        let (a, b) = (policy(), policy());
-        for w in ws.iter() {
-            a.index.insert(&[0, 1, 2, 3], w.id_hash);
-            b.index.insert(&[0, 1, 2, 3], w.id_hash);
-        }
-        let mut mine = Vec::new();
-        for w in ws.iter() {
-            mine.extend((0..4).map(|_| w.acquire()));
-            let polled = crate::load::Polled {
-                running: 8.0,
-                ..Default::default()
-            };
-            w.load.store(Some(polled), 4);
-        }
+        let (a, b) = two_replicas_knowing_the_system_prompt(&ws);
+        let _mine = another_replica_as_busy(&ws);
         for c in 0..32u64 {
             let next = convo(c, 4, 4);
             let home = b.peek(&ws, &next).unwrap().index;
