@@ -628,7 +628,7 @@ async fn counting_worker(
 }
 
 #[tokio::test]
-async fn requests_one_after_another_reuse_one_connection_to_the_worker() {
+async fn requests_one_after_another_reuse_a_keep_alive_connection_to_the_worker() {
     use std::sync::atomic::Ordering;
     for keep_alive in [true, false] {
         let (addr, accepted) = counting_worker(keep_alive).await;

@@ -249,11 +249,13 @@ impl CacheAware {
         // The home's key: past the part of the prompt that most workers hold (a system prompt
         // everyone shares), not merely two: a conversation that one spill put on a second worker
         // must keep its key, or its home would move with what each replica happens to know.
-        let key_depth = if self.params.shared_home {
-            let most = (workers.len() / 2 + 1).max(2);
-            kth_largest(matches.depths.iter().map(|&(_, d)| d as u64), most) as usize
-        } else {
+        let most = (workers.len() / 2 + 1).max(2);
+        let key_depth = if !self.params.shared_home {
             deepest
+        } else if matches.depths.len() < most {
+            0 // too few holders: no need to collect their depths
+        } else {
+            kth_largest(matches.depths.iter().map(|&(_, d)| d as u64), most) as usize
         };
         let mut key = req.block_hashes.get(key_depth).copied().unwrap_or(last);
         // When every usable worker publishes events, the part no worker holds and the home's key
