@@ -167,7 +167,7 @@ pub async fn serve_state_on(
                     .enable_all()
                     .build()?;
                 rt.block_on(async move {
-                    crate::proxy::use_own_client(&state.upstreams.config);
+                    crate::proxy::use_own_connections(&state.upstreams.config);
                     crate::listener::serve_handed(rx, app(state), &limits).await;
                 });
                 Ok::<_, std::io::Error>(())

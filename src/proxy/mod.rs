@@ -58,7 +58,7 @@ thread_local! {
 
 /// Gives the calling thread's event loop its own connections to the workers, so a request and
 /// its upstream connection stay on one thread. For a thread that serves one gateway.
-pub fn use_own_client(cfg: &Config) {
+pub fn use_own_connections(cfg: &Config) {
     OWN_CONNECTIONS.with(|c| {
         let _ = c.set(Arc::new(Connections::new(cfg.timeouts.connect())));
     });
