@@ -131,10 +131,6 @@ struct Candidate {
     cost: f64,
     score: u64,
     depth: usize,
-    /// Prompt tokens the worker holds by its KV cache events, when it publishes them.
-    exact: Option<u64>,
-    /// Prompt tokens it is priced as holding (`exact`, or the index's match times its trust).
-    held: f64,
 }
 
 impl Candidate {
@@ -167,18 +163,26 @@ impl CacheAware {
     #[inline]
     fn queue_cost(&self, w: &Worker, prompt: f64) -> f64 {
         let local = w.inflight();
-        let queued = w.load.queued(local);
-        let own = w.load.context_tokens() as f64;
+        self.queue_cost_at(w, local, w.load.queued(local), prompt)
+    }
+
+    /// [`Self::queue_cost`] with the worker's in-flight counts already read.
+    #[inline]
+    fn queue_cost_at(&self, w: &Worker, local: usize, queued: usize, prompt: f64) -> f64 {
+        // Counts go through `i64`: one instruction to a float on x86-64, where `u64` takes
+        // several, and this runs for every worker of every decision (all are far below 2^63).
+        let own = w.load.context_tokens() as i64 as f64;
+        let queued_f = queued as i64 as f64;
         // Tokens read per decode step on behalf of the queue; no division with one gateway.
         let context = if queued == local {
             own
         } else if local == 0 {
-            prompt * queued as f64
+            prompt * queued_f
         } else {
-            own * queued as f64 / local as f64
+            own * queued_f / local as i64 as f64
         };
-        self.params.pending_weight * w.load.pending_prefill() as f64
-            + self.params.request_cost_tokens * queued as f64
+        self.params.pending_weight * w.load.pending_prefill() as i64 as f64
+            + self.params.request_cost_tokens * queued_f
             + self.params.context_weight * context
     }
 
@@ -292,10 +296,19 @@ impl CacheAware {
             cost: f64::INFINITY,
             score: 0,
             depth: 0,
-            exact: None,
-            held: 0.0,
         };
         let mut home = best;
+        // Prompt tokens a worker is priced as holding: what its own events say, which beats what
+        // this gateway has routed there (the index's match, times the worker's trust). Kept out
+        // of `Candidate`, which the pass copies per worker, and recomputed for the two it keeps.
+        let any_exact = exacts.iter().any(Option::is_some);
+        let held_by = |index: usize, w: &Worker, depth: usize| -> f64 {
+            match exacts.get(index).copied().flatten() {
+                Some(held) => held as f64,
+                None if depth > 0 => req.bytes_at_depth(depth) as f64 / bpt * w.load.cache_trust(),
+                None => 0.0,
+            }
+        };
         // The part of the prompt that at least two workers hold (a hot prefix).
         let hot = if self.params.amortize_hot_copies {
             let by_events = second_largest(exacts.iter().flatten().copied());
@@ -324,18 +337,20 @@ impl CacheAware {
             if queued >= cap {
                 continue;
             }
-            let mut cost = full_price + self.queue_cost(w, prompt);
+            let mut cost = full_price + self.queue_cost_at(w, local, queued, prompt);
+            // Branches on what is known before the pass (any events at all), not per worker: this
+            // loop's cost is its dependency chain, and the common pool publishes none.
             let mut depth = 0;
+            let mut held = 0.0;
             if holders & (1 << (w.id_hash & 63)) != 0 {
                 depth = matches.depth_of(w.id_hash);
+                if depth > 0 {
+                    held = held_by(index, w, depth);
+                }
             }
-            // What the worker's own events say beats what this gateway has routed there.
-            let exact = exacts.get(index).copied().flatten();
-            let held = match exact {
-                Some(held) => held as f64,
-                None if depth > 0 => req.bytes_at_depth(depth) as f64 / bpt * w.load.cache_trust(),
-                None => 0.0,
-            };
+            if any_exact {
+                held = held_by(index, w, depth);
+            }
             cost -= miss * held;
             // An idle worker holding none of a hot prefix while the others average `mean` in
             // flight: the copy is shared by the requests that follow it there (see
@@ -349,8 +364,6 @@ impl CacheAware {
                 cost,
                 score,
                 depth,
-                exact,
-                held,
             };
             if c.beats(&best) {
                 best = c;
@@ -374,7 +387,8 @@ impl CacheAware {
         {
             let foreign = (queued_total - local_total) as f64 / queued_total as f64;
             let known = req.bytes_at_depth(deepest) as f64 / bpt;
-            ((2.0 * foreign).min(1.0) * known - home.held).max(0.0)
+            let home_held = held_by(home.index, &workers[home.index], home.depth);
+            ((2.0 * foreign).min(1.0) * known - home_held).max(0.0)
         } else {
             0.0
         };
@@ -387,8 +401,9 @@ impl CacheAware {
             chosen = home;
         }
 
+        let exact = exacts.get(chosen.index).copied().flatten();
         let outcome = match (deepest, chosen.depth) {
-            _ if chosen.exact.is_some_and(|t| t > 0) => Outcome::ExactMatch,
+            _ if exact.is_some_and(|t| t > 0) => Outcome::ExactMatch,
             (0, _) if chosen.index == home.index => Outcome::HashHome,
             (d, c) if c < d && presumed > 0.0 && chosen.index == home.index => Outcome::HashHome,
             (0, _) => Outcome::Spilled,
@@ -398,7 +413,7 @@ impl CacheAware {
         };
         let prediction = Prediction {
             prompt_tokens: prompt.round() as u32,
-            cached_tokens: match chosen.exact {
+            cached_tokens: match exact {
                 Some(held) => held.min(u64::from(u32::MAX)) as u32,
                 None => (req.bytes_at_depth(chosen.depth) as f64 / bpt).round() as u32,
             },
