@@ -86,7 +86,8 @@ fn cached_pieces_give_the_same_ids_as_encoding_the_whole() {
     let uncached = ModelTokenizer::load(&path("tests/tokenize/tiny-tokenizer.json"), None).unwrap();
     let mut messages = vec![json!({"role": "system", "content": "You are a helpful assistant."})];
     for turn in 0..5 {
-        messages.push(json!({"role": "user", "content": format!("question {turn}: the fox?")}));
+        // A `<` that starts no added token, and text that is not ASCII, between the real ones.
+        messages.push(json!({"role": "user", "content": format!("question {turn}: is x < y in <b>«fox»</b>?")}));
         let ids = t.chat(&json!(messages)).unwrap();
         // The reference: the rendered text encoded whole, without special tokens.
         let text = t.render_chat(&json!(messages)).unwrap();
