@@ -4,7 +4,7 @@
 use std::{
     borrow::Cow,
     sync::{
-        atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering},
+        atomic::{AtomicU32, AtomicU64, AtomicU8, AtomicUsize, Ordering},
         Arc,
     },
     time::Duration,
@@ -32,10 +32,10 @@ pub struct Worker {
     ejected_until_ms: AtomicU64,
     /// Hash of the name: the worker's identity in rendezvous hashing, equal on every replica.
     pub id_hash: u64,
-    /// Marked down by active health checks.
-    down: AtomicBool,
-    /// Takes no new requests (configured, or set while the worker leaves the pool).
-    draining: AtomicBool,
+    /// Why the worker takes no new requests, as bits: [`DOWN`] (marked down by active health
+    /// checks) and [`DRAINING`] (configured, or set while the worker leaves the pool). One byte,
+    /// so a policy scanning the pool tests both with one load.
+    out: AtomicU8,
     /// Queue and cache signals beyond the in-flight count.
     pub load: crate::load::Load,
     pub name: String,
@@ -63,6 +63,11 @@ pub struct Worker {
     /// Its per-request series under each arm, resolved once.
     series: crate::metrics::SeriesByArm,
 }
+
+/// [`Worker`]'s `out` bit: marked down by active health checks.
+const DOWN: u8 = 1;
+/// [`Worker`]'s `out` bit: draining.
+const DRAINING: u8 = 2;
 
 /// Blocks remembered per worker from its events: beyond any GPU's KV cache (an 80 GB GPU holds
 /// some 10^5 blocks of 16 tokens for a 7B model), about 64 MiB at most.
@@ -134,8 +139,7 @@ impl Worker {
             id_hash: xxh3_64(name.as_bytes()),
             inflight_gauge: metrics.worker_inflight.with_label_values(&[&name]),
             healthy_gauge: metrics.worker_healthy.with_label_values(&[&name]),
-            down: AtomicBool::new(false),
-            draining: AtomicBool::new(cfg.draining),
+            out: AtomicU8::new(if cfg.draining { DRAINING } else { 0 }),
             error_streak: AtomicU32::new(0),
             name,
             inflight: AtomicUsize::new(0),
@@ -158,7 +162,7 @@ impl Worker {
 
     /// Usable unless draining, marked down by health checks, or recently ejected.
     pub fn is_usable(&self) -> bool {
-        if self.down.load(Ordering::Relaxed) || self.draining.load(Ordering::Relaxed) {
+        if self.out.load(Ordering::Relaxed) != 0 {
             return false;
         }
         // Read the clock only for a worker that was ever ejected: selection asks every worker.
@@ -167,19 +171,28 @@ impl Worker {
     }
 
     pub fn set_down(&self, down: bool) {
-        if self.down.swap(down, Ordering::Relaxed) != down {
+        let before = if down {
+            self.out.fetch_or(DOWN, Ordering::Relaxed)
+        } else {
+            self.out.fetch_and(!DOWN, Ordering::Relaxed)
+        };
+        if (before & DOWN != 0) != down {
             tracing::warn!(worker = %self.name, down, "health check changed the worker's state");
         }
         self.publish_health();
     }
 
     pub fn set_draining(&self, draining: bool) {
-        self.draining.store(draining, Ordering::Relaxed);
+        if draining {
+            self.out.fetch_or(DRAINING, Ordering::Relaxed);
+        } else {
+            self.out.fetch_and(!DRAINING, Ordering::Relaxed);
+        }
         self.publish_health();
     }
 
     pub fn is_draining(&self) -> bool {
-        self.draining.load(Ordering::Relaxed)
+        self.out.load(Ordering::Relaxed) & DRAINING != 0
     }
 
     /// Sets `kvroute_worker_healthy` from the current state.
