@@ -47,7 +47,10 @@ impl AppState {
             upstreams: Arc::new(Upstreams {
                 pool,
                 client: http_client(&config),
-                connections: crate::proxy::Connections::new(config.timeouts.connect()),
+                connections: crate::proxy::Connections::new(
+                    config.timeouts.connect(),
+                    config.timeouts.worker_idle(),
+                ),
                 metrics,
                 config,
                 auth,

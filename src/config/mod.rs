@@ -205,6 +205,11 @@ pub struct TimeoutConfig {
     pub first_byte_seconds: f64,
     /// Longest silence between two chunks of a response body, in seconds.
     pub idle_stream_seconds: f64,
+    /// A keep-alive connection to a worker unused for this long is closed and never sent on, in
+    /// seconds. Keep it below the workers' own keep-alive timeout (vLLM closes an idle connection
+    /// after 5 s, `VLLM_HTTP_TIMEOUT_KEEP_ALIVE`): a request written as the worker closes its
+    /// end is lost, and a proxy cannot tell whether the worker began it.
+    pub worker_idle_seconds: f64,
 }
 
 impl Default for TimeoutConfig {
@@ -213,6 +218,7 @@ impl Default for TimeoutConfig {
             connect_seconds: 2.0,
             first_byte_seconds: 600.0,
             idle_stream_seconds: 120.0,
+            worker_idle_seconds: 4.0,
         }
     }
 }
@@ -226,6 +232,9 @@ impl TimeoutConfig {
     }
     pub fn idle_stream(&self) -> Duration {
         Duration::from_secs_f64(self.idle_stream_seconds)
+    }
+    pub fn worker_idle(&self) -> Duration {
+        Duration::from_secs_f64(self.worker_idle_seconds)
     }
 }
 
@@ -322,6 +331,7 @@ impl Config {
             ("timeouts.connect_seconds", t.connect_seconds),
             ("timeouts.first_byte_seconds", t.first_byte_seconds),
             ("timeouts.idle_stream_seconds", t.idle_stream_seconds),
+            ("timeouts.worker_idle_seconds", t.worker_idle_seconds),
             ("eject_seconds", self.eject_seconds),
             ("drain_seconds", self.drain_seconds),
         ] {

@@ -47,7 +47,7 @@ pub fn http_client(cfg: &Config) -> HttpClient {
     connector.set_connect_timeout(Some(cfg.timeouts.connect()));
     connector.set_nodelay(true);
     Client::builder(TokioExecutor::new())
-        .pool_idle_timeout(Duration::from_secs(60))
+        .pool_idle_timeout(cfg.timeouts.worker_idle())
         .build(connector)
 }
 
@@ -60,7 +60,10 @@ thread_local! {
 /// its upstream connection stay on one thread. For a thread that serves one gateway.
 pub fn use_own_connections(cfg: &Config) {
     OWN_CONNECTIONS.with(|c| {
-        let _ = c.set(Arc::new(Connections::new(cfg.timeouts.connect())));
+        let _ = c.set(Arc::new(Connections::new(
+            cfg.timeouts.connect(),
+            cfg.timeouts.worker_idle(),
+        )));
     });
 }
 

@@ -11,7 +11,10 @@
 //!
 //! A request that a pooled connection could not send (the worker closed it while idle) is sent
 //! again on another, as it never reached the worker; a failure once it was sent is the caller's.
-//! A connection idle for [`IDLE_TIMEOUT`] is closed, so a burst's connections do not stay open.
+//! A connection that may have been idle for the idle timeout (`timeouts.worker_idle_seconds`) is
+//! closed and never sent on: the workers close theirs too (vLLM after 5 s), and a request written
+//! as the worker closes its end is lost after it was sent, which no proxy can safely repeat. So
+//! the pool must give up a connection first; it also keeps a burst's connections from staying.
 
 use std::{
     collections::{HashMap, VecDeque},
@@ -38,9 +41,6 @@ type Sender = http1::SendRequest<Full<Bytes>>;
 /// since a connection goes back in its queue when its response starts and is ready again only
 /// once that response has ended.
 const READY_SCAN: usize = 4;
-
-/// A connection not used for this long is closed (counted from when its last response began).
-pub const IDLE_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// Why a request got no response from its worker.
 #[derive(Debug)]
@@ -76,16 +76,17 @@ impl std::error::Error for UpstreamError {
     }
 }
 
-/// A pooled connection and when its last response began.
+/// A pooled connection, and the last time it was seen busy (sending or receiving): it has been
+/// idle at most since then, as the worker sees it.
 struct Pooled {
     sender: Sender,
     since: Instant,
 }
 
 impl Pooled {
-    /// Ready, and unused for [`IDLE_TIMEOUT`]: to be closed.
-    fn expired(&self, now: Instant) -> bool {
-        self.sender.is_ready() && now.duration_since(self.since) >= IDLE_TIMEOUT
+    /// Ready, and perhaps idle for `timeout`: to be closed.
+    fn expired(&self, now: Instant, timeout: Duration) -> bool {
+        self.sender.is_ready() && now.duration_since(self.since) >= timeout
     }
 }
 
@@ -94,14 +95,16 @@ type Queues = Mutex<HashMap<u64, VecDeque<Pooled>>>;
 /// Keep-alive connections to the workers, by worker.
 pub struct Connections {
     connect_timeout: Duration,
+    idle_timeout: Duration,
     idle: Arc<Queues>,
     reaping: AtomicBool,
 }
 
 impl Connections {
-    pub fn new(connect_timeout: Duration) -> Self {
+    pub fn new(connect_timeout: Duration, idle_timeout: Duration) -> Self {
         Self {
             connect_timeout,
+            idle_timeout,
             idle: Arc::default(),
             reaping: AtomicBool::new(false),
         }
@@ -117,14 +120,15 @@ impl Connections {
     }
 
     /// From the first connection on, a task that closes the expired and forgets the closed
-    /// ones every half [`IDLE_TIMEOUT`], for as long as these connections exist.
+    /// ones every half idle timeout, for as long as these connections exist.
     fn start_reaper(&self) {
         if self.reaping.swap(true, Ordering::Relaxed) {
             return;
         }
         let queues: Weak<Queues> = Arc::downgrade(&self.idle);
+        let timeout = self.idle_timeout;
         tokio::spawn(async move {
-            let mut tick = tokio::time::interval(IDLE_TIMEOUT / 2);
+            let mut tick = tokio::time::interval(timeout / 2);
             tick.tick().await;
             loop {
                 tick.tick().await;
@@ -134,7 +138,7 @@ impl Connections {
                 let now = Instant::now();
                 let mut queues = queues.lock().unwrap_or_else(|e| e.into_inner());
                 for queue in queues.values_mut() {
-                    queue.retain(|p| !p.sender.is_closed() && !p.expired(now));
+                    queue.retain(|p| !p.sender.is_closed() && !p.expired(now, timeout));
                 }
                 queues.retain(|_, q| !q.is_empty());
             }
@@ -174,13 +178,17 @@ impl Connections {
         let mut looked = 0;
         while looked < READY_SCAN {
             let pooled = queue.pop_front()?;
-            if pooled.expired(now) || pooled.sender.is_closed() {
+            if pooled.expired(now, self.idle_timeout) || pooled.sender.is_closed() {
                 continue; // dropped: closes it, or forgets a closed one
             }
             if pooled.sender.is_ready() {
                 return Some(pooled.sender);
             }
-            queue.push_back(pooled); // still streaming a response
+            // Still streaming a response: idle from now on at the earliest.
+            queue.push_back(Pooled {
+                since: now,
+                ..pooled
+            });
             looked += 1;
         }
         None
@@ -242,6 +250,8 @@ mod tests {
     use super::*;
     use crate::{config::WorkerConfig, metrics::Metrics};
 
+    const IDLE: Duration = Duration::from_secs(4);
+
     /// A loopback worker answering `ok` on keep-alive connections; counts those it accepts.
     async fn worker() -> (Worker, Arc<AtomicUsize>) {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -280,7 +290,7 @@ mod tests {
     async fn a_connection_is_reused_and_closed_once_idle_for_the_timeout() {
         let (w, accepted) = worker().await;
         // No connect timeout to fire while the paused clock jumps ahead.
-        let conns = Connections::new(Duration::from_secs(3600));
+        let conns = Connections::new(Duration::from_secs(3600), IDLE);
         assert_eq!(get(&conns, &w).await, "ok");
         // The connection task sees the answer end (bounded: no wall-clock wait).
         for _ in 0..100 {
@@ -298,9 +308,89 @@ mod tests {
         assert_eq!(conns.pooled(w.id_hash), 1);
         // Idle for longer than the timeout: the reaper closes it, and the next request opens
         // a new one.
-        tokio::time::sleep(IDLE_TIMEOUT * 2).await;
+        tokio::time::sleep(IDLE * 2).await;
         assert_eq!(conns.pooled(w.id_hash), 0);
         assert_eq!(get(&conns, &w).await, "ok");
         assert_eq!(accepted.load(Ordering::SeqCst), 2);
+    }
+
+    /// Who closed a connection of [`uvicorn_like`].
+    #[derive(Debug, PartialEq)]
+    enum Closed {
+        ByClient,
+        ByWorkerIdle,
+    }
+
+    /// A loopback worker that, like uvicorn (vLLM's server), closes a keep-alive connection
+    /// idle for `keep_alive`; records who closed each connection it accepted.
+    async fn uvicorn_like(keep_alive: Duration) -> (Worker, Arc<Mutex<Vec<Closed>>>) {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let closed = Arc::new(Mutex::new(Vec::new()));
+        let log = Arc::clone(&closed);
+        tokio::spawn(async move {
+            while let Ok((mut stream, _)) = listener.accept().await {
+                let log = Arc::clone(&log);
+                tokio::spawn(async move {
+                    let mut head = Vec::new();
+                    let mut buf = [0u8; 1024];
+                    loop {
+                        let n = match tokio::time::timeout(keep_alive, stream.read(&mut buf)).await
+                        {
+                            Err(_) => {
+                                log.lock().unwrap().push(Closed::ByWorkerIdle);
+                                return;
+                            }
+                            Ok(Ok(0)) | Ok(Err(_)) => {
+                                log.lock().unwrap().push(Closed::ByClient);
+                                return;
+                            }
+                            Ok(Ok(n)) => n,
+                        };
+                        head.extend_from_slice(&buf[..n]);
+                        // Bodyless requests: a head is a whole request.
+                        while let Some(end) = head.windows(4).position(|w| w == b"\r\n\r\n") {
+                            head.drain(..end + 4);
+                            let answer = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok";
+                            if stream.write_all(answer).await.is_err() {
+                                return;
+                            }
+                        }
+                    }
+                });
+            }
+        });
+        let cfg = WorkerConfig::from_url(format!("http://{addr}"));
+        (Worker::new(&cfg, &Metrics::new()).unwrap(), closed)
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_connection_that_may_have_idled_for_the_timeout_is_closed_before_the_worker_closes_it(
+    ) {
+        // The worker closes after 5 s idle, as vLLM does; the pool gives up after 4 s.
+        let (w, closed) = uvicorn_like(Duration::from_secs(5)).await;
+        let conns = Connections::new(Duration::from_secs(3600), IDLE);
+        assert_eq!(get(&conns, &w).await, "ok");
+        // Idle for less than the timeout: reused.
+        tokio::time::sleep(Duration::from_millis(3_900)).await;
+        assert_eq!(get(&conns, &w).await, "ok");
+        assert_eq!(conns.pooled(w.id_hash), 1);
+        // Idle for 4.5 s: past the pool's timeout, still short of the worker's. Not sent on.
+        tokio::time::sleep(Duration::from_millis(4_500)).await;
+        assert_eq!(get(&conns, &w).await, "ok");
+        // The first connection was closed by the pool, never by the worker's idle timer: the race
+        // in which a request meets the worker's close cannot happen.
+        for _ in 0..100 {
+            if !closed.lock().unwrap().is_empty() {
+                break;
+            }
+            tokio::task::yield_now().await;
+        }
+        assert_eq!(*closed.lock().unwrap(), vec![Closed::ByClient]);
+        // A connection left alone is forgotten (whoever closes it first: it is never sent on).
+        tokio::time::sleep(Duration::from_secs(30)).await;
+        assert_eq!(conns.pooled(w.id_hash), 0);
+        assert_eq!(closed.lock().unwrap().len(), 2);
     }
 }
