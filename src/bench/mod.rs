@@ -210,7 +210,20 @@ pub async fn start_pool_replicated(
             tokenizer_config: cfg.tokenizer_config.clone(),
         }),
     };
-    start_gateway(workers, arm, cfg.host, cancel, tasks, replicas, &exact).await
+    let gateway = Gateway {
+        host: cfg.host,
+        replicas,
+        time_scale: cfg.time_scale,
+    };
+    start_gateway(workers, arm, gateway, cancel, tasks, &exact).await
+}
+
+/// How the gateways of an arm run: where, how many, and how much faster than the wall clock the
+/// workers' modelled time runs.
+struct Gateway {
+    host: std::net::IpAddr,
+    replicas: usize,
+    time_scale: f64,
 }
 
 /// What a `+events` arm's gateway is told beyond the workers' URLs.
@@ -226,20 +239,24 @@ pub async fn start_on_existing(
     workers: &[String],
     arm: &str,
     replicas: usize,
+    time_scale: f64,
     exact: &Exact,
 ) -> Result<Pool, BenchError> {
     workers::reset_prefix_caches(workers)
         .await
         .map_err(BenchError::Setup)?;
-    let host = std::net::Ipv4Addr::LOCALHOST.into();
+    let gateway = Gateway {
+        host: std::net::Ipv4Addr::LOCALHOST.into(),
+        replicas,
+        time_scale,
+    };
     let cancel = CancellationToken::new();
     start_gateway(
         workers.to_vec(),
         arm,
-        host,
+        gateway,
         cancel,
         JoinSet::new(),
-        replicas,
         exact,
     )
     .await
@@ -248,10 +265,13 @@ pub async fn start_on_existing(
 async fn start_gateway(
     workers: Vec<String>,
     arm: &str,
-    host: std::net::IpAddr,
+    Gateway {
+        host,
+        replicas,
+        time_scale,
+    }: Gateway,
     cancel: CancellationToken,
     mut tasks: JoinSet<()>,
-    replicas: usize,
     exact: &Exact,
 ) -> Result<Pool, BenchError> {
     if let Some((name, template)) = external::parse(arm) {
@@ -284,6 +304,14 @@ async fn start_gateway(
         })
         .map_err(|e| BenchError::Setup(e.to_string()))?;
     let mut config = config;
+    // The workers' time runs `time_scale` times faster than the wall clock, so the gateway's poll
+    // of their load runs that much faster too: the age of what it knows about a worker, measured
+    // in requests, is then what it would be against workers in real time. Unscaled, a 1 s poll at
+    // time scale 5 is a 5 s poll in the workers' time, and a replica's view of the requests
+    // other replicas sent is five times staler than in production.
+    if time_scale > 0.0 {
+        config.load_signals.interval_seconds /= time_scale;
+    }
     if events {
         follow_events(&mut config, &workers, exact).await?;
     }
@@ -403,7 +431,7 @@ pub async fn compare_replicated(
                     kv_events: kv_events.clone(),
                     tokenizer: tokenizer.clone(),
                 };
-                start_on_existing(workers, policy, replicas, &exact).await?
+                start_on_existing(workers, policy, replicas, target.time_scale(), &exact).await?
             }
         };
         let spec = LoadSpec {
