@@ -817,14 +817,36 @@ async fn tokenizing_like_the_worker_matches_vllms_tokenize_endpoint() {
     let vllm = |body: Value| async move {
         common::token_ids(&request(worker, "POST", "/tokenize", body.to_string().as_bytes()).await)
     };
+    // Routing may encode only a head of new text: at every budget it must start vLLM's ids.
+    assert!(
+        ours.encodes_heads(),
+        "Llama 3's tokenizer passes the heads' check"
+    );
+    let heads_start = |pending: &kvroute::tokenize::Pending, theirs: &[u32], what: &str| {
+        for budget in [0, 1, 5, 16, 31, 64, 100, 128, 257, 512, 4096] {
+            let head = ours.head(pending, budget).unwrap();
+            assert!(
+                theirs.starts_with(&head.ids),
+                "{what} at {budget}: {:?} against {theirs:?}",
+                head.ids
+            );
+            assert_eq!(
+                head.rest_tokens == 0,
+                head.ids == theirs,
+                "{what} at {budget}"
+            );
+        }
+    };
     for prompt in [
         words(1, 200),
         "  leading spaces, tabs\tand\nnewlines  ".to_owned(),
         "Ünïcödé — 漢字 and emoji 🙂 in one prompt".to_owned(),
         "<|begin_of_text|> written out in the text".to_owned(),
+        "Numbers 1234567 and 3.14159,   runs   of\n\n\n  spaces!!! ".repeat(8),
     ] {
         let theirs = vllm(json!({"model": pool.model, "prompt": prompt})).await;
         assert_eq!(ours.prompt(&prompt).unwrap(), theirs, "prompt {prompt:?}");
+        heads_start(&ours.prepare_prompt(&prompt), &theirs, &prompt);
     }
     let messages = json!([
         {"role": "system", "content": "You are terse."},
@@ -835,6 +857,7 @@ async fn tokenizing_like_the_worker_matches_vllms_tokenize_endpoint() {
     let theirs = vllm(json!({"model": pool.model, "messages": messages,
                              "add_generation_prompt": true}))
     .await;
+    heads_start(&ours.prepare_chat(&messages).unwrap(), &theirs, "chat");
     assert_eq!(ours.chat(&messages).unwrap(), theirs);
     // Again, now from cached pieces.
     assert_eq!(ours.chat(&messages).unwrap(), theirs);

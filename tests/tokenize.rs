@@ -138,3 +138,98 @@ fn only_new_text_is_left_to_encode() {
     // A completion's prompt is not cached: all of it is left.
     assert_eq!(t.prepare_prompt("abc def").uncached_bytes(), 7);
 }
+
+/// Routing needs only a prompt's head when no worker holds its first new blocks. At any budget,
+/// on text full of what a pre-tokenizer's patterns look ahead at (runs of spaces, newlines,
+/// digits, punctuation, text that is not ASCII), a head is the start of the whole prompt's ids,
+/// and its estimate of the tokens after is 0 exactly when it is the whole.
+#[test]
+fn a_head_is_the_start_of_the_whole_prompt_at_any_budget() {
+    use proptest::prelude::*;
+    let t = tiny();
+    assert!(
+        t.encodes_heads(),
+        "the load-time check passes for a byte-level BPE"
+    );
+    let uncached = tiny().whole();
+    let piece = prop::sample::select(vec![
+        "the",
+        " fox",
+        "  ",
+        " ",
+        "\n",
+        "\n\n",
+        "\r\n",
+        "\t",
+        "123",
+        "4",
+        "...",
+        "!?",
+        "'s",
+        "'ll",
+        "«",
+        "Ü",
+        "漢字",
+        "🙂",
+        "<",
+        "<|eot_id|>",
+        "x=y",
+        "_",
+    ]);
+    let text = prop::collection::vec(piece, 0..80).prop_map(|p| p.concat());
+    let mut runner = proptest::test_runner::TestRunner::new(ProptestConfig {
+        cases: 300,
+        ..ProptestConfig::default()
+    });
+    runner
+        .run(&(text.clone(), text, 0usize..400), |(system, user, budget)| {
+            // A completion's prompt, with the tokenizer's special tokens.
+            let whole = t.prompt(&user).unwrap();
+            let head = t.head(&t.prepare_prompt(&user), budget).unwrap();
+            prop_assert!(whole.starts_with(&head.ids), "{user:?} at {budget}: {head:?}");
+            prop_assert_eq!(head.rest_tokens == 0, head.ids == whole);
+            // A chat whose system prompt was seen before (cached) and whose message is new.
+            let messages = |u: &str| json!([{"role": "system", "content": system}, {"role": "user", "content": u}]);
+            t.chat(&json!([{"role": "system", "content": system}])).unwrap();
+            let whole = uncached.chat(&messages(&user)).unwrap();
+            let head = t.head(&t.prepare_chat(&messages(&user)).unwrap(), budget).unwrap();
+            prop_assert!(whole.starts_with(&head.ids), "{user:?} at {budget}: {head:?}");
+            prop_assert_eq!(head.rest_tokens == 0, head.ids == whole);
+            Ok(())
+        })
+        .unwrap();
+}
+
+/// A head stops within its budget of new text and estimates the rest from its own rate: a long
+/// new message is routed on a few blocks, its length in tokens known to within a fifth.
+#[test]
+fn a_long_new_message_is_routed_on_a_head_with_its_length_estimated() {
+    let t = tiny();
+    let system = json!({"role": "system", "content": "You are a helpful assistant."});
+    t.chat(&json!([system])).unwrap();
+    let message = "Where does the prefix of this long document live? ".repeat(80);
+    let messages = json!([system, {"role": "user", "content": message}]);
+    let pending = t.prepare_chat(&messages).unwrap();
+    assert!(pending.uncached_bytes() >= message.len());
+    assert!(pending.fills_cache(), "a chat's new piece is worth caching");
+    let whole = tiny().whole().chat(&messages).unwrap();
+    let head = t.head(&pending, 256).unwrap();
+    assert!(
+        head.ids.len() < whole.len() / 4,
+        "{} of {} tokens",
+        head.ids.len(),
+        whole.len()
+    );
+    let estimate = (head.ids.len() + head.rest_tokens) as f64;
+    assert!(
+        (estimate / whole.len() as f64 - 1.0).abs() < 0.2,
+        "{estimate} estimated, {} in fact",
+        whole.len()
+    );
+    // Finishing the same pending request caches the message for the next turn.
+    let finished = t.finish(t.prepare_chat(&messages).unwrap()).unwrap();
+    assert_eq!(finished, whole);
+    assert!(t.prepare_chat(&messages).unwrap().uncached_bytes() < 64);
+    // A completion's prompt caches nothing, so nothing is worth finishing after its head.
+    assert!(!t.prepare_prompt(&message).fills_cache());
+}

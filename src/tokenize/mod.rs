@@ -15,6 +15,15 @@
 //! cached (by xxh3 of their text, bounded in tokens), and a request pays only for its new ones.
 //! Whether a tokenizer really behaves so is checked when it is loaded, on a rendered sample
 //! conversation: if the pieces encoded apart differ from the whole, the cache is not used.
+//!
+//! New text need not be encoded whole before routing. The worker's blocks are a chain from the
+//! prompt's start, so no worker can hold anything past the first block that none holds, and
+//! routing needs only the tokens up to there: [`ModelTokenizer::head`] (`head.rs`) encodes the leading
+//! bytes of the new text, cut where the tokenizer's own normalizer and pre-tokenizer split it
+//! two splits before the cut (byte-pair merges never cross a split, and the last splits of a
+//! cut text may differ from the whole's), and estimates the tokens after it. That this gives a
+//! prefix of the whole's ids is checked when the tokenizer is loaded, at every cut of a sample
+//! text; where it does not, heads are not used.
 
 use std::{
     collections::HashMap,
@@ -23,6 +32,9 @@ use std::{
 };
 
 use xxhash_rust::xxh3::xxh3_64;
+
+mod head;
+pub use head::{Head, HEAD_BYTES};
 
 use serde_json::Value;
 
@@ -47,6 +59,11 @@ pub struct ModelTokenizer {
     first: Vec<char>,
     /// Encoded pieces of chat text, when the load-time check allowed it.
     pieces: Option<PieceCache>,
+    /// A text's head encodes as the start of the whole (the load-time check): see
+    /// [`ModelTokenizer::head`].
+    heads: bool,
+    /// What the post-processor puts before a text encoded with special tokens (a BOS).
+    special_prefix: Vec<u32>,
 }
 
 /// Token ids of text pieces, by the xxh3 of the text; emptied whole when it holds
@@ -138,9 +155,15 @@ impl ModelTokenizer {
             added,
             first,
             pieces: None,
+            heads: false,
+            special_prefix: Vec::new(),
         };
         if me.pieces_encode_like_the_whole() {
             me.pieces = Some(PieceCache::default());
+        }
+        if let Ok(prefix) = me.encode("", true) {
+            me.special_prefix = prefix;
+            me.heads = me.heads_encode_like_the_whole();
         }
         Ok(me)
     }
@@ -373,6 +396,14 @@ impl Pending {
     /// Llama 3 vocabulary).
     pub fn uncached_bytes(&self) -> usize {
         self.uncached_bytes
+    }
+
+    /// Whether encoding the rest would fill the piece cache (a chat's new pieces), so that it
+    /// is worth finishing after a head routed the request.
+    pub fn fills_cache(&self) -> bool {
+        self.parts
+            .iter()
+            .any(|p| matches!(p, Part::Encode { key: Some(_), .. }))
     }
 }
 
