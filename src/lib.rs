@@ -24,6 +24,7 @@ pub mod metrics;
 pub mod policy;
 pub mod proxy;
 pub mod reload;
+pub mod request_tokens;
 pub mod routes;
 pub mod routing_key;
 pub mod server;

@@ -103,6 +103,9 @@ async fn debug_route(s: AppState, field: PromptField, req: Request) -> Response 
             "prompt_tokens": peeked.prediction.map(|p| p.prompt_tokens),
             "predicted_cached_tokens": peeked.prediction.map(|p| p.cached_tokens),
             "tokenized": info.tokens.is_some(),
+            // Token ids routing had: the whole prompt's, or the head's when no worker's events
+            // reached past it (then `prompt_tokens` is partly an estimate).
+            "tokens_encoded": info.tokens.as_ref().map(|t| t.len()),
         })))
     };
     match answer.await {
@@ -128,61 +131,9 @@ async fn keyed(
     let body = read_body(&parts.headers, body, &up.config).await?;
     let mut info = routing_key::extract(&body, field, &up.config.routing_key)?;
     if !up.tokenizers.is_empty() {
-        info.tokens = tokens_of(up, &info, &body, field).await;
+        crate::request_tokens::attach(up, &mut info, &body, field).await;
     }
     Ok((body, info))
-}
-
-/// Text to encode above which tokenizing moves to the blocking pool (about 0.3 ms of encoding
-/// with a Llama 3 vocabulary): below, the hand-off would cost more than it saves; above, the
-/// event loop would stall every other connection it serves.
-const INLINE_TOKENIZE_BYTES: usize = 2048;
-
-/// The request's token ids as its model's worker will see them, when a tokenizer is configured
-/// for the model (or one is configured and the request names none). A request the tokenizer
-/// cannot take (token-id prompts, a template error) is routed without them. Pieces of a chat seen
-/// before come from the tokenizer's cache on the event loop; long new text is encoded on the
-/// blocking pool.
-async fn tokens_of(
-    up: &crate::proxy::Upstreams,
-    info: &RequestInfo,
-    body: &[u8],
-    field: PromptField,
-) -> Option<Arc<[u32]>> {
-    let tokenizer = match &info.model {
-        Some(m) => up.tokenizers.get(m)?,
-        None if up.tokenizers.len() == 1 => up.tokenizers.values().next()?,
-        None => return None,
-    };
-    // Only the field the tokenizer reads is built; the rest of the body is skipped.
-    #[derive(serde::Deserialize)]
-    struct Prompt<'a> {
-        #[serde(borrow)]
-        prompt: Option<std::borrow::Cow<'a, str>>,
-        messages: Option<serde_json::Value>,
-    }
-    let p: Prompt = serde_json::from_slice(body).ok()?;
-    let pending = match field {
-        PromptField::Prompt => Ok(tokenizer.prepare_prompt(&p.prompt?)),
-        PromptField::Messages => tokenizer.prepare_chat(&p.messages?),
-    };
-    let tokens = match pending {
-        Ok(p) if p.uncached_bytes() > INLINE_TOKENIZE_BYTES => {
-            let tokenizer = Arc::clone(tokenizer);
-            tokio::task::spawn_blocking(move || tokenizer.finish(p))
-                .await
-                .ok()?
-        }
-        Ok(p) => tokenizer.finish(p),
-        Err(e) => Err(e),
-    };
-    match tokens {
-        Ok(t) => Some(t.into()),
-        Err(e) => {
-            tracing::debug!(error = %e, "request not tokenized; routed without exact cache state");
-            None
-        }
-    }
 }
 
 /// Any other `/v1/*` path, sent as it is to the least-loaded worker.

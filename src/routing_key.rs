@@ -32,8 +32,11 @@ pub struct RequestInfo {
     /// Length of the whole canonical prompt in bytes, including what was past the hashing cap.
     pub prompt_bytes: u64,
     /// The prompt's token ids as the worker will see them, when a tokenizer is configured for
-    /// the model (exact routing on the workers' KV cache events).
+    /// the model (exact routing on the workers' KV cache events): the whole prompt's, or only
+    /// its head when no worker can hold anything past it (see [`crate::tokenize`]).
     pub tokens: Option<std::sync::Arc<[u32]>>,
+    /// Prompt tokens after `tokens`, estimated: 0 when `tokens` is the whole prompt.
+    pub tokens_after: u32,
 }
 
 impl RequestInfo {
@@ -51,6 +54,7 @@ impl RequestInfo {
             prompt_bytes: u64::from(n * block_bytes),
             block_hashes: hashes,
             tokens: None,
+            tokens_after: 0,
         }
     }
 
@@ -297,6 +301,7 @@ pub fn extract(
         block_ends,
         prompt_bytes: out.total,
         tokens: None,
+        tokens_after: 0,
     })
 }
 

@@ -611,5 +611,50 @@ async fn a_simulated_worker_with_a_models_tokenizer_is_routed_to_by_its_events()
         predicted, cached as f64,
         "the events predicted the worker's cache exactly"
     );
+    // A new conversation with a longer first message: the system prompt is held by worker 1 and
+    // cached by the gateway's tokenizer, the message is new. Routing encodes only its head, and
+    // the rest is encoded afterwards off the request's path, so the same request asked again is
+    // tokenized whole from the cache, and goes to the same place with the same prediction.
+    let long = json!([
+        messages(0)[0].clone(),
+        {"role": "user", "content": "A new document about caches and routing. ".repeat(16)},
+    ]);
+    let route = |m: Value| {
+        let body = json!({"model": model, "messages": m}).to_string();
+        async move {
+            let r = request(
+                gw.addr,
+                "POST",
+                "/debug/route/v1/chat/completions",
+                body.as_bytes(),
+            )
+            .await;
+            assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+            r.json()
+        }
+    };
+    let exact = ours.chat(&long).unwrap().len() as f64;
+    let head = route(long.clone()).await;
+    let encoded = head["tokens_encoded"].as_f64().unwrap();
+    assert!(encoded < exact - 100.0, "{head}: {exact} tokens in all");
+    let estimate = head["prompt_tokens"].as_f64().unwrap();
+    assert!((estimate / exact - 1.0).abs() < 0.2, "{head}: {exact}");
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    let whole = loop {
+        let again = route(long.clone()).await;
+        if again["tokens_encoded"].as_f64() == Some(exact) {
+            break again;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the message was never cached: {again}"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+    assert_eq!(whole["prompt_tokens"].as_f64(), Some(exact));
+    for k in ["worker", "outcome", "predicted_cached_tokens"] {
+        assert_eq!(head[k], whole[k], "{k}: {head} vs {whole}");
+    }
+    assert_eq!(head["outcome"], "exact_match", "{head}");
     cancel.cancel();
 }

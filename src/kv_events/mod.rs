@@ -46,6 +46,31 @@ pub fn chain(parent: u64, tokens: &[u32]) -> u64 {
     xxh3_64_with_seed(bytes, parent)
 }
 
+/// Whether some worker's events say it holds every full block of `tokens` (or `tokens` fills no
+/// block of its size): it may hold more of the prompt than `tokens` shows, so routing on them
+/// needs more of the prompt tokenized. Workers without events hold nothing here.
+pub fn some_worker_holds_all(
+    workers: &[std::sync::Arc<crate::workers::Worker>],
+    tokens: &[u32],
+) -> bool {
+    let mut chains: Vec<(u32, Vec<u64>)> = Vec::new();
+    workers.iter().any(|w| {
+        let Some(feed) = &w.events else { return false };
+        let blocks = feed.blocks();
+        let Some(size) = blocks.block_size else {
+            return false;
+        };
+        let chain = match chains.iter().position(|(s, _)| *s == size) {
+            Some(i) => &chains[i].1,
+            None => {
+                chains.push((size, crate::tokenize::block_chain(tokens, size as usize)));
+                &chains[chains.len() - 1].1
+            }
+        };
+        blocks.prefix_depth(chain) == chain.len()
+    })
+}
+
 /// The blocks one worker holds, as its events said.
 #[derive(Debug)]
 pub struct WorkerBlocks {

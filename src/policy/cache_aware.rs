@@ -349,7 +349,7 @@ impl CacheAware {
         let deepest = matches.deepest();
         let bpt = self.bytes_per_token();
         let prompt = match &req.tokens {
-            Some(t) => t.len() as f64,
+            Some(t) => t.len() as f64 + f64::from(req.tokens_after),
             None => req.prompt_bytes as f64 / bpt,
         };
         // The prompt's block chain for each block size workers report (usually one), made on
