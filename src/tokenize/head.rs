@@ -159,11 +159,7 @@ impl ModelTokenizer {
         let mut at = 0;
         while let Some(off) = self.next_added_start(&text[at..]) {
             at += off;
-            if self
-                .added
-                .iter()
-                .any(|(t, _)| text[at..].starts_with(t.as_str()))
-            {
+            if self.added.starting(&text[at..]).is_some() {
                 return Some(at);
             }
             at += text[at..].chars().next().map_or(1, char::len_utf8);

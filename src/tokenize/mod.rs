@@ -53,8 +53,8 @@ pub struct ModelTokenizer {
     tokenizer: tokenizers::Tokenizer,
     /// The chat template with its `bos_token` / `eos_token`, when the model has one.
     chat: Option<ChatTemplate>,
-    /// Added tokens (their text and id), longest first: where encoding splits its input.
-    added: Vec<(String, u32)>,
+    /// Added tokens: where encoding splits its input.
+    added: AddedTokens,
     /// The characters added tokens start with (for Llama 3, only `<`).
     first: Vec<char>,
     /// Encoded pieces of chat text, when the load-time check allowed it.
@@ -64,6 +64,24 @@ pub struct ModelTokenizer {
     heads: bool,
     /// What the post-processor puts before a text encoded with special tokens (a BOS).
     special_prefix: Vec<u32>,
+}
+
+/// A tokenizer's added tokens that split its input, looked up by their text at each length they
+/// come in (Llama 3 has 256, in a few lengths): a lookup per length where one may start, not a
+/// comparison per token.
+struct AddedTokens {
+    ids: HashMap<String, u32>,
+    /// The lengths of the tokens, longest first (the longest match wins, as in the tokenizer).
+    lens: Vec<usize>,
+}
+
+impl AddedTokens {
+    /// The longest added token `text` starts with: its length and id.
+    fn starting(&self, text: &str) -> Option<(usize, u32)> {
+        self.lens
+            .iter()
+            .find_map(|&len| Some((len, *self.ids.get(text.get(..len)?)?)))
+    }
 }
 
 /// Token ids of text pieces, by the xxh3 of the text; emptied whole when it holds
@@ -139,14 +157,17 @@ impl ModelTokenizer {
                 }
             }
         };
-        let mut added: Vec<(String, u32)> = tokenizer
+        let ids: HashMap<String, u32> = tokenizer
             .get_added_tokens_decoder()
             .into_iter()
             .filter(|(_, t)| !t.lstrip && !t.rstrip && !t.single_word)
             .map(|(id, t)| (t.content, id))
             .collect();
-        added.sort_by(|a, b| b.0.len().cmp(&a.0.len()).then(a.1.cmp(&b.1)));
-        let mut first: Vec<char> = added.iter().filter_map(|(t, _)| t.chars().next()).collect();
+        let mut lens: Vec<usize> = ids.keys().map(String::len).collect();
+        lens.sort_unstable_by(|a, b| b.cmp(a));
+        lens.dedup();
+        let mut first: Vec<char> = ids.keys().filter_map(|t| t.chars().next()).collect();
+        let added = AddedTokens { ids, lens };
         first.sort_unstable();
         first.dedup();
         let mut me = Self {
@@ -171,7 +192,7 @@ impl ModelTokenizer {
     /// The load-time check of the piece cache: a sample conversation, encoded whole and piece by
     /// piece, must give the same ids.
     fn pieces_encode_like_the_whole(&self) -> bool {
-        if self.chat.is_none() || self.added.is_empty() {
+        if self.chat.is_none() || self.added.ids.is_empty() {
             return false;
         }
         let sample = serde_json::json!([
@@ -207,16 +228,14 @@ impl ModelTokenizer {
                 break;
             };
             at += off;
-            for (content, id) in &self.added {
-                if rest[at..].starts_with(content.as_str()) {
-                    if at > 0 {
-                        out.push(Piece::Text(&rest[..at]));
-                    }
-                    out.push(Piece::Added(*id));
-                    rest = &rest[at + content.len()..];
-                    at = 0;
-                    continue 'scan;
+            if let Some((len, id)) = self.added.starting(&rest[at..]) {
+                if at > 0 {
+                    out.push(Piece::Text(&rest[..at]));
                 }
+                out.push(Piece::Added(id));
+                rest = &rest[at + len..];
+                at = 0;
+                continue 'scan;
             }
             at += rest[at..].chars().next().map_or(1, char::len_utf8);
         }
