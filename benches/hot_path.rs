@@ -136,6 +136,7 @@ fn tokenize_and_look_up(c: &mut Criterion) {
         .unwrap_or_else(|_| format!("{root}/tests/tokenize/tiny-tokenizer.json"));
     let config = format!("{root}/tests/vllm/model/tokenizer_config.json");
     let t = ModelTokenizer::load(json.as_ref(), Some(config.as_ref())).expect("tokenizer loads");
+    assert!(t.encodes_heads(), "heads pass the load-time check");
     let mut blocks = WorkerBlocks::new(1 << 20);
     for i in 0..100_000u32 {
         blocks.apply(&KvEvent::BlockStored {
@@ -162,7 +163,25 @@ fn tokenize_and_look_up(c: &mut Criterion) {
                 blocks.prefix_depth(&block_chain(&tokens, 16))
             })
         });
-        // Nothing seen before: the whole rendered text encoded.
+        // Nothing seen before, as the gateway routes it: the template rendered and the head of
+        // the new text encoded, which is all routing needs when no worker holds its first
+        // blocks (the rest is encoded after, off the request's path). A new system prompt each
+        // time, so nothing comes from the piece cache.
+        let mut n = 0u64;
+        g.bench_function(BenchmarkId::new("cold_head", size), |b| {
+            b.iter(|| {
+                n += 1;
+                let mut m = body["messages"].clone();
+                let content = format!("{n} {}", m[0]["content"].as_str().expect("text"));
+                m[0]["content"] = serde_json::Value::String(content);
+                let pending = t.prepare_chat(&m).expect("renders");
+                let head = t
+                    .head(&pending, kvroute::tokenize::HEAD_BYTES)
+                    .expect("encodes");
+                blocks.prefix_depth(&block_chain(&head.ids, 16))
+            })
+        });
+        // Nothing seen before, encoded whole (a tokenizer whose heads fail the load-time check).
         let text = t.render_chat(&body["messages"]).expect("renders");
         g.bench_function(BenchmarkId::new("cold", size), |b| {
             b.iter(|| {

@@ -589,14 +589,14 @@ async fn a_simulated_worker_with_a_models_tokenizer_is_routed_to_by_its_events()
         cached >= 256,
         "the worker reused the conversation: {cached} cached tokens"
     );
-    // A completion's string prompt is tokenized too; a prompt of token ids is routed without.
-    let ask = |prompt: Value| {
-        let body = json!({"model": model, "prompt": prompt}).to_string();
+    // Where `/debug/route` says the request `field: value` to `/v1/{path}` would go.
+    let route = |path: &'static str, field: &'static str, value: Value| {
+        let body = json!({"model": model, field: value}).to_string();
         async move {
             let r = request(
                 gw.addr,
                 "POST",
-                "/debug/route/v1/completions",
+                &format!("/debug/route/v1/{path}"),
                 body.as_bytes(),
             )
             .await;
@@ -604,6 +604,8 @@ async fn a_simulated_worker_with_a_models_tokenizer_is_routed_to_by_its_events()
             r.json()
         }
     };
+    // A completion's string prompt is tokenized too; a prompt of token ids is routed without.
+    let ask = |prompt: Value| route("completions", "prompt", prompt);
     let text = ask(json!("Route this \"quoted\" request. ".repeat(10))).await;
     assert_eq!(text["tokenized"], true, "{text}");
     assert_eq!(ask(json!([1, 2, 3])).await["tokenized"], false);
@@ -619,20 +621,7 @@ async fn a_simulated_worker_with_a_models_tokenizer_is_routed_to_by_its_events()
         messages(0)[0].clone(),
         {"role": "user", "content": "A new document about caches and routing. ".repeat(16)},
     ]);
-    let route = |m: Value| {
-        let body = json!({"model": model, "messages": m}).to_string();
-        async move {
-            let r = request(
-                gw.addr,
-                "POST",
-                "/debug/route/v1/chat/completions",
-                body.as_bytes(),
-            )
-            .await;
-            assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
-            r.json()
-        }
-    };
+    let route = |m: Value| route("chat/completions", "messages", m);
     let exact = ours.chat(&long).unwrap().len() as f64;
     let head = route(long.clone()).await;
     let encoded = head["tokens_encoded"].as_f64().unwrap();
