@@ -210,3 +210,41 @@ fn bad_bench_numbers_are_refused_without_a_panic() {
         assert!(stderr.contains("must be"), "{bad:?}: {stderr}");
     }
 }
+
+/// `bench compare --seeds` runs the comparison once per seed on fresh simulated pools and ends
+/// with each arm's medians over the runs, every run's figure in brackets.
+#[test]
+fn bench_compare_over_several_seeds_ends_with_the_medians() {
+    let out = kvroute(&[
+        "bench",
+        "compare",
+        "--policies",
+        "round_robin,least_conn",
+        "--workers",
+        "1",
+        "--time-scale",
+        "100",
+        "--warmup",
+        "0",
+        "--duration",
+        "0.5",
+        "--concurrency",
+        "2",
+        "--seeds",
+        "4,5",
+    ]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let at = |s: &str| text.find(s).unwrap_or_else(|| panic!("no {s:?} in {text}"));
+    assert!(at("== seed 4") < at("== seed 5"));
+    let summary = &text[at("== medians over seeds 4, 5")..];
+    let rps = summary.lines().find(|l| l.starts_with("| req/s")).unwrap();
+    // Two arms, each a median and its two runs.
+    assert_eq!(rps.matches('[').count(), 2, "{rps}");
+    assert_eq!(rps.matches(", ").count(), 2, "{rps}");
+    assert!(summary.contains("median req/s vs round_robin"), "{summary}");
+}

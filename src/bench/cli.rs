@@ -67,6 +67,11 @@ pub enum BenchCommand {
         /// `tcp://HOST:PUB` or `tcp://HOST:PUB|tcp://HOST:REPLAY`.
         #[arg(long, value_delimiter = ',')]
         pool_kv_events: Vec<String>,
+        /// Run the whole comparison once per seed, comma-separated (fresh pools each time, the
+        /// arms' order rotated by each seed), then print each arm's medians over the runs, every
+        /// run's figure and the spread of its TTFT p95; replaces --seed.
+        #[arg(long, value_delimiter = ',')]
+        seeds: Vec<u64>,
         #[command(flatten)]
         load: LoadArgs,
     },
@@ -142,7 +147,7 @@ pub struct LoadArgs {
     /// Per-request timeout, seconds.
     #[arg(long, default_value_t = 600.0)]
     request_timeout: f64,
-    /// Write the runs as JSON here.
+    /// Write the runs as JSON here (with `compare --seeds`, every seed's runs in turn).
     #[arg(long)]
     json: Option<PathBuf>,
     /// Write an SVG plot here (TTFT CDF; throughput and TTFT against the sweep points).
@@ -270,6 +275,7 @@ pub async fn run(cmd: BenchCommand) -> Result<(), BenchError> {
             tokenizer,
             tokenizer_config,
             pool_kv_events,
+            seeds,
             load,
         } => {
             let time_scale = load.time_scale;
@@ -283,7 +289,7 @@ pub async fn run(cmd: BenchCommand) -> Result<(), BenchError> {
                 )));
             }
             policies.extend(external);
-            let spec = load.spec(String::new())?;
+            let mut spec = load.spec(String::new())?;
             print!("{}", describe(&spec));
             let target = if pool.is_empty() {
                 let sim = SimConfig {
@@ -336,26 +342,48 @@ pub async fn run(cmd: BenchCommand) -> Result<(), BenchError> {
             if replicas > 1 {
                 println!("{replicas} gateway replicas per kvroute arm, requests sent in turn\n");
             }
-            let order: Vec<&str> = super::arm_order(policies.len(), spec.seed)
-                .into_iter()
-                .map(|i| policies[i].as_str())
-                .collect();
-            println!(
-                "arms run in the order {} (rotated by the seed, so that runs over consecutive \
-                 seeds give every arm every position)\n",
-                order.join(", ")
-            );
-            let (runs, limit) = super::compare_replicated(
-                &target,
-                &policies,
-                &spec,
-                load.slo(),
-                usize::from(replicas),
-            )
-            .await?;
-            println!("{}", report::table(&runs));
-            print!("{}", super::limit_line(limit, &runs));
-            load.write(&runs, || report::ttft_cdf_svg(&runs))
+            let seeds = match seeds.is_empty() {
+                true => vec![spec.seed],
+                false => seeds,
+            };
+            let mut all: Vec<Vec<Run>> = Vec::new();
+            for &seed in &seeds {
+                spec.seed = seed;
+                if seeds.len() > 1 {
+                    println!("== seed {seed}\n");
+                }
+                let order: Vec<&str> = super::arm_order(policies.len(), seed)
+                    .into_iter()
+                    .map(|i| policies[i].as_str())
+                    .collect();
+                println!(
+                    "arms run in the order {} (rotated by the seed, so that runs over \
+                     consecutive seeds give every arm every position)\n",
+                    order.join(", ")
+                );
+                let (runs, limit) = super::compare_replicated(
+                    &target,
+                    &policies,
+                    &spec,
+                    load.slo(),
+                    usize::from(replicas),
+                )
+                .await?;
+                println!("{}", report::table(&runs));
+                print!("{}", super::limit_line(limit, &runs));
+                all.push(runs);
+            }
+            if all.len() > 1 {
+                let seeds: Vec<String> = seeds.iter().map(u64::to_string).collect();
+                println!(
+                    "\n== medians over seeds {} [each run, in seed order]\n\n{}",
+                    seeds.join(", "),
+                    report::across_seeds(&all)
+                );
+            }
+            let runs: Vec<Run> = all.into_iter().flatten().collect();
+            let last: Vec<Run> = runs[runs.len().saturating_sub(policies.len())..].to_vec();
+            load.write(&runs, || report::ttft_cdf_svg(&last))
                 .map_err(io)
         }
         BenchCommand::Sweep {

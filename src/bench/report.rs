@@ -170,8 +170,115 @@ pub fn table(runs: &[Run]) -> String {
         });
     }
     let head: Vec<String> = runs.iter().map(|r| r.label.clone()).collect();
+    render(&head, &rows)
+}
+
+/// Each arm's figures over several runs of one comparison (one per seed, `runs[seed][arm]`, the
+/// arms in the same order in each): the median and, in brackets, every run's figure in seed
+/// order; then the worst run's TTFT p95 over the best's, and the medians' ratios to the first arm.
+pub fn across_seeds(runs: &[Vec<Run>]) -> String {
+    let arms = runs.first().map_or(0, Vec::len);
+    let column = |arm: usize, f: &dyn Fn(&Run) -> Option<f64>| -> Vec<f64> {
+        runs.iter()
+            .filter_map(|seed| seed.get(arm).and_then(f))
+            .collect()
+    };
+    let mut rows: Vec<(String, Vec<String>)> = Vec::new();
+    let mut row = |name: &str, f: &dyn Fn(&Run) -> Option<f64>, show: &dyn Fn(f64) -> String| {
+        let cells: Vec<String> = (0..arms)
+            .map(|arm| {
+                let v = column(arm, f);
+                match median(&v) {
+                    Some(m) => {
+                        let each: Vec<String> = v.iter().map(|x| show(*x)).collect();
+                        format!("{} [{}]", show(m), each.join(", "))
+                    }
+                    None => "-".into(),
+                }
+            })
+            .collect();
+        rows.push((name.to_owned(), cells));
+    };
+    let ms = |s: f64| ms(s);
+    row("req/s", &|r| Some(r.summary.req_per_s), &|v| {
+        format!("{v:.2}")
+    });
+    row("TTFT p95 ms", &|r| Some(r.summary.ttft.p95), &ms);
+    row("TPOT p95 ms", &|r| Some(r.summary.tpot.p95), &ms);
+    row(
+        "worker prefix hit rate",
+        &|r| r.workers.as_ref().map(WorkerCounters::hit_rate),
+        &|v| format!("{:.1}%", v * 100.0),
+    );
+    row(
+        "predicted / reported cached",
+        &|r| {
+            r.cached_tokens
+                .filter(|c| c.reported > 0.0)
+                .map(|c| c.predicted / c.reported)
+        },
+        &|v| format!("{v:.2}x"),
+    );
+    row(
+        "replicas agree (cached)",
+        &|r| {
+            r.replica_agreement
+                .filter(|a| a.cached > 0)
+                .map(|a| a.agreed as f64 / a.cached as f64)
+        },
+        &|v| format!("{:.1}%", v * 100.0),
+    );
+    let p95 = |arm| column(arm, &|r: &Run| Some(r.summary.ttft.p95));
+    let spread = (0..arms)
+        .map(|arm| {
+            let v = p95(arm);
+            let (lo, hi) = v
+                .iter()
+                .fold((f64::MAX, 0.0f64), |(lo, hi), x| (lo.min(*x), hi.max(*x)));
+            ratio(hi, lo)
+        })
+        .collect();
+    rows.push(("TTFT p95 worst / best run".into(), spread));
+    if arms > 1 {
+        let base = &runs[0][0].label;
+        let of =
+            |arm: usize, f: &dyn Fn(&Run) -> Option<f64>| median(&column(arm, f)).unwrap_or(0.0);
+        let rps = |r: &Run| Some(r.summary.req_per_s);
+        let tail = |r: &Run| Some(r.summary.ttft.p95);
+        rows.push((
+            format!("median req/s vs {base}"),
+            (0..arms).map(|a| ratio(of(a, &rps), of(0, &rps))).collect(),
+        ));
+        rows.push((
+            format!("median TTFT p95 vs {base}"),
+            (0..arms)
+                .map(|a| ratio(of(a, &tail), of(0, &tail)))
+                .collect(),
+        ));
+    }
+    let head: Vec<String> = runs
+        .first()
+        .map(|r| r.iter().map(|r| r.label.clone()).collect())
+        .unwrap_or_default();
+    render(&head, &rows)
+}
+
+/// The median of `v` (the mean of the middle two for an even count); `None` when empty.
+fn median(v: &[f64]) -> Option<f64> {
+    let mut v = v.to_vec();
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    match n {
+        0 => None,
+        _ if n % 2 == 1 => Some(v[n / 2]),
+        _ => Some((v[n / 2 - 1] + v[n / 2]) / 2.0),
+    }
+}
+
+/// A markdown table: `head` names the columns, each row a name and one cell per column.
+fn render(head: &[String], rows: &[(String, Vec<String>)]) -> String {
     let width0 = rows.iter().map(|r| r.0.len()).max().unwrap_or(0);
-    let widths: Vec<usize> = (0..runs.len())
+    let widths: Vec<usize> = (0..head.len())
         .map(|i| {
             rows.iter()
                 .map(|r| r.1[i].len())
@@ -188,13 +295,13 @@ pub fn table(runs: &[Run]) -> String {
         }
         out.push('\n');
     };
-    line(&mut out, "", &head);
+    line(&mut out, "", head);
     let _ = write!(out, "|{}|", "-".repeat(width0 + 2));
     for w in &widths {
         let _ = write!(out, "{}:|", "-".repeat(w + 1));
     }
     out.push('\n');
-    for (name, cells) in &rows {
+    for (name, cells) in rows {
         line(&mut out, name, cells);
     }
     out
@@ -386,6 +493,47 @@ mod tests {
             replica_agreement: None,
             ttfts: vec![0.1, 0.2, p95],
         }
+    }
+
+    #[test]
+    fn across_seeds_gives_each_arms_median_its_runs_and_its_p95_spread() {
+        let seeds = vec![
+            vec![run("round_robin", 10.0, 0.6), run("cache_aware", 14.0, 0.9)],
+            vec![run("round_robin", 12.0, 0.5), run("cache_aware", 13.0, 0.3)],
+            vec![
+                run("round_robin", 11.0, 0.7),
+                run("cache_aware", 15.0, 0.45),
+            ],
+        ];
+        let t = across_seeds(&seeds);
+        let find = |name: &str| t.lines().find(|l| l.contains(name)).unwrap();
+        assert!(find("round_robin").contains("cache_aware"), "{t}");
+        let rps = find("| req/s");
+        assert!(rps.contains("11.00 [10.00, 12.00, 11.00]"), "{rps}");
+        assert!(rps.contains("14.00 [14.00, 13.00, 15.00]"), "{rps}");
+        let p95 = find("TTFT p95 ms");
+        assert!(p95.contains("600 [600, 500, 700]"), "{p95}");
+        assert!(p95.contains("450 [900, 300, 450]"), "{p95}");
+        // Worst over best run: 700 / 500 and 900 / 300.
+        let spread = find("worst / best");
+        assert!(
+            spread.contains("1.40x") && spread.contains("3.00x"),
+            "{spread}"
+        );
+        // Ratios of the medians: 14 / 11 and 450 / 600.
+        assert!(find("median req/s vs round_robin").contains("1.27x"), "{t}");
+        assert!(
+            find("median TTFT p95 vs round_robin").contains("0.75x"),
+            "{t}"
+        );
+        // Rows without figures show a dash, and every row has the same number of cells.
+        assert!(find("predicted / reported").contains('-'), "{t}");
+        let cells = |l: &str| l.matches('|').count();
+        assert!(t
+            .lines()
+            .all(|l| cells(l) == cells(t.lines().next().unwrap())));
+        assert_eq!(median(&[4.0, 1.0, 3.0, 2.0]), Some(2.5));
+        assert_eq!(median(&[]), None);
     }
 
     #[test]
