@@ -83,6 +83,10 @@ pub struct MetricSet {
     pub kv_event_errors: IntCounterVec,
     /// `worker`: blocks the worker holds, as its KV events say.
     pub kv_event_blocks: IntGaugeVec,
+    /// `how` (whole, head, untokenized): requests tokenized for routing on KV events.
+    pub tokenized: IntCounterVec,
+    /// Encodings of a head's leftover new text skipped because enough were under way.
+    pub tokenize_fills_skipped: IntCounter,
     /// `reason` (queue_full, wait_timeout, client_quota): requests refused for lack of room.
     pub shed: IntCounterVec,
     /// `result` (admitted, timed_out): how long requests waited in the admission queue.
@@ -282,6 +286,22 @@ impl Metrics {
                 "Blocks a worker holds in its KV cache, as its events say.",
                 &["worker"],
             ),
+            tokenized: counter(
+                "kvroute_tokenized_requests_total",
+                "Requests tokenized to route on KV events, by how: whole (every token id), head (only as far as any worker's events reach, the rest estimated), untokenized (the tokenizer could not take it).",
+                &["how"],
+            ),
+            tokenize_fills_skipped: {
+                let c = IntCounter::new(
+                    "kvroute_tokenize_fills_skipped_total",
+                    "Chat text left by a head that was not encoded for the piece cache, because enough such encodings were under way.",
+                )
+                .expect("static metric definition");
+                registry
+                    .register(Box::new(c.clone()))
+                    .expect("metric registered once");
+                c
+            },
             registry,
             worker_names: Default::default(),
         }))

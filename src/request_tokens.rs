@@ -30,25 +30,36 @@ const INLINE_TOKENIZE_BYTES: usize = 2048;
 /// cannot take (token-id prompts, a template error) is routed without them. Pieces of a chat seen
 /// before come from the tokenizer's cache on the event loop; long new text is encoded on the
 /// blocking pool. Sets `info.tokens` and `info.tokens_after`.
+/// Counted in `kvroute_tokenized_requests_total` by how: `whole`, `head`, or `untokenized`.
 pub async fn attach(up: &Upstreams, info: &mut RequestInfo, body: &[u8], field: PromptField) {
-    if let Some((tokens, after)) = tokens_of(up, info, body, field).await {
-        info.tokens = Some(tokens.into());
-        info.tokens_after = u32::try_from(after).unwrap_or(u32::MAX);
-    }
+    let tokenizer = match &info.model {
+        Some(m) => up.tokenizers.get(m),
+        None if up.tokenizers.len() == 1 => up.tokenizers.values().next(),
+        None => None,
+    };
+    let Some(tokenizer) = tokenizer else { return };
+    let how = match tokens_of(up, tokenizer, body, field).await {
+        Some((tokens, after)) => {
+            info.tokens = Some(tokens.into());
+            info.tokens_after = u32::try_from(after).unwrap_or(u32::MAX);
+            if after > 0 {
+                "head"
+            } else {
+                "whole"
+            }
+        }
+        None => "untokenized",
+    };
+    up.metrics.tokenized.with_label_values(&[how]).inc();
 }
 
 /// The token ids routing needs and the estimated tokens after them.
 async fn tokens_of(
     up: &Upstreams,
-    info: &RequestInfo,
+    tokenizer: &Arc<ModelTokenizer>,
     body: &[u8],
     field: PromptField,
 ) -> Option<(Vec<u32>, usize)> {
-    let tokenizer = match &info.model {
-        Some(m) => up.tokenizers.get(m)?,
-        None if up.tokenizers.len() == 1 => up.tokenizers.values().next()?,
-        None => return None,
-    };
     // Only the field the tokenizer reads is built; the rest of the body is skipped.
     #[derive(serde::Deserialize)]
     struct Prompt<'a> {
@@ -97,8 +108,8 @@ async fn head_or_whole(
             return Ok((head.ids, 0));
         }
         if !crate::kv_events::some_worker_holds_all(&workers, &head.ids) {
-            if pending.fills_cache() {
-                fill_cache_later(tokenizer, pending);
+            if pending.fills_cache() && !fill_cache_later(tokenizer, pending) {
+                up.metrics.tokenize_fills_skipped.inc();
             }
             return Ok((head.ids, head.rest_tokens));
         }
@@ -114,8 +125,8 @@ static FILLS: AtomicUsize = AtomicUsize::new(0);
 const MAX_FILLS: usize = 8;
 
 /// Encodes what a head left of a chat's new pieces on the blocking pool, caching them, unless
-/// [`MAX_FILLS`] are under way.
-fn fill_cache_later(tokenizer: &Arc<ModelTokenizer>, pending: Pending) {
+/// [`MAX_FILLS`] are under way; false when skipped.
+fn fill_cache_later(tokenizer: &Arc<ModelTokenizer>, pending: Pending) -> bool {
     /// One fill under way, counted in [`FILLS`] until dropped, however the fill ends.
     struct Fill;
     impl Drop for Fill {
@@ -125,7 +136,7 @@ fn fill_cache_later(tokenizer: &Arc<ModelTokenizer>, pending: Pending) {
     }
     let fill = Fill;
     if FILLS.fetch_add(1, Ordering::Relaxed) >= MAX_FILLS {
-        return;
+        return false;
     }
     let tokenizer = Arc::clone(tokenizer);
     tokio::task::spawn_blocking(move || {
@@ -133,6 +144,7 @@ fn fill_cache_later(tokenizer: &Arc<ModelTokenizer>, pending: Pending) {
         // A failure here costs only the cache entry; the request was routed on its head.
         let _ = tokenizer.finish(pending);
     });
+    true
 }
 
 /// The whole prompt's ids; long new text is encoded on the blocking pool.

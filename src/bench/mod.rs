@@ -128,6 +128,7 @@ pub async fn run_once(
                 }),
             routing: routing.outcomes,
             replica_agreement: None,
+            tokenized: routing.tokenized,
             ttfts,
         },
         samples,

@@ -23,6 +23,8 @@ pub struct Run {
     pub cached_tokens: Option<CachedTokens>,
     /// With several gateway replicas: how often they would route the same request alike.
     pub replica_agreement: Option<Agreement>,
+    /// Requests the target tokenized to route on KV events, by how (whole, head, untokenized).
+    pub tokenized: std::collections::BTreeMap<String, f64>,
     /// TTFTs of the window's successful requests (seconds), for the CDF plot.
     #[serde(skip)]
     pub ttfts: Vec<f64>,
@@ -130,6 +132,15 @@ pub fn table(runs: &[Run]) -> String {
             .collect::<Vec<_>>()
             .join(", ")
     });
+    if runs.iter().any(|r| !r.tokenized.is_empty()) {
+        row("tokenized: whole / head", &|r| {
+            let n = |how: &str| r.tokenized.get(how).copied().unwrap_or(0.0);
+            match r.tokenized.is_empty() {
+                true => "-".into(),
+                false => format!("{:.0} / {:.0}", n("whole"), n("head")),
+            }
+        });
+    }
     row("predicted / reported cached", &|r| match r.cached_tokens {
         Some(c) if c.reported > 0.0 => format!(
             "{} / {} ({:.2}x)",
@@ -491,6 +502,7 @@ mod tests {
             routing: Default::default(),
             cached_tokens: None,
             replica_agreement: None,
+            tokenized: Default::default(),
             ttfts: vec![0.1, 0.2, p95],
         }
     }

@@ -122,18 +122,25 @@ pub struct GatewayCounters {
     pub predicted_cached: f64,
     /// The `cached_tokens` those answers reported.
     pub reported_cached: f64,
+    /// Requests tokenized to route on KV events, by how (`kvroute_tokenized_requests_total`).
+    pub tokenized: std::collections::BTreeMap<String, f64>,
 }
 
 impl GatewayCounters {
     pub fn since(&self, before: &Self) -> Self {
-        let mut outcomes = self.outcomes.clone();
-        for (o, n) in &mut outcomes {
-            *n -= before.outcomes.get(o).copied().unwrap_or(0.0);
-        }
+        let since = |now: &std::collections::BTreeMap<String, f64>,
+                     then: &std::collections::BTreeMap<String, f64>| {
+            let mut d = now.clone();
+            for (k, n) in &mut d {
+                *n -= then.get(k).copied().unwrap_or(0.0);
+            }
+            d
+        };
         Self {
-            outcomes,
+            outcomes: since(&self.outcomes, &before.outcomes),
             predicted_cached: self.predicted_cached - before.predicted_cached,
             reported_cached: self.reported_cached - before.reported_cached,
+            tokenized: since(&self.tokenized, &before.tokenized),
         }
     }
 }
@@ -156,14 +163,20 @@ fn add_gateway_counters(text: &str, out: &mut GatewayCounters) {
             continue;
         };
         let name = line.split(['{', ' ']).next().unwrap_or("");
+        let label = |key: &str| {
+            line.split(&format!("{key}=\""))
+                .nth(1)
+                .and_then(|r| r.split('"').next())
+        };
         match name {
             "kvroute_routing_decisions_total" => {
-                let outcome = line
-                    .split("outcome=\"")
-                    .nth(1)
-                    .and_then(|r| r.split('"').next());
-                if let Some(o) = outcome {
+                if let Some(o) = label("outcome") {
                     *out.outcomes.entry(o.to_owned()).or_default() += value;
+                }
+            }
+            "kvroute_tokenized_requests_total" => {
+                if let Some(how) = label("how") {
+                    *out.tokenized.entry(how.to_owned()).or_default() += value;
                 }
             }
             "kvroute_predicted_cached_tokens_total" => out.predicted_cached += value,
@@ -243,4 +256,36 @@ pub async fn cache_capacity(workers: &[String]) -> (usize, usize) {
         }
     }
     (blocks, block_size)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_gateways_counters_are_summed_over_labels_and_taken_since_a_start() {
+        let text = |decisions: f64, heads: f64| {
+            format!(
+                "# HELP kvroute_routing_decisions_total x\n\
+                 kvroute_routing_decisions_total{{arm=\"a\",outcome=\"exact_match\",policy=\"p\"}} {decisions}\n\
+                 kvroute_routing_decisions_total{{arm=\"b\",outcome=\"exact_match\",policy=\"p\"}} 1\n\
+                 kvroute_tokenized_requests_total{{how=\"head\"}} {heads}\n\
+                 kvroute_tokenized_requests_total{{how=\"whole\"}} 7\n\
+                 kvroute_predicted_cached_tokens_total{{arm=\"a\",policy=\"p\",worker=\"w\"}} 100\n\
+                 kvroute_reported_cached_tokens_total{{arm=\"a\",policy=\"p\",worker=\"w\"}} 90\n"
+            )
+        };
+        let (mut start, mut end) = (GatewayCounters::default(), GatewayCounters::default());
+        add_gateway_counters(&text(2.0, 3.0), &mut start);
+        add_gateway_counters(&text(10.0, 8.0), &mut end);
+        assert_eq!(end.outcomes["exact_match"], 11.0);
+        assert_eq!((end.tokenized["head"], end.tokenized["whole"]), (8.0, 7.0));
+        assert_eq!((end.predicted_cached, end.reported_cached), (100.0, 90.0));
+        let window = end.since(&start);
+        assert_eq!(window.outcomes["exact_match"], 8.0);
+        assert_eq!(
+            (window.tokenized["head"], window.tokenized["whole"]),
+            (5.0, 0.0)
+        );
+    }
 }
