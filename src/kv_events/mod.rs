@@ -46,6 +46,63 @@ pub fn chain(parent: u64, tokens: &[u32]) -> u64 {
     xxh3_64_with_seed(bytes, parent)
 }
 
+/// A prompt's block chain for each block size the workers report (usually one), each made on
+/// first need, and what each worker's events say it holds of it.
+pub struct BlockChains<'t> {
+    tokens: &'t [u32],
+    by_size: Vec<(u32, Vec<u64>)>,
+}
+
+/// How much of a prompt one worker's events say it holds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Held {
+    pub block_size: u32,
+    /// Leading full blocks of the prompt the worker holds.
+    pub blocks: usize,
+    /// Full blocks the prompt's tokens make at that size.
+    pub of: usize,
+}
+
+impl<'t> BlockChains<'t> {
+    pub fn new(tokens: &'t [u32]) -> Self {
+        Self {
+            tokens,
+            by_size: Vec::new(),
+        }
+    }
+
+    /// What `w`'s events say it holds of the prompt; `None` for a worker without events or
+    /// whose block size is not known yet.
+    pub fn held_by(&mut self, w: &crate::workers::Worker) -> Option<Held> {
+        let blocks = w.events.as_ref()?.blocks();
+        let size = blocks.block_size?;
+        let chain = self.chain(size);
+        Some(Held {
+            block_size: size,
+            blocks: blocks.prefix_depth(chain),
+            of: chain.len(),
+        })
+    }
+
+    /// The chain at `size` tokens a block.
+    pub fn chain(&mut self, size: u32) -> &[u64] {
+        let i = match self.by_size.iter().position(|(s, _)| *s == size) {
+            Some(i) => i,
+            None => {
+                let chain = crate::tokenize::block_chain(self.tokens, size as usize);
+                self.by_size.push((size, chain));
+                self.by_size.len() - 1
+            }
+        };
+        &self.by_size[i].1
+    }
+
+    /// The first chain made, with its block size.
+    pub fn first(&self) -> Option<(u32, &[u64])> {
+        self.by_size.first().map(|(s, c)| (*s, c.as_slice()))
+    }
+}
+
 /// Whether some worker's events say it holds every full block of `tokens` (or `tokens` fills no
 /// block of its size): it may hold more of the prompt than `tokens` shows, so routing on them
 /// needs more of the prompt tokenized. Workers without events hold nothing here.
@@ -53,22 +110,10 @@ pub fn some_worker_holds_all(
     workers: &[std::sync::Arc<crate::workers::Worker>],
     tokens: &[u32],
 ) -> bool {
-    let mut chains: Vec<(u32, Vec<u64>)> = Vec::new();
-    workers.iter().any(|w| {
-        let Some(feed) = &w.events else { return false };
-        let blocks = feed.blocks();
-        let Some(size) = blocks.block_size else {
-            return false;
-        };
-        let chain = match chains.iter().position(|(s, _)| *s == size) {
-            Some(i) => &chains[i].1,
-            None => {
-                chains.push((size, crate::tokenize::block_chain(tokens, size as usize)));
-                &chains[chains.len() - 1].1
-            }
-        };
-        blocks.prefix_depth(chain) == chain.len()
-    })
+    let mut chains = BlockChains::new(tokens);
+    workers
+        .iter()
+        .any(|w| chains.held_by(w).is_some_and(|h| h.blocks == h.of))
 }
 
 /// The blocks one worker holds, as its events said.

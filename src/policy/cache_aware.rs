@@ -71,6 +71,7 @@ use super::{Observed, Outcome, Policy, Prediction, Selection};
 use crate::{
     config::CacheAwareParams,
     index::{IndexStats, PrefixIndex},
+    kv_events::BlockChains,
     routing_key::RequestInfo,
     workers::Worker,
 };
@@ -352,25 +353,16 @@ impl CacheAware {
             Some(t) => t.len() as f64 + f64::from(req.tokens_after),
             None => req.prompt_bytes as f64 / bpt,
         };
-        // The prompt's block chain for each block size workers report (usually one), made on
-        // first need.
-        let mut chains: Vec<(u32, Vec<u64>)> = Vec::new();
-        let mut exact_tokens = |w: &Worker| -> Option<u64> {
-            let tokens = req.tokens.as_deref()?;
-            let blocks = w.events.as_ref()?.blocks();
-            let size = blocks.block_size?;
-            let i = match chains.iter().position(|(s, _)| *s == size) {
-                Some(i) => i,
-                None => {
-                    chains.push((size, crate::tokenize::block_chain(tokens, size as usize)));
-                    chains.len() - 1
-                }
-            };
-            Some(blocks.prefix_depth(&chains[i].1) as u64 * u64::from(size))
-        };
-        // What each worker's own events say it holds, when the request was tokenized.
+        // What each worker's own events say it holds, in tokens, when the request was tokenized.
+        let mut chains = BlockChains::new(req.tokens.as_deref().unwrap_or_default());
         let exacts: Vec<Option<u64>> = match req.tokens {
-            Some(_) => workers.iter().map(|w| exact_tokens(w)).collect(),
+            Some(_) => workers
+                .iter()
+                .map(|w| {
+                    let h = chains.held_by(w)?;
+                    Some(h.blocks as u64 * u64::from(h.block_size))
+                })
+                .collect(),
             None => Vec::new(),
         };
         let mut unknown = (req.prompt_bytes - req.bytes_at_depth(deepest)) as f64 / bpt;
@@ -404,7 +396,7 @@ impl CacheAware {
             if let Some((size, chain)) = chains.first().filter(|(_, c)| !c.is_empty()) {
                 let held = exacts.iter().flatten().copied().max().unwrap_or(0);
                 unknown = (prompt - held as f64).max(0.0);
-                let past = (held / u64::from(*size)) as usize;
+                let past = (held / u64::from(size)) as usize;
                 key = chain[past.min(chain.len() - 1)];
             }
         }
