@@ -83,8 +83,8 @@ pub struct MetricSet {
     pub kv_event_errors: IntCounterVec,
     /// `worker`: blocks the worker holds, as its KV events say.
     pub kv_event_blocks: IntGaugeVec,
-    /// `how` (whole, head, untokenized): requests tokenized for routing on KV events.
-    pub tokenized: IntCounterVec,
+    /// Requests tokenized for routing on KV events, by how, each series resolved once.
+    pub tokenized: Tokenized,
     /// Encodings of a head's leftover new text skipped because enough were under way.
     pub tokenize_fills_skipped: IntCounter,
     /// `reason` (queue_full, wait_timeout, client_quota): requests refused for lack of room.
@@ -95,6 +95,13 @@ pub struct MetricSet {
     pub queue_depth: prometheus::IntGauge,
     /// `client`: requests refused with 401 have no client; this counts accepted keys' requests.
     pub client_requests: IntCounterVec,
+}
+
+/// `kvroute_tokenized_requests_total`'s series (`how`).
+pub struct Tokenized {
+    pub whole: IntCounter,
+    pub head: IntCounter,
+    pub untokenized: IntCounter,
 }
 
 impl Metrics {
@@ -286,11 +293,18 @@ impl Metrics {
                 "Blocks a worker holds in its KV cache, as its events say.",
                 &["worker"],
             ),
-            tokenized: counter(
-                "kvroute_tokenized_requests_total",
-                "Requests tokenized to route on KV events, by how: whole (every token id), head (only as far as any worker's events reach, the rest estimated), untokenized (the tokenizer could not take it).",
-                &["how"],
-            ),
+            tokenized: {
+                let by_how = counter(
+                    "kvroute_tokenized_requests_total",
+                    "Requests tokenized to route on KV events, by how: whole (every token id), head (only as far as any worker's events reach, the rest estimated), untokenized (the tokenizer could not take it).",
+                    &["how"],
+                );
+                Tokenized {
+                    whole: by_how.with_label_values(&["whole"]),
+                    head: by_how.with_label_values(&["head"]),
+                    untokenized: by_how.with_label_values(&["untokenized"]),
+                }
+            },
             tokenize_fills_skipped: {
                 let c = IntCounter::new(
                     "kvroute_tokenize_fills_skipped_total",

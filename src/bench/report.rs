@@ -132,12 +132,14 @@ pub fn table(runs: &[Run]) -> String {
             .collect::<Vec<_>>()
             .join(", ")
     });
-    if runs.iter().any(|r| !r.tokenized.is_empty()) {
+    // A gateway exports the series from the start; only one with a tokenizer counts anything.
+    let tokenized = |r: &Run| r.tokenized.values().any(|n| *n > 0.0);
+    if runs.iter().any(tokenized) {
         row("tokenized: whole / head", &|r| {
             let n = |how: &str| r.tokenized.get(how).copied().unwrap_or(0.0);
-            match r.tokenized.is_empty() {
-                true => "-".into(),
-                false => format!("{:.0} / {:.0}", n("whole"), n("head")),
+            match tokenized(r) {
+                false => "-".into(),
+                true => format!("{:.0} / {:.0}", n("whole"), n("head")),
             }
         });
     }
@@ -546,6 +548,18 @@ mod tests {
             .all(|l| cells(l) == cells(t.lines().next().unwrap())));
         assert_eq!(median(&[4.0, 1.0, 3.0, 2.0]), Some(2.5));
         assert_eq!(median(&[]), None);
+    }
+
+    #[test]
+    fn the_tokenized_row_shows_only_where_a_gateway_tokenized_something() {
+        let mut zero = run("cache_aware", 1.0, 0.1);
+        zero.tokenized = [("whole".into(), 0.0), ("head".into(), 0.0)].into();
+        assert!(!table(&[run("round_robin", 1.0, 0.1), zero.clone()]).contains("tokenized"));
+        let mut some = run("cache_aware+events", 1.0, 0.1);
+        some.tokenized = [("whole".into(), 12.0), ("head".into(), 3.0)].into();
+        let t = table(&[zero, some]);
+        let row = t.lines().find(|l| l.contains("tokenized")).unwrap();
+        assert!(row.contains("12 / 3") && row.contains(" - "), "{row}");
     }
 
     #[test]
