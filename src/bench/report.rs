@@ -241,10 +241,11 @@ pub fn across_seeds(runs: &[Vec<Run>]) -> String {
         },
         &|v| format!("{:.1}%", v * 100.0),
     );
-    let p95 = |arm| column(arm, &|r: &Run| Some(r.summary.ttft.p95));
+    let rps = |r: &Run| Some(r.summary.req_per_s);
+    let tail = |r: &Run| Some(r.summary.ttft.p95);
     let spread = (0..arms)
         .map(|arm| {
-            let v = p95(arm);
+            let v = column(arm, &tail);
             let (lo, hi) = v
                 .iter()
                 .fold((f64::MAX, 0.0f64), |(lo, hi), x| (lo.min(*x), hi.max(*x)));
@@ -256,8 +257,6 @@ pub fn across_seeds(runs: &[Vec<Run>]) -> String {
         let base = &runs[0][0].label;
         let of =
             |arm: usize, f: &dyn Fn(&Run) -> Option<f64>| median(&column(arm, f)).unwrap_or(0.0);
-        let rps = |r: &Run| Some(r.summary.req_per_s);
-        let tail = |r: &Run| Some(r.summary.ttft.p95);
         rows.push((
             format!("median req/s vs {base}"),
             (0..arms).map(|a| ratio(of(a, &rps), of(0, &rps))).collect(),
