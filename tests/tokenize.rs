@@ -214,6 +214,18 @@ fn a_long_new_message_is_routed_on_a_head_with_its_length_estimated() {
     assert!(pending.fills_cache(), "a chat's new piece is worth caching");
     let whole = tiny().whole().chat(&messages).unwrap();
     let head = t.head(&pending, 256).unwrap();
+    // The head reaches into the new message (an empty head would start the whole too): past
+    // the cached system prompt, the template's header and at least a block of 16 new tokens.
+    let before = t
+        .chat(&json!([system, {"role": "user", "content": ""}]))
+        .unwrap();
+    assert!(
+        head.ids.len() >= before.len() + 16,
+        "{} of the head against {} before the message",
+        head.ids.len(),
+        before.len()
+    );
+    assert!(whole.starts_with(&head.ids));
     assert!(
         head.ids.len() < whole.len() / 4,
         "{} of {} tokens",
