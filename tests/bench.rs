@@ -264,6 +264,13 @@ async fn compare_on_a_running_pool_empties_its_caches_before_each_arm() {
         assert_eq!(r.per_worker.len(), 2);
         let served: f64 = r.per_worker.iter().map(|w| w.counters.requests).sum();
         assert_eq!(served, 40.0, "{:?}", r.per_worker);
+        // Each worker's own TTFT histogram counted the requests it served, at a positive mean.
+        for w in &r.per_worker {
+            assert_eq!(w.counters.ttft_count, w.counters.requests, "{w:?}");
+            if w.counters.requests > 0.0 {
+                assert!(w.counters.mean_ttft().is_some_and(|t| t > 0.0), "{w:?}");
+            }
+        }
         assert_eq!(r.routing.values().sum::<f64>(), 40.0, "{:?}", r.routing);
     }
     assert!(hits[0] > 0.0, "{hits:?}");

@@ -34,6 +34,7 @@ fn python() -> &'static PathBuf {
         let has = |py: &str| {
             Command::new(py)
                 .args(["-c", "import msgspec, zmq"])
+                .stderr(Stdio::null())
                 .status()
                 .is_ok_and(|s| s.success())
         };

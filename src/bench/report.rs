@@ -120,6 +120,17 @@ pub fn table(runs: &[Run]) -> String {
             .collect::<Vec<_>>()
             .join(" / ")
     });
+    row("TTFT mean per worker (its metrics), ms", &|r| {
+        r.per_worker
+            .iter()
+            .map(|w| {
+                w.counters
+                    .mean_ttft()
+                    .map_or("-".into(), |t| format!("{:.0}", t * 1e3))
+            })
+            .collect::<Vec<_>>()
+            .join(" / ")
+    });
     row("routing outcomes", &|r| {
         let total: f64 = r.routing.values().sum();
         if total <= 0.0 {

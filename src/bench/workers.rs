@@ -21,6 +21,10 @@ pub struct WorkerCounters {
     pub preemptions: f64,
     pub generation_tokens: f64,
     pub tokens_after_disconnect: f64,
+    /// The worker's own time to first token, summed over the requests it finished, and their
+    /// count (`vllm:time_to_first_token_seconds_sum` / `_count`): which worker a tail comes from.
+    pub ttft_seconds: f64,
+    pub ttft_count: f64,
 }
 
 impl WorkerCounters {
@@ -32,7 +36,14 @@ impl WorkerCounters {
             preemptions: self.preemptions - before.preemptions,
             generation_tokens: self.generation_tokens - before.generation_tokens,
             tokens_after_disconnect: self.tokens_after_disconnect - before.tokens_after_disconnect,
+            ttft_seconds: self.ttft_seconds - before.ttft_seconds,
+            ttft_count: self.ttft_count - before.ttft_count,
         }
+    }
+
+    /// The worker's mean time to first token in seconds, `None` before any.
+    pub fn mean_ttft(&self) -> Option<f64> {
+        (self.ttft_count > 0.0).then(|| self.ttft_seconds / self.ttft_count)
     }
 
     pub fn hit_rate(&self) -> f64 {
@@ -57,6 +68,8 @@ impl WorkerCounters {
                 "vllm:num_preemptions_total" => self.preemptions += v,
                 "vllm:generation_tokens_total" => self.generation_tokens += v,
                 "kvroute_sim_tokens_after_disconnect_total" => self.tokens_after_disconnect += v,
+                "vllm:time_to_first_token_seconds_sum" => self.ttft_seconds += v,
+                "vllm:time_to_first_token_seconds_count" => self.ttft_count += v,
                 _ => {}
             }
         }
@@ -69,6 +82,8 @@ impl WorkerCounters {
         self.preemptions += o.preemptions;
         self.generation_tokens += o.generation_tokens;
         self.tokens_after_disconnect += o.tokens_after_disconnect;
+        self.ttft_seconds += o.ttft_seconds;
+        self.ttft_count += o.ttft_count;
     }
 
     /// The sum over workers.
