@@ -30,6 +30,7 @@ const INLINE_TOKENIZE_BYTES: usize = 2048;
 /// cannot take (token-id prompts, a template error) is routed without them. Pieces of a chat seen
 /// before come from the tokenizer's cache on the event loop; long new text is encoded on the
 /// blocking pool. Sets `info.tokens` and `info.tokens_after`.
+///
 /// Counted in `kvroute_tokenized_requests_total` by how: `whole`, `head`, or `untokenized`.
 pub async fn attach(up: &Upstreams, info: &mut RequestInfo, body: &[u8], field: PromptField) {
     let tokenizer = match &info.model {

@@ -624,16 +624,13 @@ async fn a_simulated_worker_with_a_models_tokenizer_is_routed_to_by_its_events()
     ]);
     let route = |m: Value| route("chat/completions", "messages", m);
     let exact = ours.chat(&long).unwrap().len() as f64;
-    let heads_before = metric(
-        &metrics_text(gw.addr).await,
-        r#"kvroute_tokenized_requests_total{how="head"}"#,
-    );
+    let heads = |m: &str| metric(m, r#"kvroute_tokenized_requests_total{how="head"}"#);
+    let heads_before = heads(&metrics_text(gw.addr).await);
     let head = route(long.clone()).await;
     let encoded = head["tokens_encoded"].as_f64().unwrap();
     assert!(encoded < exact - 100.0, "{head}: {exact} tokens in all");
     let estimate = head["prompt_tokens"].as_f64().unwrap();
     assert!((estimate / exact - 1.0).abs() < 0.2, "{head}: {exact}");
-    let heads = |m: &str| metric(m, r#"kvroute_tokenized_requests_total{how="head"}"#);
     assert_eq!(
         heads(&metrics_text(gw.addr).await),
         Some(heads_before.unwrap_or(0.0) + 1.0)

@@ -68,26 +68,29 @@ pub fn expand(template: &str, port: u16, workers: &[String]) -> Vec<String> {
     argv
 }
 
+/// Where the kernel's ephemeral ports start (`ip_local_port_range`), when it can be read.
+fn ephemeral_range_start() -> Option<u16> {
+    let range = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range").ok()?;
+    range.split_whitespace().next()?.parse().ok()
+}
+
+/// The lowest port [`free_port_below_ephemeral`] draws from.
+const FIRST_PORT: u16 = 10_000;
+
 /// A loopback port that is free now, for a process that will bind it itself. It is drawn from
-/// below the kernel's ephemeral range (`ip_local_port_range`): a port found with `bind(0)` and
-/// released lies in that range, where every `bind(0)` and outgoing connection draws from, so it
-/// can be taken before the router binds it (the CI failure of stop 27 was that race, in the real
-/// vLLM pool). Where the range cannot be read, or nothing below it is free, it falls back to
-/// `bind(0)`.
+/// below the kernel's ephemeral range: a port found with `bind(0)` and released lies in that
+/// range, which every `bind(0)` and outgoing connection draws from, so it can be taken before
+/// the router binds it. Where the range cannot be read, or nothing below it is free, it falls
+/// back to `bind(0)`.
 fn free_port_below_ephemeral() -> std::io::Result<u16> {
-    let low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
-        .ok()
-        .and_then(|r| r.split_whitespace().next()?.parse::<u16>().ok())
-        .unwrap_or(0);
-    const FIRST: u16 = 10_000;
-    if low > FIRST {
+    if let Some(low) = ephemeral_range_start().filter(|&low| low > FIRST_PORT) {
         let seed = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_nanos() as u64)
             ^ u64::from(std::process::id()) << 32;
         for attempt in 0..64u64 {
             let r = xxhash_rust::xxh3::xxh3_64(&(seed ^ attempt).to_le_bytes());
-            let port = FIRST + (r % u64::from(low - FIRST)) as u16;
+            let port = FIRST_PORT + (r % u64::from(low - FIRST_PORT)) as u16;
             if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
                 return Ok(port);
             }
@@ -157,12 +160,8 @@ mod tests {
     fn a_routers_port_is_free_and_outside_the_ephemeral_range() {
         let port = free_port_below_ephemeral().unwrap();
         std::net::TcpListener::bind(("127.0.0.1", port)).expect("the port was handed out free");
-        if let Some(low) = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
-            .ok()
-            .and_then(|r| r.split_whitespace().next()?.parse::<u16>().ok())
-            .filter(|&low| low > 10_000)
-        {
-            assert!((10_000..low).contains(&port), "{port} not below {low}");
+        if let Some(low) = ephemeral_range_start().filter(|&low| low > FIRST_PORT) {
+            assert!((FIRST_PORT..low).contains(&port), "{port} not below {low}");
         }
     }
 

@@ -561,6 +561,26 @@ mod tests {
     }
 
     #[test]
+    fn each_workers_mean_ttft_is_its_sum_over_its_count_in_ms() {
+        let mut r = run("cache_aware", 1.0, 0.1);
+        let worker = |ttft_seconds: f64, ttft_count: f64| WorkerReport {
+            worker: "w".into(),
+            counters: WorkerCounters {
+                ttft_seconds,
+                ttft_count,
+                ..Default::default()
+            },
+        };
+        r.per_worker = vec![worker(3.0, 25.0), worker(0.0, 0.0)];
+        let t = table(&[r]);
+        let row = t
+            .lines()
+            .find(|l| l.contains("TTFT mean per worker"))
+            .unwrap();
+        assert!(row.contains("120 / -"), "{row}");
+    }
+
+    #[test]
     fn the_tokenized_row_shows_only_where_a_gateway_tokenized_something() {
         let mut zero = run("cache_aware", 1.0, 0.1);
         zero.tokenized = [("whole".into(), 0.0), ("head".into(), 0.0)].into();
