@@ -158,6 +158,16 @@ pub struct CacheAwareParams {
     /// traffic's share (fully from one half on), since the other replicas send it there too.
     /// Off: the key is the first block past this gateway's longest known match.
     pub shared_home: bool,
+    /// For a request whose known prefix most workers hold and of which nothing deeper is known
+    /// (a question under a shared system prompt, any request of a hot prefix), every holder
+    /// costs the same prefill. What then sets its time to first token is the prefill already
+    /// sent to a worker and not started: vLLM runs every prefill scheduled in a step before any
+    /// of them answers. So for such a request each worker's pending prefill weighs this much
+    /// more, and the rendezvous home is not credited (its hash would put simultaneous arrivals
+    /// together at random). While the polled load shows other replicas' traffic (share `f`),
+    /// both fade back to the home's credit, by `max(0, 1 - 2f)`: the home is what replicas agree
+    /// on. 0 turns it off.
+    pub hot_pending_weight: f64,
 }
 
 impl Default for CacheAwareParams {
@@ -173,6 +183,7 @@ impl Default for CacheAwareParams {
             load_bound: 0.0,
             amortize_hot_copies: true,
             shared_home: true,
+            hot_pending_weight: 3.0,
         }
     }
 }
@@ -192,9 +203,11 @@ impl CacheAwareParams {
             && finite_pos(self.miss_weight)
             && self.pending_weight.is_finite()
             && self.pending_weight >= 0.0
+            && self.hot_pending_weight.is_finite()
+            && self.hot_pending_weight >= 0.0
             && (self.load_bound == 0.0 || (self.load_bound.is_finite() && self.load_bound >= 1.0));
         if !ok {
-            return Err("cache_aware: request_cost_tokens >= 0, context_weight >= 0, bytes_per_token > 0, home_affinity in [0, 1], miss_weight > 0, pending_weight >= 0, load_bound 0 or >= 1".into());
+            return Err("cache_aware: request_cost_tokens >= 0, context_weight >= 0, bytes_per_token > 0, home_affinity in [0, 1], miss_weight > 0, pending_weight >= 0, hot_pending_weight >= 0, load_bound 0 or >= 1".into());
         }
         Ok(())
     }

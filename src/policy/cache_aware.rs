@@ -24,6 +24,15 @@
 //! Replicas that have not seen a conversation thus agree on where its unknown part most likely
 //! is, and a new prefix starts on one worker, not on all.
 //!
+//! Except for a request known no further than a prefix most workers hold (a new question under a
+//! shared system prompt; any request of a prefix hot enough to be everywhere): every holder
+//! would prefill the same for it, and its time to first token depends on the prefill already
+//! sent to a worker and not started, since vLLM runs all prefills scheduled in a step before any
+//! of them answers. A hash would put such simultaneous arrivals together at random, so for them
+//! the home gets no credit and pending prefill weighs `hot_pending_weight` more. Only as far as
+//! this gateway sees the pool's traffic: with other replicas' share `f`, both fade back to the
+//! home's credit by `max(0, 1 - 2f)`, since the home is what replicas agree on.
+//!
 //! Several replicas sharing nothing each know only the turns they routed. Once one of them sends
 //! a turn elsewhere for load, it would follow that copy while the others keep to the home, and
 //! the conversation would bounce between two workers, each missing the other's turns. So when the
@@ -446,6 +455,26 @@ impl CacheAware {
         } else {
             0.0
         };
+        // Nothing is known past a prefix most workers hold: spread by pending prefill, not by the
+        // home's hash, as far as this gateway sees the pool's traffic (`hot_pending_weight`).
+        let alone = if self.params.hot_pending_weight > 0.0
+            && self.params.shared_home
+            && key_depth > 0
+            && key_depth == deepest
+            && !all_exact
+        {
+            let (local_total, queued_total) = inflight_totals(workers);
+            if queued_total > local_total {
+                let foreign = (queued_total - local_total) as f64 / queued_total as f64;
+                (1.0 - 2.0 * foreign).max(0.0)
+            } else {
+                1.0
+            }
+        } else {
+            0.0
+        };
+        let mut weights = self.queue_weights();
+        weights.pending += self.params.hot_pending_weight * alone;
         let pass = Pass {
             workers,
             key,
@@ -456,7 +485,7 @@ impl CacheAware {
             prompt,
             miss,
             idle_credit,
-            weights: self.queue_weights(),
+            weights,
         };
         let held_by = &held_by;
         let Priced { best, home } = match (any_exact, idle_credit > 0.0) {
@@ -491,7 +520,9 @@ impl CacheAware {
         };
         let credited = Candidate {
             cost: home.cost
-                - self.params.miss_weight * (self.params.home_affinity * unknown + presumed),
+                - (1.0 - alone)
+                    * self.params.miss_weight
+                    * (self.params.home_affinity * unknown + presumed),
             ..home
         };
         if credited.beats(&chosen) {
@@ -1043,6 +1074,55 @@ mod tests {
             max.zip(min).is_some_and(|(a, b)| a - b <= 3),
             "{per_worker:?}"
         );
+    }
+
+    #[test]
+    fn under_a_prefix_every_worker_holds_a_request_goes_where_no_prefill_is_pending() {
+        // The 4-block system prompt is on every worker; a new question under it is known no
+        // further, so every worker would prefill the same.
+        let ws = test_workers(4);
+        let (p, _) = two_replicas_knowing_the_system_prompt(&ws);
+        let question = convo(5, 4, 2);
+        let home = p.peek(&ws, &question).unwrap().index;
+        // One 256-token prompt sent to the home and not started: by its hash alone (the old
+        // weighting) the home would still take the question ...
+        let held = hold(&ws[home], 256, 256);
+        let by_hash = CacheAware::new(CacheAwareParams {
+            hot_pending_weight: 0.0,
+            ..CacheAwareParams::default()
+        });
+        for w in &ws {
+            by_hash.index.insert(&[0, 1, 2, 3], w.id_hash);
+        }
+        assert_eq!(by_hash.peek(&ws, &question).unwrap().index, home);
+        // ... but its prefill would run in the same step: it goes where nothing is pending.
+        let s = p.peek(&ws, &question).unwrap();
+        assert_ne!(s.index, home);
+        assert_eq!(s.outcome, Outcome::LongestMatch);
+        drop(held);
+        // Eight questions arriving together, none answered yet: two on each worker.
+        let mut held = Vec::new();
+        let mut per_worker = [0usize; 4];
+        for c in 0..8 {
+            let s = pick(&p, &ws, &convo(10 + c, 4, 2));
+            per_worker[s.index] += 1;
+            held.push(hold(&ws[s.index], 128, 1152));
+        }
+        assert_eq!(per_worker, [2, 2, 2, 2]);
+    }
+
+    #[test]
+    fn with_other_replicas_in_the_pool_a_question_under_a_shared_prefix_goes_home() {
+        // As above, but the polled load shows as much traffic again from another replica, which
+        // sends this conversation's next turn to its home: this replica does too.
+        let ws = test_workers(4);
+        let (p, other) = two_replicas_knowing_the_system_prompt(&ws);
+        let question = convo(5, 4, 2);
+        let home = p.peek(&ws, &question).unwrap().index;
+        let _mine = another_replica_as_busy(&ws);
+        let _held = hold(&ws[home], 256, 256);
+        assert_eq!(p.peek(&ws, &question).unwrap().index, home);
+        assert_eq!(other.peek(&ws, &convo(5, 4, 4)).unwrap().index, home);
     }
 
     #[test]
