@@ -8,6 +8,7 @@
 //! body streamed); dropping it also drops the upstream connection, which is how vLLM learns to
 //! abort the generation.
 
+mod http1;
 mod relay;
 mod upstream;
 
@@ -15,7 +16,7 @@ use std::{borrow::Cow, sync::Arc, time::Duration};
 
 use axum::response::Response;
 use bytes::Bytes;
-use http::{header, HeaderMap, HeaderName, Request, Uri};
+use http::{header, HeaderMap, HeaderName, HeaderValue};
 use http_body_util::Full;
 use hyper_util::{
     client::legacy::{connect::HttpConnector, Client},
@@ -23,6 +24,7 @@ use hyper_util::{
 };
 use tokio::time::Instant;
 
+pub use http1::UpstreamBody;
 use relay::{Feedback, Phase, Tracker};
 pub use upstream::Connections;
 
@@ -115,8 +117,8 @@ pub async fn forward(
     let workers = eligible(&snapshot, info.model.as_deref())?;
     let cap = up.config.max_inflight_per_worker;
     let mut last_error = ApiError::NoWorker;
-    // The request's key, shared with the trackers of learning policies (made on first need).
-    let mut shared: Option<Arc<RequestInfo>> = None;
+    // The request's key, shared with the tracker when the policy learns.
+    let info = Arc::new(info);
     // Refused connections retried so far, and choices lost to a concurrent request.
     let (mut refused, mut lost) = (0, 0);
     loop {
@@ -157,7 +159,7 @@ pub async fn forward(
         }
         let feedback = policy.learns().then(|| Feedback {
             policy: Arc::clone(&arm.policy),
-            info: Arc::clone(shared.get_or_insert_with(|| Arc::new(info.clone()))),
+            info: Arc::clone(&info),
             selection,
             load: RequestLoad::new(
                 worker,
@@ -177,17 +179,16 @@ pub async fn forward(
             phase: Phase::Waiting,
             feedback,
         };
-        let mut request = upstream_request(parts, worker, body.clone())?;
-        if let Some(key) = &up.auth.worker_authorization {
+        let request = Outgoing {
+            parts,
+            body: body.clone(),
             // The gateway's own key: the client's never reaches a worker.
-            request
-                .headers_mut()
-                .insert(header::AUTHORIZATION, key.clone());
-        }
+            authorization: up.auth.worker_authorization.as_ref(),
+        };
         let timeout = up.config.timeouts.first_byte();
         let own = OWN_CONNECTIONS.with(|own| own.get().cloned());
         let connections = own.as_deref().unwrap_or(&up.connections);
-        match tokio::time::timeout(timeout, connections.send(worker, request)).await {
+        match tokio::time::timeout(timeout, connections.send(worker, &request)).await {
             Ok(Ok(resp)) => {
                 worker.record_status(
                     resp.status(),
@@ -313,86 +314,65 @@ pub(crate) fn error_chain(e: &dyn std::error::Error) -> String {
     s
 }
 
-/// Headers that describe one hop and must not be forwarded (RFC 9110 §7.6.1), plus those we set.
+/// Headers that describe one hop and must not be forwarded (RFC 9110 §7.6.1).
+const HOP_BY_HOP: [HeaderName; 9] = [
+    header::CONNECTION,
+    HeaderName::from_static("keep-alive"),
+    HeaderName::from_static("proxy-connection"),
+    header::PROXY_AUTHENTICATE,
+    header::PROXY_AUTHORIZATION,
+    header::TE,
+    header::TRAILER,
+    header::TRANSFER_ENCODING,
+    header::UPGRADE,
+];
+
 fn is_hop_by_hop(name: &HeaderName) -> bool {
-    matches!(
-        name.as_str(),
-        "connection"
-            | "keep-alive"
-            | "proxy-connection"
-            | "proxy-authenticate"
-            | "proxy-authorization"
-            | "te"
-            | "trailer"
-            | "transfer-encoding"
-            | "upgrade"
-    )
+    HOP_BY_HOP.contains(name)
 }
 
-/// Copies end-to-end headers, dropping hop-by-hop ones and any the `Connection` header names.
-pub(super) fn copy_headers(from: &HeaderMap, to: &mut HeaderMap, also_skip: &[HeaderName]) {
-    // The header names that `Connection` lists (RFC 9110 §7.6.1), compared without allocating.
-    let named_by_connection = |name: &HeaderName| {
+/// The end-to-end headers of `from`: without hop-by-hop ones and those its `Connection` header
+/// names, compared without allocating.
+pub(super) fn end_to_end(from: &HeaderMap) -> impl Iterator<Item = (&HeaderName, &HeaderValue)> {
+    let has_connection = from.contains_key(header::CONNECTION);
+    let named_by_connection = move |name: &HeaderName| {
         from.get_all(header::CONNECTION)
             .iter()
             .filter_map(|v| v.to_str().ok())
             .flat_map(|v| v.split(','))
             .any(|listed| listed.trim().eq_ignore_ascii_case(name.as_str()))
     };
-    let has_connection = from.contains_key(header::CONNECTION);
-    to.reserve(from.len());
-    for (name, value) in from {
-        if is_hop_by_hop(name)
-            || also_skip.contains(name)
-            || (has_connection && named_by_connection(name))
-        {
-            continue;
+    from.iter().filter(move |(name, _)| {
+        !(is_hop_by_hop(name) || has_connection && named_by_connection(name))
+    })
+}
+
+/// Removes from `headers`, in place, what [`end_to_end`] leaves out.
+pub(super) fn strip_hop_by_hop(headers: &mut HeaderMap) {
+    if headers.contains_key(header::CONNECTION) {
+        let named: Vec<HeaderName> = headers
+            .get_all(header::CONNECTION)
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+            .flat_map(|v| v.split(','))
+            .filter_map(|t| HeaderName::from_bytes(t.trim().as_bytes()).ok())
+            .collect();
+        for name in named {
+            headers.remove(name);
         }
-        to.append(name.clone(), value.clone());
+    }
+    for name in &HOP_BY_HOP {
+        headers.remove(name);
     }
 }
 
-fn upstream_request(
-    parts: &http::request::Parts,
-    worker: &Worker,
-    body: Bytes,
-) -> Result<Request<Full<Bytes>>, ApiError> {
-    // Origin form: the connection is already the worker's, and `Host` names it.
-    let mut uri = http::uri::Parts::default();
-    // Cloned, not parsed again: the path shares the request head's bytes.
-    uri.path_and_query = Some(
-        parts
-            .uri
-            .path_and_query()
-            .cloned()
-            .unwrap_or_else(|| http::uri::PathAndQuery::from_static("/")),
-    );
-    let uri = Uri::from_parts(uri)
-        .map_err(|e| ApiError::InvalidRequest(format!("cannot build upstream URI: {e}")))?;
-    let length = body.len();
-    let mut req = Request::new(Full::new(body));
-    *req.method_mut() = parts.method.clone();
-    *req.uri_mut() = uri;
-    let headers = req.headers_mut();
-    copy_headers(
-        &parts.headers,
-        headers,
-        &[header::HOST, header::CONTENT_LENGTH],
-    );
-    // Made once per worker; the HTTP client would format it for every request.
-    headers.insert(header::HOST, worker.host_header.clone());
-    // The client's own length header when it is the body's (it is, unless the body came
-    // chunked): the HTTP client would otherwise make a new one for every request.
-    if let Some(declared) = parts.headers.get(header::CONTENT_LENGTH) {
-        let digits = declared.as_bytes();
-        let same = !digits.is_empty()
-            && digits.iter().all(u8::is_ascii_digit)
-            && declared.to_str().ok().and_then(|v| v.parse().ok()) == Some(length);
-        if same {
-            headers.insert(header::CONTENT_LENGTH, declared.clone());
-        }
-    }
-    Ok(req)
+/// What goes to the worker: the client's method, path and end-to-end headers, with the worker
+/// as `Host`, the body's length, and the gateway's own key in place of the client's when one is
+/// configured.
+pub struct Outgoing<'a> {
+    pub parts: &'a http::request::Parts,
+    pub body: Bytes,
+    pub authorization: Option<&'a HeaderValue>,
 }
 
 /// Shared handle used by the handlers.
@@ -408,7 +388,7 @@ mod tests {
     }
 
     fn client_request(head: &[(&str, &str)]) -> http::request::Parts {
-        let mut req = Request::post("/v1/completions?x=1").body(()).unwrap();
+        let mut req = http::Request::post("/v1/completions?x=1").body(()).unwrap();
         for (k, v) in head {
             req.headers_mut().append(
                 HeaderName::from_bytes(k.as_bytes()).unwrap(),
@@ -429,40 +409,68 @@ mod tests {
             ("x-other", "1"),
             ("x-kept", "a"),
             ("x-kept", "b"),
-            ("authorization", "Bearer k"),
+            ("transfer-encoding", "chunked"),
         ]);
-        let mut out = HeaderMap::new();
-        copy_headers(&parts.headers, &mut out, &[header::AUTHORIZATION]);
-        let names: Vec<&str> = out.keys().map(|k| k.as_str()).collect();
-        assert_eq!(names, ["x-kept"]);
-        let kept: Vec<&str> = out
-            .get_all("x-kept")
-            .iter()
-            .map(|v| v.to_str().unwrap())
+        let kept: Vec<(&str, &str)> = end_to_end(&parts.headers)
+            .map(|(k, v)| (k.as_str(), v.to_str().unwrap()))
             .collect();
-        assert_eq!(kept, ["a", "b"]);
+        assert_eq!(kept, [("x-kept", "a"), ("x-kept", "b")]);
+        // Removed in place, the same ones go.
+        let mut headers = parts.headers.clone();
+        strip_hop_by_hop(&mut headers);
+        let left: Vec<(&str, &str)> = headers
+            .iter()
+            .map(|(k, v)| (k.as_str(), v.to_str().unwrap()))
+            .collect();
+        assert_eq!(left, kept);
+    }
+
+    fn encoded(parts: &http::request::Parts, body: &'static [u8], key: Option<&str>) -> String {
+        let key = key.map(|k| HeaderValue::from_str(k).unwrap());
+        let out = Outgoing {
+            parts,
+            body: Bytes::from_static(body),
+            authorization: key.as_ref(),
+        };
+        let w = worker("http://127.0.0.1:8001");
+        String::from_utf8(http1::encode_head(&out, &w.host_header)).unwrap()
     }
 
     #[test]
-    fn the_upstream_request_names_the_worker_as_host_and_keeps_a_matching_length() {
+    fn the_upstream_request_names_the_worker_as_host_and_carries_the_bodys_length() {
         let parts = client_request(&[
             ("host", "gateway.example"),
-            ("content-length", "5"),
+            ("content-length", "999"),
+            ("connection", "close"),
             ("x-kept", "a"),
+            ("authorization", "Bearer client"),
         ]);
-        let w = worker("http://127.0.0.1:8001");
-        let req = upstream_request(&parts, &w, Bytes::from_static(b"hello")).unwrap();
-        assert_eq!(req.uri(), "/v1/completions?x=1");
-        assert_eq!(req.headers()[header::HOST], "127.0.0.1:8001");
-        assert_eq!(req.headers()[header::CONTENT_LENGTH], "5");
-        assert_eq!(req.headers()["x-kept"], "a");
-        // A length that is not the body's is left to the HTTP client, which sets the body's.
-        let parts = client_request(&[("content-length", "+5")]);
-        let req = upstream_request(&parts, &w, Bytes::from_static(b"hello")).unwrap();
-        assert!(req.headers().get(header::CONTENT_LENGTH).is_none());
-        // The scheme's default port is left out of Host, as the HTTP client would.
+        assert_eq!(
+            encoded(&parts, b"hello", None),
+            "POST /v1/completions?x=1 HTTP/1.1\r\nx-kept: a\r\nauthorization: Bearer client\r\n\
+             host: 127.0.0.1:8001\r\ncontent-length: 5\r\n\r\n"
+        );
+        // The gateway's own key replaces the client's.
+        let head = encoded(&parts, b"hello", Some("Bearer gateway"));
+        assert!(
+            head.ends_with("authorization: Bearer gateway\r\n\r\n"),
+            "{head}"
+        );
+        assert!(!head.contains("client"), "{head}");
+        // A bodyless GET says no length; the scheme's default port is left out of Host.
+        let (get, ()) = http::Request::get("/v1/models")
+            .body(())
+            .unwrap()
+            .into_parts();
         let w = worker("http://vllm-0.vllm:80");
-        let req = upstream_request(&parts, &w, Bytes::new()).unwrap();
-        assert_eq!(req.headers()[header::HOST], "vllm-0.vllm");
+        let out = Outgoing {
+            parts: &get,
+            body: Bytes::new(),
+            authorization: None,
+        };
+        assert_eq!(
+            String::from_utf8(http1::encode_head(&out, &w.host_header)).unwrap(),
+            "GET /v1/models HTTP/1.1\r\nhost: vllm-0.vllm\r\n\r\n"
+        );
     }
 }

@@ -17,11 +17,10 @@ use axum::{body::Body, response::Response};
 use bytes::Bytes;
 use http::HeaderName;
 use http_body::{Body as HttpBody, Frame, SizeHint};
-use hyper::body::Incoming;
 use memchr::memmem;
 use tokio::time::{Instant, Sleep};
 
-use super::{copy_headers, Route, WORKER_HEADER};
+use super::{http1::UpstreamBody, strip_hop_by_hop, Route, WORKER_HEADER};
 use crate::{
     load::RequestLoad,
     metrics::{Metrics, WorkerSeries},
@@ -84,11 +83,11 @@ impl Tracker {
 
     pub fn into_response(
         mut self,
-        resp: http::Response<Incoming>,
+        resp: http::Response<UpstreamBody>,
         route: Route,
         idle: Duration,
     ) -> Response {
-        let (parts, incoming) = resp.into_parts();
+        let (mut parts, incoming) = resp.into_parts();
         let worker = Arc::clone(self.slot.worker());
         let series = Arc::clone(&self.series);
         series.ttfb.observe(self.started.elapsed().as_secs_f64());
@@ -106,25 +105,30 @@ impl Tracker {
             .get(http::header::CONTENT_TYPE)
             .and_then(|v| v.to_str().ok())
             .is_some_and(|v| v.starts_with("text/event-stream"));
-        let mut out = Response::new(Body::new(RelayBody {
-            inner: incoming,
-            idle_timer: Box::pin(tokio::time::sleep(idle)),
-            idle,
-            sse,
-            ended: false,
-            tracker: (self.phase == Phase::Streaming).then_some(self),
-        }));
-        *out.status_mut() = parts.status;
-        copy_headers(&parts.headers, out.headers_mut(), &[]);
+        // The worker's head becomes the client's: its end-to-end headers, moved, not copied.
+        strip_hop_by_hop(&mut parts.headers);
         if let Some(v) = &worker.name_header {
-            out.headers_mut()
+            parts
+                .headers
                 .insert(HeaderName::from_static(WORKER_HEADER), v.clone());
         }
         if let Some(v) = &series.arm_header {
-            out.headers_mut()
+            parts
+                .headers
                 .insert(HeaderName::from_static(ARM_HEADER), v.clone());
         }
-        out
+        parts.version = http::Version::HTTP_11;
+        let body = RelayBody {
+            inner: incoming,
+            idle_timer: tokio::time::sleep(idle),
+            relay: Relay {
+                idle,
+                sse,
+                ended: false,
+                tracker: (self.phase == Phase::Streaming).then_some(self),
+            },
+        };
+        Response::from_parts(parts, Body::new(body))
     }
 
     /// A frame of the answer went by: the prefill is over, and it may carry the usage.
@@ -228,10 +232,20 @@ fn number_after(data: &[u8], key: &[u8]) -> Option<u64> {
 #[error("worker sent nothing for {0:?}; stream closed")]
 struct IdleTimeout(Duration);
 
-/// The upstream body, relayed frame by frame with no buffering, ended early if the worker goes silent.
-pub(super) struct RelayBody {
-    inner: Incoming,
-    idle_timer: Pin<Box<Sleep>>,
+pin_project_lite::pin_project! {
+    /// The upstream body, relayed frame by frame with no buffering, ended early if the worker
+    /// goes silent.
+    pub(super) struct RelayBody {
+        inner: UpstreamBody,
+        // In place, not boxed: the body is boxed once, whole, as the response's.
+        #[pin]
+        idle_timer: Sleep,
+        relay: Relay,
+    }
+}
+
+/// What [`RelayBody`] knows besides its stream and its timer.
+struct Relay {
     idle: Duration,
     /// An SSE stream: a failure mid-stream is told to the client as a last `error` event.
     sse: bool,
@@ -241,7 +255,7 @@ pub(super) struct RelayBody {
     tracker: Option<Tracker>,
 }
 
-impl RelayBody {
+impl Relay {
     /// The worker failed mid-stream: an SSE client gets a final `data: {"error": ...}` event (the
     /// shape vLLM itself sends when generation fails) and a clean end; other bodies end in error.
     fn fail(
@@ -292,36 +306,39 @@ impl HttpBody for RelayBody {
     type Error = axum::BoxError;
 
     fn poll_frame(
-        mut self: Pin<&mut Self>,
+        self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
-        let this = &mut *self;
-        if this.ended {
+        let mut this = self.project();
+        let relay = this.relay;
+        if relay.ended {
             return Poll::Ready(None);
         }
-        match Pin::new(&mut this.inner).poll_frame(cx) {
+        match Pin::new(&mut *this.inner).poll_frame(cx) {
             Poll::Ready(Some(Ok(frame))) => {
-                if let (Some(t), Some(data)) = (&mut this.tracker, frame.data_ref()) {
+                if let (Some(t), Some(data)) = (&mut relay.tracker, frame.data_ref()) {
                     t.saw(data);
                 }
                 if this.inner.is_end_stream() {
                     // hyper may not poll again once the body says it is complete.
-                    this.finish(None);
+                    relay.finish(None);
                 } else {
-                    let deadline = Instant::now() + this.idle;
+                    let deadline = Instant::now() + relay.idle;
                     this.idle_timer.as_mut().reset(deadline);
                 }
                 Poll::Ready(Some(Ok(frame)))
             }
-            Poll::Ready(Some(Err(e))) => this.fail("body", e.into(), http::StatusCode::BAD_GATEWAY),
+            Poll::Ready(Some(Err(e))) => {
+                relay.fail("body", e.into(), http::StatusCode::BAD_GATEWAY)
+            }
             Poll::Ready(None) => {
-                this.finish(None);
+                relay.finish(None);
                 Poll::Ready(None)
             }
             Poll::Pending => {
-                if this.tracker.is_some() && this.idle_timer.as_mut().poll(cx).is_ready() {
-                    let e = IdleTimeout(this.idle).into();
-                    return this.fail("idle_timeout", e, http::StatusCode::GATEWAY_TIMEOUT);
+                if relay.tracker.is_some() && this.idle_timer.as_mut().poll(cx).is_ready() {
+                    let e = IdleTimeout(relay.idle).into();
+                    return relay.fail("idle_timeout", e, http::StatusCode::GATEWAY_TIMEOUT);
                 }
                 Poll::Pending
             }
@@ -329,7 +346,7 @@ impl HttpBody for RelayBody {
     }
 
     fn is_end_stream(&self) -> bool {
-        self.ended || self.inner.is_end_stream()
+        self.relay.ended || self.inner.is_end_stream()
     }
 
     fn size_hint(&self) -> SizeHint {

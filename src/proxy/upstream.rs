@@ -1,13 +1,12 @@
 //! Connections to the workers: HTTP/1.1 keep-alive connections, pooled per worker.
 //!
 //! A gateway sends every request to one of a handful of workers it already knows, so the pool is
-//! a queue of connections per worker and nothing more: no per-request key built from the URI, no
-//! task spawned to watch a connection become idle, no boxed future. A connection goes back in its
-//! queue as soon as the response head has arrived; it is busy until that response's body has
-//! been read to the end, and a request takes the first connection in the queue that is ready,
-//! passing over the busy ones (kept) and the closed ones (dropped: the worker closed them, or a
-//! client went away mid-body and the connection was closed to abort the generation). When none
-//! is ready within a few, it opens a new one.
+//! a queue of idle connections per worker and nothing more: no per-request key built from the
+//! URI, no task per connection, no boxed future. A request takes the most recently idle
+//! connection to its worker (or opens one), writes itself and reads the response head in its own
+//! task (`http1.rs`); the response body owns the connection and puts it back in the queue when it
+//! has been read to its end. A body dropped before that (the client went away) closes the
+//! connection, which is how the worker learns to abort the generation.
 //!
 //! A request that a pooled connection could not send (the worker closed it while idle) is sent
 //! again on another, as it never reached the worker; a failure once it was sent is the caller's.
@@ -26,21 +25,14 @@ use std::{
     time::Duration,
 };
 
-use bytes::Bytes;
-use http::Request;
-use http_body_util::Full;
-use hyper::{body::Incoming, client::conn::http1};
-use hyper_util::rt::TokioIo;
+use bytes::BytesMut;
 use tokio::{net::TcpStream, time::Instant};
 
+use super::{
+    http1::{self, Release, UpstreamBody},
+    Outgoing,
+};
 use crate::workers::Worker;
-
-type Sender = http1::SendRequest<Full<Bytes>>;
-
-/// Pooled connections looked at, at most, before a request opens a new one: the oldest first,
-/// since a connection goes back in its queue when its response starts and is ready again only
-/// once that response has ended.
-const READY_SCAN: usize = 4;
 
 /// Why a request got no response from its worker.
 #[derive(Debug)]
@@ -48,8 +40,8 @@ pub enum UpstreamError {
     /// No connection could be opened (refused, unreachable, timed out): the worker never saw the
     /// request, so another may take it.
     Connect(io::Error),
-    /// The connection failed after the request was handed to it.
-    Request(hyper::Error),
+    /// The request was written, at least in part, and no valid response head came back.
+    Request(io::Error),
 }
 
 impl UpstreamError {
@@ -70,23 +62,27 @@ impl fmt::Display for UpstreamError {
 impl std::error::Error for UpstreamError {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         match self {
-            UpstreamError::Connect(e) => Some(e),
-            UpstreamError::Request(e) => Some(e),
+            UpstreamError::Connect(e) | UpstreamError::Request(e) => Some(e),
         }
     }
 }
 
-/// A pooled connection, and the last time it was seen busy (sending or receiving): it has been
-/// idle at most since then, as the worker sees it.
+/// An idle connection, and when it became idle.
 struct Pooled {
-    sender: Sender,
+    io: TcpStream,
     since: Instant,
 }
 
 impl Pooled {
-    /// Ready, and perhaps idle for `timeout`: to be closed.
+    /// Perhaps idle for `timeout`, as the worker sees it: to be closed.
     fn expired(&self, now: Instant, timeout: Duration) -> bool {
-        self.sender.is_ready() && now.duration_since(self.since) >= timeout
+        now.duration_since(self.since) >= timeout
+    }
+
+    /// The worker has closed it, or sent bytes nobody asked for: either way, not to be used.
+    /// Costs no system call unless the event loop has seen the socket become readable.
+    fn closed(&self) -> bool {
+        !matches!(self.io.try_read(&mut [0u8; 1]), Err(e) if e.kind() == io::ErrorKind::WouldBlock)
     }
 }
 
@@ -100,6 +96,32 @@ pub struct Connections {
     reaping: AtomicBool,
 }
 
+/// Where a response body puts its connection back.
+struct Home {
+    queues: Weak<Queues>,
+    worker: u64,
+}
+
+impl Release for Home {
+    fn reuse(self: Box<Self>, io: TcpStream) {
+        if let Some(queues) = self.queues.upgrade() {
+            checkin(&queues, self.worker, io);
+        }
+    }
+}
+
+fn lock(queues: &Queues) -> std::sync::MutexGuard<'_, HashMap<u64, VecDeque<Pooled>>> {
+    queues.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn checkin(queues: &Queues, worker: u64, io: TcpStream) {
+    let since = Instant::now();
+    lock(queues)
+        .entry(worker)
+        .or_default()
+        .push_back(Pooled { io, since });
+}
+
 impl Connections {
     pub fn new(connect_timeout: Duration, idle_timeout: Duration) -> Self {
         Self {
@@ -110,13 +132,9 @@ impl Connections {
         }
     }
 
-    /// Connections pooled for `worker` (ready or busy).
+    /// Idle connections pooled for `worker`.
     pub fn pooled(&self, worker: u64) -> usize {
-        self.lock().get(&worker).map_or(0, VecDeque::len)
-    }
-
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u64, VecDeque<Pooled>>> {
-        self.idle.lock().unwrap_or_else(|e| e.into_inner())
+        lock(&self.idle).get(&worker).map_or(0, VecDeque::len)
     }
 
     /// From the first connection on, a task that closes the expired and forgets the closed
@@ -136,9 +154,9 @@ impl Connections {
                     return;
                 };
                 let now = Instant::now();
-                let mut queues = queues.lock().unwrap_or_else(|e| e.into_inner());
+                let mut queues = lock(&queues);
                 for queue in queues.values_mut() {
-                    queue.retain(|p| !p.sender.is_closed() && !p.expired(now, timeout));
+                    queue.retain(|p| !p.expired(now, timeout) && !p.closed());
                 }
                 queues.retain(|_, q| !q.is_empty());
             }
@@ -150,59 +168,69 @@ impl Connections {
     pub async fn send(
         &self,
         worker: &Worker,
-        mut req: Request<Full<Bytes>>,
-    ) -> Result<http::Response<Incoming>, UpstreamError> {
-        loop {
-            let (mut sender, pooled) = match self.checkout(worker.id_hash) {
-                Some(s) => (s, true),
+        req: &Outgoing<'_>,
+    ) -> Result<http::Response<UpstreamBody>, UpstreamError> {
+        let (mut io, pooled) = loop {
+            let (mut io, pooled) = match self.checkout(worker.id_hash) {
+                Some(io) => (io, true),
                 None => (self.connect(worker).await?, false),
             };
-            match sender.try_send_request(req).await {
-                Ok(resp) => {
-                    self.checkin(worker.id_hash, sender);
-                    return Ok(resp);
-                }
-                Err(mut e) => match e.take_message() {
-                    // Never written: the pooled connection had closed. Another one sends it.
-                    Some(unsent) if pooled => req = unsent,
-                    _ => return Err(UpstreamError::Request(e.into_error())),
-                },
+            match http1::write_request(&mut io, req, &worker.host_header).await {
+                Ok(()) => break (io, pooled),
+                // Nothing written: the pooled connection had closed. Another one sends it.
+                Err((_, 0)) if pooled => continue,
+                Err((e, _)) => return Err(UpstreamError::Request(e)),
             }
-        }
+        };
+        let mut buf = BytesMut::new();
+        let head = match http1::read_head(&mut io, &mut buf, &req.parts.method).await {
+            Ok(Some(head)) => head,
+            Ok(None) => {
+                // Sent, then closed unanswered: the worker may have begun it, so it is not
+                // repeated. On a pooled connection, the worker's idle close crossed the request.
+                let why = if pooled {
+                    "the worker closed a kept-alive connection as the request was sent"
+                } else {
+                    "the worker closed the connection without answering"
+                };
+                return Err(UpstreamError::Request(io::Error::new(
+                    io::ErrorKind::UnexpectedEof,
+                    why,
+                )));
+            }
+            Err(e) => return Err(UpstreamError::Request(e)),
+        };
+        let home = Box::new(Home {
+            queues: Arc::downgrade(&self.idle),
+            worker: worker.id_hash,
+        });
+        let body = UpstreamBody::new(io, buf, &head, home).map_err(UpstreamError::Request)?;
+        let mut resp = http::Response::new(body);
+        *resp.status_mut() = head.status;
+        *resp.version_mut() = head.version;
+        *resp.headers_mut() = head.headers;
+        Ok(resp)
     }
 
-    fn checkout(&self, worker: u64) -> Option<Sender> {
+    /// The most recently idle connection to `worker` that is still open and not expired.
+    fn checkout(&self, worker: u64) -> Option<TcpStream> {
         let now = Instant::now();
-        let mut idle = self.lock();
+        let mut idle = lock(&self.idle);
         let queue = idle.get_mut(&worker)?;
-        let mut looked = 0;
-        while looked < READY_SCAN {
-            let pooled = queue.pop_front()?;
-            if pooled.expired(now, self.idle_timeout) || pooled.sender.is_closed() {
-                continue; // dropped: closes it, or forgets a closed one
+        while let Some(pooled) = queue.pop_back() {
+            if pooled.expired(now, self.idle_timeout) {
+                // Older ones have idled longer still.
+                queue.clear();
+                return None;
             }
-            if pooled.sender.is_ready() {
-                return Some(pooled.sender);
+            if !pooled.closed() {
+                return Some(pooled.io);
             }
-            // Still streaming a response: idle from now on at the earliest.
-            queue.push_back(Pooled {
-                since: now,
-                ..pooled
-            });
-            looked += 1;
         }
         None
     }
 
-    fn checkin(&self, worker: u64, sender: Sender) {
-        let since = Instant::now();
-        self.lock()
-            .entry(worker)
-            .or_default()
-            .push_back(Pooled { sender, since });
-    }
-
-    async fn connect(&self, worker: &Worker) -> Result<Sender, UpstreamError> {
+    async fn connect(&self, worker: &Worker) -> Result<TcpStream, UpstreamError> {
         if worker.scheme != http::uri::Scheme::HTTP {
             return Err(UpstreamError::Connect(io::Error::new(
                 io::ErrorKind::InvalidInput,
@@ -229,15 +257,7 @@ impl Connections {
             };
         stream.set_nodelay(true).map_err(UpstreamError::Connect)?;
         self.start_reaper();
-        let (sender, conn) = http1::handshake(TokioIo::new(stream))
-            .await
-            .map_err(UpstreamError::Request)?;
-        tokio::spawn(async move {
-            if let Err(e) = conn.await {
-                tracing::debug!(error = %e, "worker connection ended");
-            }
-        });
-        Ok(sender)
+        Ok(stream)
     }
 }
 
@@ -245,7 +265,9 @@ impl Connections {
 mod tests {
     use std::sync::atomic::AtomicUsize;
 
-    use http_body_util::BodyExt;
+    use bytes::Bytes;
+    use http_body_util::{BodyExt, Full};
+    use hyper_util::rt::TokioIo;
 
     use super::*;
     use crate::{config::WorkerConfig, metrics::Metrics};
@@ -278,11 +300,13 @@ mod tests {
     }
 
     async fn get(conns: &Connections, w: &Worker) -> Bytes {
-        let req = Request::get("/")
-            .header(http::header::HOST, w.host_header.clone())
-            .body(Full::new(Bytes::new()))
-            .unwrap();
-        let resp = conns.send(w, req).await.unwrap();
+        let (parts, ()) = http::Request::get("/").body(()).unwrap().into_parts();
+        let req = Outgoing {
+            parts: &parts,
+            body: Bytes::new(),
+            authorization: None,
+        };
+        let resp = conns.send(w, &req).await.unwrap();
         resp.into_body().collect().await.unwrap().to_bytes()
     }
 
@@ -292,13 +316,8 @@ mod tests {
         // No connect timeout to fire while the paused clock jumps ahead.
         let conns = Connections::new(Duration::from_secs(3600), IDLE);
         assert_eq!(get(&conns, &w).await, "ok");
-        // The connection task sees the answer end (bounded: no wall-clock wait).
-        for _ in 0..100 {
-            if conns.lock()[&w.id_hash].iter().any(|p| p.sender.is_ready()) {
-                break;
-            }
-            tokio::task::yield_now().await;
-        }
+        // Back in the pool as soon as the body was read to its end.
+        assert_eq!(conns.pooled(w.id_hash), 1);
         assert_eq!(get(&conns, &w).await, "ok");
         assert_eq!(
             accepted.load(Ordering::SeqCst),
