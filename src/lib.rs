@@ -13,6 +13,7 @@ pub mod bench;
 pub mod cli;
 pub mod config;
 pub mod discovery;
+pub mod dispatch;
 pub mod error;
 pub mod health;
 pub mod index;

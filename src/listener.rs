@@ -10,21 +10,18 @@
 
 use std::{net::SocketAddr, sync::Arc, time::Duration};
 
-use axum::{body::Body, Router};
-use hyper::{body::Incoming, server::conn::http1};
+use hyper::server::conn::http1;
 use hyper_util::{
     rt::{TokioExecutor, TokioIo, TokioTimer},
     server::conn::auto,
-    service::TowerToHyperService,
 };
 use tokio::{
     net::{TcpListener, TcpSocket, TcpStream},
     sync::{mpsc, OwnedSemaphorePermit, Semaphore},
 };
 use tokio_util::{sync::CancellationToken, task::TaskTracker};
-use tower::ServiceExt;
 
-use crate::config::LimitsConfig;
+use crate::{config::LimitsConfig, dispatch::Gateway};
 
 /// Binds `addr` with `backlog` pending connections allowed (the kernel caps it at
 /// `net.core.somaxconn`).
@@ -46,7 +43,7 @@ pub type Handoff = (std::net::TcpStream, OwnedSemaphorePermit);
 /// connection to finish its requests (the caller bounds that wait).
 pub async fn serve(
     listener: TcpListener,
-    app: Router,
+    app: impl Into<Gateway>,
     limits: &LimitsConfig,
     shutdown: CancellationToken,
 ) -> std::io::Result<()> {
@@ -58,11 +55,12 @@ pub async fn serve(
 /// connection then lives on one loop. A loop that has gone away is skipped.
 pub async fn serve_spread(
     listener: TcpListener,
-    app: Router,
+    app: impl Into<Gateway>,
     limits: &LimitsConfig,
     others: Vec<mpsc::UnboundedSender<Handoff>>,
     shutdown: CancellationToken,
 ) -> std::io::Result<()> {
+    let app = app.into();
     let permits = Arc::new(Semaphore::new(limits.max_connections));
     let conns = Connections::new(limits);
     static ACCEPT: crate::logging::Throttle = crate::logging::Throttle::new(1);
@@ -117,9 +115,10 @@ pub async fn serve_spread(
 /// acceptor stops, then waits for them to finish their requests.
 pub async fn serve_handed(
     mut handed: mpsc::UnboundedReceiver<Handoff>,
-    app: Router,
+    app: impl Into<Gateway>,
     limits: &LimitsConfig,
 ) {
+    let app = app.into();
     let conns = Connections::new(limits);
     while let Some((std, permit)) = handed.recv().await {
         match TcpStream::from_std(std) {
@@ -183,16 +182,13 @@ impl Connections {
     /// `auto` server does: read, they would reach HTTP/1's buffer as a short first read, and
     /// growing that buffer for the rest of the request doubles it to 16 KiB for the life of the
     /// connection (8 KiB of memory per open stream). HTTP/2 (rare here) still goes through `auto`.
-    fn serve(&self, app: &Router, tcp: TcpStream, permit: OwnedSemaphorePermit) {
+    fn serve(&self, app: &Gateway, tcp: TcpStream, permit: OwnedSemaphorePermit) {
         // Without TCP_NODELAY an SSE event written right after the headers waits for the
         // client's delayed ACK (~40 ms on Linux).
         if let Err(e) = tcp.set_nodelay(true) {
             tracing::debug!("cannot set TCP_NODELAY: {e}");
         }
-        let service = TowerToHyperService::new(
-            app.clone()
-                .map_request(|req: http::Request<Incoming>| req.map(Body::new)),
-        );
+        let service = app.clone();
         let (http, stop) = (Arc::clone(&self.http), self.stop.clone());
         self.tracker.spawn(async move {
             let _permit = permit;

@@ -52,11 +52,42 @@ pub struct Shared {
 }
 
 pub async fn completions(State(s): State<AppState>, req: Request) -> Response {
-    routed(s, Route::Completions, PromptField::Prompt, req).await
+    completion(s, Completion::Text, req).await
 }
 
 pub async fn chat_completions(State(s): State<AppState>, req: Request) -> Response {
-    routed(s, Route::ChatCompletions, PromptField::Messages, req).await
+    completion(s, Completion::Chat, req).await
+}
+
+/// The two routes that carry a prompt.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Completion {
+    /// `POST /v1/completions`
+    Text,
+    /// `POST /v1/chat/completions`
+    Chat,
+}
+
+impl Completion {
+    /// The completion route a request's method and path name, if any.
+    pub fn of(method: &http::Method, path: &str) -> Option<Self> {
+        if method != http::Method::POST {
+            return None;
+        }
+        match path {
+            "/v1/completions" => Some(Completion::Text),
+            "/v1/chat/completions" => Some(Completion::Chat),
+            _ => None,
+        }
+    }
+}
+
+/// The handler of both completion routes.
+pub async fn completion(s: AppState, route: Completion, req: Request) -> Response {
+    match route {
+        Completion::Text => routed(s, Route::Completions, PromptField::Prompt, req).await,
+        Completion::Chat => routed(s, Route::ChatCompletions, PromptField::Messages, req).await,
+    }
 }
 
 async fn routed(s: AppState, route: Route, field: PromptField, req: Request) -> Response {
@@ -322,14 +353,8 @@ pub async fn metrics(State(s): State<AppState>) -> Response {
 /// (RFC 9112 §3.2) and a path with dot segments (`.`/`..`, also percent-encoded), which a worker
 /// or a proxy behind it might resolve to another path than the one routed.
 pub async fn guard(req: Request, next: axum::middleware::Next) -> Response {
-    let hosts = req.headers().get_all(header::HOST).iter().count();
-    if req.version() == http::Version::HTTP_11 && hosts != 1 {
-        let msg = if hosts == 0 {
-            "missing Host header"
-        } else {
-            "more than one Host header"
-        };
-        return ApiError::InvalidRequest(msg.into()).into_response();
+    if let Err(refused) = check_head(&req) {
+        return refused.into_response();
     }
     // Only a segment with a `.` or `%` can be one; the rest cost no allocation.
     let dotted = req.uri().path().split('/').any(|seg| {
@@ -345,6 +370,20 @@ pub async fn guard(req: Request, next: axum::middleware::Next) -> Response {
         .into_response();
     }
     next.run(req).await
+}
+
+/// An HTTP/1.1 request names exactly one `Host` (RFC 9112 §3.2); a 400 otherwise.
+pub fn check_head<B>(req: &http::Request<B>) -> Result<(), ApiError> {
+    let hosts = req.headers().get_all(header::HOST).iter().count();
+    if req.version() == http::Version::HTTP_11 && hosts != 1 {
+        let msg = if hosts == 0 {
+            "missing Host header"
+        } else {
+            "more than one Host header"
+        };
+        return Err(ApiError::InvalidRequest(msg.into()));
+    }
+    Ok(())
 }
 
 /// With client keys configured, a `/v1/` request needs a valid one (401) and room in its

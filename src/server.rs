@@ -96,6 +96,11 @@ pub fn app(state: AppState) -> Router {
         .with_state(state)
 }
 
+/// The routes as served: the completion routes directly, the rest through [`app`].
+pub fn gateway(state: AppState) -> crate::dispatch::Gateway {
+    crate::dispatch::Gateway::new(app(state.clone()), state)
+}
+
 /// Serves `listener` until `shutdown` is cancelled, then stops accepting and lets in-flight
 /// requests finish for at most the config's drain deadline.
 pub async fn serve(
@@ -171,7 +176,7 @@ pub async fn serve_state_on(
                     .build()?;
                 rt.block_on(async move {
                     crate::proxy::use_own_connections(&state.upstreams.config);
-                    crate::listener::serve_handed(rx, app(state), &limits).await;
+                    crate::listener::serve_handed(rx, gateway(state), &limits).await;
                 });
                 Ok::<_, std::io::Error>(())
             })?;
@@ -195,9 +200,14 @@ pub async fn serve_state_on(
         background.clone(),
     ));
     let server = async {
-        let accepted =
-            crate::listener::serve_spread(listener, app(state), &limits, others, shutdown.clone())
-                .await;
+        let accepted = crate::listener::serve_spread(
+            listener,
+            gateway(state),
+            &limits,
+            others,
+            shutdown.clone(),
+        )
+        .await;
         // The acceptor has stopped and dropped the hand-over channels: the loops drain and end.
         for thread in threads {
             match tokio::task::spawn_blocking(move || thread.join()).await {

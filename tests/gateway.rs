@@ -340,6 +340,32 @@ async fn bad_requests_get_openai_style_errors() {
     );
 }
 
+/// The completion routes skip the router's layers (`src/dispatch.rs`); what those layers check
+/// is still checked, with the same answer as on a path the router serves.
+#[tokio::test]
+async fn a_second_host_header_is_refused_on_the_direct_routes_as_on_the_others() {
+    let up = upstream("w0", &[]).await;
+    let gw = gateway(config_for(&[&up], "round_robin")).await;
+    let prompt = body(json!({"prompt": "p", "max_tokens": 1}));
+    for (method, path, b) in [
+        ("POST", "/v1/completions", &prompt),
+        ("POST", "/v1/chat/completions", &prompt),
+        ("GET", "/v1/models", &Vec::new()),
+    ] {
+        let r = request_with(gw.addr, method, path, &[("host", "other.example")], b).await;
+        assert_eq!(r.status, 400, "{method} {path}");
+        assert_eq!(
+            r.json()["error"]["message"],
+            "more than one Host header",
+            "{method} {path}"
+        );
+    }
+    assert_eq!(up.requests.load(std::sync::atomic::Ordering::SeqCst), 0);
+    // With one, the direct route proxies as before.
+    let r = request(gw.addr, "POST", "/v1/completions", &prompt).await;
+    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+}
+
 #[tokio::test]
 async fn unknown_model_is_404_when_workers_list_their_models() {
     let up = upstream("w0", &[]).await;
