@@ -159,11 +159,18 @@ impl PrefixIndex {
         self.inner.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// For each worker, how many of `hashes`' leading blocks it holds. Stops at the first block
-    /// nobody holds or that extends nobody's match.
+    /// For each worker, how many of `hashes`' leading blocks it holds. A block records only its
+    /// last [`HOLDERS`] holders, so a worker missing from a block whose list is full may still
+    /// hold it: the hashes are chained, and a worker listed further on was sent the whole prefix
+    /// before it. Missing from a list with room, a worker's match ends there (it never held the
+    /// block, or the block was removed). Stops at the first block nobody holds, or that extends
+    /// nobody's match and has room.
     pub fn matches(&self, hashes: &[u64]) -> Matches {
         let g = self.lock();
         let mut depths: Vec<(WorkerId, usize)> = Vec::new();
+        // The first of the run of blocks with full holder lists that ends just before this one:
+        // a match that stopped at or after it may resume.
+        let mut full_since = 0;
         for (i, h) in hashes.iter().enumerate() {
             let Some(entry) = g.young.get(h).or_else(|| g.old.get(h)) else {
                 break;
@@ -171,20 +178,24 @@ impl PrefixIndex {
             let mut extended = false;
             for &id in entry.ids() {
                 match depths.iter_mut().find(|(w, _)| *w == id) {
-                    Some((_, d)) if *d == i => {
+                    Some((_, d)) if *d == i || *d >= full_since => {
                         *d = i + 1;
                         extended = true;
                     }
                     Some(_) => {}
-                    None if i == 0 => {
-                        depths.push((id, 1));
+                    None if full_since == 0 => {
+                        depths.push((id, i + 1));
                         extended = true;
                     }
                     None => {}
                 }
             }
-            if !extended {
-                break;
+            let full = entry.ids().len() >= HOLDERS;
+            if !full {
+                full_since = i + 1;
+                if !extended {
+                    break;
+                }
             }
         }
         Matches { depths }
@@ -263,6 +274,23 @@ mod tests {
         idx.insert(&[1, 2, 3], 10);
         idx.remove(&[2], 10);
         assert_eq!(idx.matches(&[1, 2, 3]).depth_of(10), 1);
+    }
+
+    #[test]
+    fn a_worker_crowded_out_of_a_shared_blocks_holders_still_matches_through_its_own() {
+        // Worker 0 was sent the shared prefix and its own turn; then eight others were sent the
+        // shared prefix, which now lists them and not worker 0.
+        let idx = PrefixIndex::with_max_bytes(1 << 20);
+        idx.insert(&[1, 2, 3, 10, 11], 0);
+        for w in 1..=HOLDERS as u64 {
+            idx.insert(&[1, 2, 3], w);
+        }
+        let m = idx.matches(&[1, 2, 3, 10, 11, 12]);
+        assert_eq!(m.depth_of(0), 5, "its own blocks imply the prefix");
+        assert_eq!(m.depth_of(1), 3);
+        // A hole where the list has room still ends the match.
+        idx.remove(&[10], 0);
+        assert_eq!(idx.matches(&[1, 2, 3, 10, 11]).depth_of(0), 0);
     }
 
     #[test]

@@ -391,7 +391,9 @@ impl CacheAware {
         // The home's key: past the part of the prompt that most workers hold (a system prompt
         // everyone shares), not merely two: a conversation that one spill put on a second worker
         // must keep its key, or its home would move with what each replica happens to know.
-        let most = (workers.len() / 2 + 1).max(2);
+        // A block records its last `HOLDERS` holders, so in a larger pool a prefix on all of them
+        // is as widely held as the index can tell.
+        let most = (workers.len() / 2 + 1).clamp(2, crate::index::HOLDERS);
         let key_depth = if !self.params.shared_home {
             deepest
         } else if matches.depths.len() < most {
