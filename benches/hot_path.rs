@@ -97,6 +97,18 @@ fn cache_aware_at_scale(c: &mut Criterion) {
     c.bench_function("select/cache_aware_1024_workers_100k_blocks", |b| {
         b.iter(|| p.select(&workers, &info).expect("a worker"))
     });
+    // A new question under the system prompt: known no further than a prefix as many workers
+    // hold as a block can list, so the decision also weighs pending prefill by the other
+    // replicas' share of the load (`hot_pending_weight`), a second pass over the workers. Timed
+    // with `peek`, the decision without its index write: written, the question would be known
+    // on one worker from the second iteration on, and no longer take this path.
+    let mut question = system;
+    question.extend((0..8).map(|_| next()));
+    let question = RequestInfo::keyed(question, 256);
+    c.bench_function(
+        "select/cache_aware_1024_workers_question_under_hot_prefix",
+        |b| b.iter(|| p.peek(&workers, &question).expect("a worker")),
+    );
 }
 
 fn policies(c: &mut Criterion) {
