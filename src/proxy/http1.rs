@@ -20,7 +20,7 @@ use http::{header, HeaderMap, HeaderName, HeaderValue, Method, StatusCode, Versi
 use http_body::{Body, Frame, SizeHint};
 use tokio::{io::AsyncWriteExt, net::TcpStream};
 
-use super::{end_to_end, Outgoing};
+use super::{end_to_end, upstream::Home, Outgoing};
 
 /// Bytes asked of the socket per read, at first: a response head and a small body.
 const READ_SIZE: usize = 8 * 1024;
@@ -131,12 +131,17 @@ fn decimal(mut n: usize, buf: &mut [u8; 20]) -> &[u8] {
 #[derive(Debug)]
 pub(super) struct Head {
     pub status: StatusCode,
-    pub version: Version,
     pub headers: HeaderMap,
     pub framing: Framing,
     /// The connection may carry another request once this body has ended.
     pub keep_alive: bool,
 }
+
+/// The last time a connection's socket was seen holding nothing unread. Whatever is read after
+/// it, the worker wrote after it, so the worker's idle timer (started by its last write) cannot
+/// have started earlier: measured from here, the pool's idle estimate errs long, even when a
+/// slow client left the end of an answer unread in the socket for a while.
+pub(super) type DrainedAt = tokio::time::Instant;
 
 /// Reads the response head to `req_method` from `io` into `buf` (which keeps what follows it),
 /// passing over interim (1xx) responses. `Ok(None)`: the worker closed the connection before
@@ -145,6 +150,7 @@ pub(super) async fn read_head(
     io: &mut TcpStream,
     buf: &mut BytesMut,
     req_method: &Method,
+    drained_at: &mut DrainedAt,
 ) -> io::Result<Option<Head>> {
     loop {
         if let Some(head) = parse_head(buf, req_method)? {
@@ -161,7 +167,10 @@ pub(super) async fn read_head(
         io.readable().await?;
         buf.reserve(READ_SIZE);
         let n = match io.try_read_buf(buf) {
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                *drained_at = DrainedAt::now();
+                continue;
+            }
             read => read?,
         };
         if n == 0 {
@@ -229,7 +238,6 @@ pub(super) fn parse_head(buf: &mut BytesMut, req_method: &Method) -> io::Result<
     } && !matches!(framing, Framing::Close);
     Ok(Some(Head {
         status,
-        version,
         headers,
         framing,
         keep_alive,
@@ -408,12 +416,6 @@ impl Framing {
     }
 }
 
-/// What a response body does with its connection when it ends.
-pub(super) trait Release: Send + 'static {
-    /// The body ended where its framing said and the connection may serve another request.
-    fn reuse(self: Box<Self>, io: TcpStream);
-}
-
 /// A response body read from a worker connection as the client asks for it.
 pub struct UpstreamBody {
     io: Option<TcpStream>,
@@ -422,7 +424,9 @@ pub struct UpstreamBody {
     keep_alive: bool,
     /// Bytes to ask for in the next read.
     read_size: usize,
-    release: Option<Box<dyn Release>>,
+    /// Where the connection goes back once the body has ended; taken then.
+    home: Option<Home>,
+    drained_at: DrainedAt,
 }
 
 impl UpstreamBody {
@@ -430,7 +434,8 @@ impl UpstreamBody {
         io: TcpStream,
         buf: BytesMut,
         head: &Head,
-        release: Box<dyn Release>,
+        home: Home,
+        drained_at: DrainedAt,
     ) -> io::Result<Self> {
         let mut body = Self {
             io: Some(io),
@@ -438,7 +443,8 @@ impl UpstreamBody {
             framing: head.framing,
             keep_alive: head.keep_alive,
             read_size: READ_SIZE,
-            release: Some(release),
+            home: Some(home),
+            drained_at,
         };
         body.framing.skip_framing(&mut body.buf)?;
         body.settle_if_done();
@@ -452,12 +458,9 @@ impl UpstreamBody {
         }
         // What is left of the last read's buffer goes with the frames that share it.
         self.buf = BytesMut::new();
-        if let (true, Some(io), Some(release)) =
-            (self.keep_alive, self.io.take(), self.release.take())
-        {
-            release.reuse(io);
+        if let (true, Some(io), Some(home)) = (self.keep_alive, self.io.take(), self.home.take()) {
+            home.reuse(io, self.drained_at);
         }
-        self.io = None;
     }
 }
 
@@ -495,7 +498,11 @@ impl Body for UpstreamBody {
             };
             // A buffer only once there is something to read: a stream waiting for the worker's
             // next event holds none (8 KiB per open stream otherwise).
-            if let Err(e) = ready!(io.poll_read_ready(cx)) {
+            let ready = io.poll_read_ready(cx);
+            if ready.is_pending() {
+                this.drained_at = DrainedAt::now();
+            }
+            if let Err(e) = ready!(ready) {
                 this.io = None;
                 this.framing = Framing::Done;
                 return Poll::Ready(Some(Err(e)));
@@ -507,7 +514,10 @@ impl Body for UpstreamBody {
                 this.buf = BytesMut::new();
             }
             match read {
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    this.drained_at = DrainedAt::now();
+                    continue;
+                }
                 Ok(0) => {
                     this.keep_alive = false;
                     if let Err(e) = this.framing.at_eof() {

@@ -117,7 +117,6 @@ impl Tracker {
                 .headers
                 .insert(HeaderName::from_static(ARM_HEADER), v.clone());
         }
-        parts.version = http::Version::HTTP_11;
         let body = RelayBody {
             inner: incoming,
             idle_timer: tokio::time::sleep(idle),

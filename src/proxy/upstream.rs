@@ -29,7 +29,7 @@ use bytes::BytesMut;
 use tokio::{net::TcpStream, time::Instant};
 
 use super::{
-    http1::{self, Release, UpstreamBody},
+    http1::{self, DrainedAt, UpstreamBody},
     Outgoing,
 };
 use crate::workers::Worker;
@@ -67,7 +67,7 @@ impl std::error::Error for UpstreamError {
     }
 }
 
-/// An idle connection, and when it became idle.
+/// An idle connection, and the earliest it may have become idle, as the worker sees it.
 struct Pooled {
     io: TcpStream,
     since: Instant,
@@ -97,15 +97,17 @@ pub struct Connections {
 }
 
 /// Where a response body puts its connection back.
-struct Home {
+pub(super) struct Home {
     queues: Weak<Queues>,
     worker: u64,
 }
 
-impl Release for Home {
-    fn reuse(self: Box<Self>, io: TcpStream) {
+impl Home {
+    /// The body ended where its framing said: the connection may serve another request. The
+    /// worker has been idle on it since `drained_at` at the earliest.
+    pub(super) fn reuse(self, io: TcpStream, drained_at: DrainedAt) {
         if let Some(queues) = self.queues.upgrade() {
-            checkin(&queues, self.worker, io);
+            checkin(&queues, self.worker, io, drained_at);
         }
     }
 }
@@ -114,8 +116,7 @@ fn lock(queues: &Queues) -> std::sync::MutexGuard<'_, HashMap<u64, VecDeque<Pool
     queues.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-fn checkin(queues: &Queues, worker: u64, io: TcpStream) {
-    let since = Instant::now();
+fn checkin(queues: &Queues, worker: u64, io: TcpStream, since: Instant) {
     lock(queues)
         .entry(worker)
         .or_default()
@@ -133,6 +134,7 @@ impl Connections {
     }
 
     /// Idle connections pooled for `worker`.
+    #[cfg(test)]
     pub fn pooled(&self, worker: u64) -> usize {
         lock(&self.idle).get(&worker).map_or(0, VecDeque::len)
     }
@@ -170,20 +172,23 @@ impl Connections {
         worker: &Worker,
         req: &Outgoing<'_>,
     ) -> Result<http::Response<UpstreamBody>, UpstreamError> {
-        let (mut io, pooled) = loop {
+        let (mut io, pooled, mut drained_at) = loop {
             let (mut io, pooled) = match self.checkout(worker.id_hash) {
                 Some(io) => (io, true),
                 None => (self.connect(worker).await?, false),
             };
+            // Nothing of the answer can be there before the request is.
+            let sent_at = Instant::now();
             match http1::write_request(&mut io, req, &worker.host_header).await {
-                Ok(()) => break (io, pooled),
+                Ok(()) => break (io, pooled, sent_at),
                 // Nothing written: the pooled connection had closed. Another one sends it.
                 Err((_, 0)) if pooled => continue,
                 Err((e, _)) => return Err(UpstreamError::Request(e)),
             }
         };
         let mut buf = BytesMut::new();
-        let head = match http1::read_head(&mut io, &mut buf, &req.parts.method).await {
+        let read = http1::read_head(&mut io, &mut buf, &req.parts.method, &mut drained_at);
+        let head = match read.await {
             Ok(Some(head)) => head,
             Ok(None) => {
                 // Sent, then closed unanswered: the worker may have begun it, so it is not
@@ -200,14 +205,14 @@ impl Connections {
             }
             Err(e) => return Err(UpstreamError::Request(e)),
         };
-        let home = Box::new(Home {
+        let home = Home {
             queues: Arc::downgrade(&self.idle),
             worker: worker.id_hash,
-        });
-        let body = UpstreamBody::new(io, buf, &head, home).map_err(UpstreamError::Request)?;
+        };
+        let body =
+            UpstreamBody::new(io, buf, &head, home, drained_at).map_err(UpstreamError::Request)?;
         let mut resp = http::Response::new(body);
         *resp.status_mut() = head.status;
-        *resp.version_mut() = head.version;
         *resp.headers_mut() = head.headers;
         Ok(resp)
     }
@@ -276,6 +281,11 @@ mod tests {
 
     /// A loopback worker answering `ok` on keep-alive connections; counts those it accepts.
     async fn worker() -> (Worker, Arc<AtomicUsize>) {
+        worker_answering(Bytes::from_static(b"ok")).await
+    }
+
+    /// [`worker`], answering `body`.
+    async fn worker_answering(body: Bytes) -> (Worker, Arc<AtomicUsize>) {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let accepted = Arc::new(AtomicUsize::new(0));
@@ -283,11 +293,13 @@ mod tests {
         tokio::spawn(async move {
             while let Ok((stream, _)) = listener.accept().await {
                 count.fetch_add(1, Ordering::SeqCst);
+                let body = body.clone();
                 tokio::spawn(async move {
-                    let ok = hyper::service::service_fn(|_| async {
-                        Ok::<_, std::convert::Infallible>(hyper::Response::new(Full::new(
-                            Bytes::from_static(b"ok"),
-                        )))
+                    let ok = hyper::service::service_fn(move |_| {
+                        let body = body.clone();
+                        async move {
+                            Ok::<_, std::convert::Infallible>(hyper::Response::new(Full::new(body)))
+                        }
                     });
                     let _ = hyper::server::conn::http1::Builder::new()
                         .serve_connection(TokioIo::new(stream), ok)
@@ -299,15 +311,45 @@ mod tests {
         (Worker::new(&cfg, &Metrics::new()).unwrap(), accepted)
     }
 
-    async fn get(conns: &Connections, w: &Worker) -> Bytes {
+    /// Sends a GET; the answer's head, its body not yet read.
+    async fn send_get(conns: &Connections, w: &Worker) -> http::Response<UpstreamBody> {
         let (parts, ()) = http::Request::get("/").body(()).unwrap().into_parts();
         let req = Outgoing {
             parts: &parts,
             body: Bytes::new(),
             authorization: None,
         };
-        let resp = conns.send(w, &req).await.unwrap();
+        conns.send(w, &req).await.unwrap()
+    }
+
+    async fn get(conns: &Connections, w: &Worker) -> Bytes {
+        let resp = send_get(conns, w).await;
         resp.into_body().collect().await.unwrap().to_bytes()
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_answer_left_unread_counts_as_idle_from_when_the_worker_finished_it() {
+        // A 24 KiB answer, all in the socket at once; a slow client reads its end 4.5 s later.
+        // The worker has been idle since it wrote it, so the connection is past the 4 s limit,
+        // however recently the pool got it back.
+        let (w, accepted) = worker_answering(Bytes::from(vec![b'x'; 24 * 1024])).await;
+        let conns = Connections::new(Duration::from_secs(3600), IDLE);
+        let resp = send_get(&conns, &w).await;
+        tokio::time::sleep(Duration::from_millis(4_500)).await;
+        assert_eq!(
+            resp.into_body().collect().await.unwrap().to_bytes().len(),
+            24 * 1024
+        );
+        assert_eq!(conns.pooled(w.id_hash), 1, "back in the pool");
+        assert_eq!(get(&conns, &w).await.len(), 24 * 1024);
+        assert_eq!(
+            accepted.load(Ordering::SeqCst),
+            2,
+            "not sent on the stale one"
+        );
+        // Read as it arrives, the same answer leaves the connection fresh: reused.
+        assert_eq!(get(&conns, &w).await.len(), 24 * 1024);
+        assert_eq!(accepted.load(Ordering::SeqCst), 2);
     }
 
     #[tokio::test(start_paused = true)]
