@@ -41,15 +41,6 @@ impl Gateway {
     }
 }
 
-impl From<Router> for Gateway {
-    fn from(router: Router) -> Self {
-        Self {
-            router,
-            direct: None,
-        }
-    }
-}
-
 type Answer = Pin<Box<dyn Future<Output = Result<Response, Infallible>> + Send>>;
 
 impl hyper::service::Service<Request<Incoming>> for Gateway {

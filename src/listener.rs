@@ -43,7 +43,7 @@ pub type Handoff = (std::net::TcpStream, OwnedSemaphorePermit);
 /// connection to finish its requests (the caller bounds that wait).
 pub async fn serve(
     listener: TcpListener,
-    app: impl Into<Gateway>,
+    app: Gateway,
     limits: &LimitsConfig,
     shutdown: CancellationToken,
 ) -> std::io::Result<()> {
@@ -55,12 +55,11 @@ pub async fn serve(
 /// connection then lives on one loop. A loop that has gone away is skipped.
 pub async fn serve_spread(
     listener: TcpListener,
-    app: impl Into<Gateway>,
+    app: Gateway,
     limits: &LimitsConfig,
     others: Vec<mpsc::UnboundedSender<Handoff>>,
     shutdown: CancellationToken,
 ) -> std::io::Result<()> {
-    let app = app.into();
     let permits = Arc::new(Semaphore::new(limits.max_connections));
     let conns = Connections::new(limits);
     static ACCEPT: crate::logging::Throttle = crate::logging::Throttle::new(1);
@@ -115,10 +114,9 @@ pub async fn serve_spread(
 /// acceptor stops, then waits for them to finish their requests.
 pub async fn serve_handed(
     mut handed: mpsc::UnboundedReceiver<Handoff>,
-    app: impl Into<Gateway>,
+    app: Gateway,
     limits: &LimitsConfig,
 ) {
-    let app = app.into();
     let conns = Connections::new(limits);
     while let Some((std, permit)) = handed.recv().await {
         match TcpStream::from_std(std) {
