@@ -658,6 +658,24 @@ mod tests {
         )
     }
 
+    /// Places `requests` one after another, each held in flight unstarted (`pending` tokens to
+    /// prefill, `context` in all) as the proxy would hold it: how many went to each worker.
+    fn arrive_together(
+        p: &CacheAware,
+        ws: &[Arc<Worker>],
+        requests: impl Iterator<Item = RequestInfo>,
+        (pending, context): (u64, u64),
+    ) -> Vec<usize> {
+        let mut held = Vec::new();
+        let mut per_worker = vec![0; ws.len()];
+        for r in requests {
+            let s = pick(p, ws, &r);
+            per_worker[s.index] += 1;
+            held.push(hold(&ws[s.index], pending, context));
+        }
+        per_worker
+    }
+
     /// A conversation: `shared` blocks common to all, then `own` blocks of conversation `c`.
     fn convo(c: u64, shared: u64, own: u64) -> RequestInfo {
         let hashes = (0..shared)
@@ -1060,14 +1078,8 @@ mod tests {
     fn simultaneous_arrivals_spread_instead_of_herding() {
         let ws = test_workers(4);
         let p = policy();
-        let mut held = Vec::new();
-        let mut per_worker = [0usize; 4];
-        for c in 0..40 {
-            let s = pick(&p, &ws, &convo(100 + c, 0, 4));
-            per_worker[s.index] += 1;
-            // In flight, as the proxy would hold it: 256 tokens, none of them started.
-            held.push(hold(&ws[s.index], 256, 256));
-        }
+        let per_worker =
+            arrive_together(&p, &ws, (0..40).map(|c| convo(100 + c, 0, 4)), (256, 256));
         // Each new prompt's home is credited its unknown 256 tokens × 0.5 × 3 = 384 tokens; each
         // request placed costs 0.5 × 256 pending + 4 + 0.04 × 256 = 142: no worker gets more
         // than three requests ahead of the least loaded.
@@ -1103,14 +1115,28 @@ mod tests {
         assert_eq!(s.outcome, Outcome::LongestMatch);
         drop(held);
         // Eight questions arriving together, none answered yet: two on each worker.
-        let mut held = Vec::new();
-        let mut per_worker = [0usize; 4];
-        for c in 0..8 {
-            let s = pick(&p, &ws, &convo(10 + c, 4, 2));
-            per_worker[s.index] += 1;
-            held.push(hold(&ws[s.index], 128, 1152));
-        }
-        assert_eq!(per_worker, [2, 2, 2, 2]);
+        let questions = (0..8).map(|c| convo(10 + c, 4, 2));
+        assert_eq!(
+            arrive_together(&p, &ws, questions, (128, 1152)),
+            [2, 2, 2, 2]
+        );
+    }
+
+    #[test]
+    fn in_a_pool_larger_than_a_blocks_holder_list_new_conversations_have_their_own_homes() {
+        // Sixteen workers hold the system prompt; its blocks list the last 8. Those 8 must count
+        // as "most workers", or every conversation keys on the system prompt's first block and
+        // all of them share one home.
+        let ws = test_workers(16);
+        let params = CacheAwareParams {
+            hot_pending_weight: 0.0, // the home decides, not the pending prefill
+            ..CacheAwareParams::default()
+        };
+        let p = knowing_the_system_prompt(&ws, params);
+        let homes: std::collections::HashSet<usize> = (0..32)
+            .map(|c| p.peek(&ws, &convo(10 + c, 4, 2)).unwrap().index)
+            .collect();
+        assert!(homes.len() > 1, "all on {homes:?}");
     }
 
     #[test]
