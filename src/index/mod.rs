@@ -101,9 +101,16 @@ struct Generations {
 pub struct Matches {
     /// `(worker, blocks)` for every worker holding at least the first block.
     pub depths: Vec<(WorkerId, usize)>,
+    /// Leading blocks whose holder lists are all full. In a pool larger than [`HOLDERS`], such a
+    /// prefix has been sent to more workers than the index can name, and it is presumed held by
+    /// every worker: what a gateway could not list is what another replica, or an earlier holder
+    /// crowded out of the list, sent there. (In a pool of at most `HOLDERS`, a full list names
+    /// every worker anyway.)
+    pub everyone: usize,
 }
 
 impl Matches {
+    /// How many leading blocks the index lists `id` as holding (not counting [`Self::everyone`]).
     pub fn depth_of(&self, id: WorkerId) -> usize {
         self.depths
             .iter()
@@ -112,7 +119,12 @@ impl Matches {
     }
 
     pub fn deepest(&self) -> usize {
-        self.depths.iter().map(|&(_, d)| d).max().unwrap_or(0)
+        self.depths
+            .iter()
+            .map(|&(_, d)| d)
+            .max()
+            .unwrap_or(0)
+            .max(self.everyone)
     }
 }
 
@@ -171,6 +183,7 @@ impl PrefixIndex {
         // The first of the run of blocks with full holder lists that ends just before this one:
         // a match that stopped at or after it may resume.
         let mut full_since = 0;
+        let mut everyone = 0;
         for (i, h) in hashes.iter().enumerate() {
             let Some(entry) = g.young.get(h).or_else(|| g.old.get(h)) else {
                 break;
@@ -191,6 +204,9 @@ impl PrefixIndex {
                 }
             }
             let full = entry.ids().len() >= HOLDERS;
+            if full && everyone == i {
+                everyone = i + 1;
+            }
             if !full {
                 full_since = i + 1;
                 if !extended {
@@ -198,7 +214,7 @@ impl PrefixIndex {
                 }
             }
         }
-        Matches { depths }
+        Matches { depths, everyone }
     }
 
     /// Records that `worker` was sent a prompt through all of `hashes`.
@@ -265,6 +281,7 @@ mod tests {
         assert_eq!(m.depth_of(20), 2);
         assert_eq!(m.depth_of(30), 0);
         assert_eq!(m.deepest(), 3);
+        assert_eq!(m.everyone, 0, "no list is full");
         assert_eq!(idx.matches(&[5, 1]).depths, []);
     }
 
@@ -288,6 +305,8 @@ mod tests {
         let m = idx.matches(&[1, 2, 3, 10, 11, 12]);
         assert_eq!(m.depth_of(0), 5, "its own blocks imply the prefix");
         assert_eq!(m.depth_of(1), 3);
+        assert_eq!(m.everyone, 3, "a prefix on more workers than a list holds");
+        assert_eq!(idx.matches(&[1, 2, 3, 10]).depth_of(99), 0, "not listed anywhere");
         // A hole where the list has room still ends the match.
         idx.remove(&[10], 0);
         assert_eq!(idx.matches(&[1, 2, 3, 10, 11]).depth_of(0), 0);

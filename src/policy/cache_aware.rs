@@ -205,6 +205,9 @@ struct Pass<'a> {
     cap: usize,
     holders: u64,
     matches: &'a crate::index::Matches,
+    /// Prompt tokens of the leading blocks presumed on every worker
+    /// ([`crate::index::Matches::everyone`]) per permille of the worker's trust.
+    everyone_held: f64,
     full_price: f64,
     prompt: f64,
     miss: f64,
@@ -222,9 +225,10 @@ const NONE: usize = usize::MAX;
 
 impl Pass<'_> {
     /// Prices every usable worker. `EXACT`: some worker publishes events, so `held_by` is asked of
-    /// every worker; `IDLE`: an idle worker holding nothing is credited `idle_credit`.
+    /// every worker; `IDLE`: an idle worker holding nothing is credited `idle_credit`; `EVERYONE`:
+    /// the prompt begins with blocks presumed on every worker (`everyone_held`).
     #[inline(always)]
-    fn run<const EXACT: bool, const IDLE: bool>(
+    fn run<const EXACT: bool, const IDLE: bool, const EVERYONE: bool>(
         &self,
         held_by: &impl Fn(usize, &Worker, usize) -> f64,
     ) -> Priced {
@@ -235,12 +239,14 @@ impl Pass<'_> {
             cap,
             holders,
             matches,
+            everyone_held,
             full_price,
             prompt,
             miss,
             idle_credit,
             weights,
         } = *self;
+        let everyone = matches.everyone;
         let mut best = Candidate {
             index: NONE,
             cost: f64::INFINITY,
@@ -262,9 +268,13 @@ impl Pass<'_> {
             let mut held = 0.0;
             if holders & (1 << (w.id_hash & 63)) != 0 {
                 depth = matches.depth_of(w.id_hash);
-                if depth > 0 {
+                if depth > everyone {
                     held = held_by(index, w, depth);
                 }
+            }
+            if (EVERYONE || EXACT) && everyone > 0 && depth <= everyone {
+                depth = everyone;
+                held = everyone_held * f64::from(w.load.cache_trust_permille());
             }
             if EXACT {
                 held = held_by(index, w, depth);
@@ -384,7 +394,8 @@ impl CacheAware {
         let mut unknown = (req.prompt_bytes - req.bytes_at_depth(deepest)) as f64 / bpt;
         // Blocks of the prompt that at least two workers hold, by this gateway's index.
         let shared_depth = if self.params.shared_home || self.params.amortize_hot_copies {
-            second_largest(matches.depths.iter().map(|&(_, d)| d as u64)) as usize
+            (second_largest(matches.depths.iter().map(|&(_, d)| d as u64)) as usize)
+                .max(matches.everyone)
         } else {
             0
         };
@@ -399,7 +410,8 @@ impl CacheAware {
         } else if matches.depths.len() < most {
             0 // too few holders: no need to collect their depths
         } else {
-            kth_largest(matches.depths.iter().map(|&(_, d)| d as u64), most) as usize
+            (kth_largest(matches.depths.iter().map(|&(_, d)| d as u64), most) as usize)
+                .max(matches.everyone)
         };
         let mut key = req.block_hashes.get(key_depth).copied().unwrap_or(last);
         // When every usable worker publishes events, the part no worker holds and the home's key
@@ -490,6 +502,7 @@ impl CacheAware {
             cap,
             holders,
             matches: &matches,
+            everyone_held: req.bytes_at_depth(matches.everyone) as f64 / bpt / 1000.0,
             full_price,
             prompt,
             miss,
@@ -497,11 +510,13 @@ impl CacheAware {
             weights,
         };
         let held_by = &held_by;
-        let Priced { best, home } = match (any_exact, idle_credit > 0.0) {
-            (false, false) => pass.run::<false, false>(held_by),
-            (false, true) => pass.run::<false, true>(held_by),
-            (true, false) => pass.run::<true, false>(held_by),
-            (true, true) => pass.run::<true, true>(held_by),
+        // With blocks presumed on every worker, no worker holds none of the prompt: no idle credit.
+        let Priced { best, home } = match (any_exact, idle_credit > 0.0, matches.everyone > 0) {
+            (false, _, true) => pass.run::<false, false, true>(held_by),
+            (false, false, false) => pass.run::<false, false, false>(held_by),
+            (false, true, false) => pass.run::<false, true, false>(held_by),
+            (true, false, _) => pass.run::<true, false, false>(held_by),
+            (true, true, _) => pass.run::<true, true, false>(held_by),
         };
         if best.index == NONE {
             return None;
@@ -1137,6 +1152,28 @@ mod tests {
             .map(|c| p.peek(&ws, &convo(10 + c, 4, 2)).unwrap().index)
             .collect();
         assert!(homes.len() > 1, "all on {homes:?}");
+    }
+
+    #[test]
+    fn a_prefix_on_more_workers_than_its_holder_list_is_priced_as_held_by_every_worker() {
+        // Sixteen workers were sent the system prompt; its blocks list the last 8. A worker the
+        // list crowded out (or that another replica sent it to) holds it as well: priced cold,
+        // it would lose every conversation homed there to the 8 listed workers.
+        let ws = test_workers(16);
+        let p = knowing_the_system_prompt(&ws, CacheAwareParams::default());
+        let listed: Vec<usize> = (8..16).collect();
+        for c in 0..64u64 {
+            let turn = convo(c, 4, 4);
+            let key = turn.block_hashes[4];
+            let home = (0..16).max_by_key(|&i| mix(key, ws[i].id_hash)).unwrap();
+            let s = pick(&p, &ws, &turn);
+            assert_eq!(s.index, home, "conversation {c}");
+            assert_eq!(s.prediction.unwrap().matched_blocks, 4);
+            if !listed.contains(&home) {
+                return;
+            }
+        }
+        panic!("no conversation was homed on an unlisted worker");
     }
 
     #[test]
