@@ -166,7 +166,9 @@ pub struct CacheAwareParams {
     /// more, and the rendezvous home is not credited (its hash would put simultaneous arrivals
     /// together at random). While the polled load shows other replicas' traffic (share `f`),
     /// both fade back to the home's credit, by `max(0, 1 - 2f)`: the home is what replicas agree
-    /// on. 0 turns it off.
+    /// on. Not when every worker publishes KV events: then the events tell every replica where a
+    /// request went, and "known no further" means the deepest any worker's events hold of the
+    /// prompt is held by most workers. 0 turns it off.
     pub hot_pending_weight: f64,
 }
 

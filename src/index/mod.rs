@@ -306,7 +306,11 @@ mod tests {
         assert_eq!(m.depth_of(0), 5, "its own blocks imply the prefix");
         assert_eq!(m.depth_of(1), 3);
         assert_eq!(m.everyone, 3, "a prefix on more workers than a list holds");
-        assert_eq!(idx.matches(&[1, 2, 3, 10]).depth_of(99), 0, "not listed anywhere");
+        assert_eq!(
+            idx.matches(&[1, 2, 3, 10]).depth_of(99),
+            0,
+            "not listed anywhere"
+        );
         // A hole where the list has room still ends the match.
         idx.remove(&[10], 0);
         assert_eq!(idx.matches(&[1, 2, 3, 10, 11]).depth_of(0), 0);

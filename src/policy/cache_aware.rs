@@ -31,7 +31,9 @@
 //! of them answers. A hash would put such simultaneous arrivals together at random, so for them
 //! the home gets no credit and pending prefill weighs `hot_pending_weight` more. Only as far as
 //! this gateway sees the pool's traffic: with other replicas' share `f`, both fade back to the
-//! home's credit by `max(0, 1 - 2f)`, since the home is what replicas agree on.
+//! home's credit by `max(0, 1 - 2f)`, since the home is what replicas agree on. When every worker
+//! publishes KV events they do not fade: the events show every replica where the others' requests
+//! went.
 //!
 //! Several replicas sharing nothing each know only the turns they routed. Once one of them sends
 //! a turn elsewhere for load, it would follow that copy while the others keep to the home, and
@@ -484,12 +486,20 @@ impl CacheAware {
         let others = || *others.get_or_init(|| (2.0 * foreign_share(workers)).min(1.0));
         // Nothing is known past a prefix most workers hold: spread by pending prefill, not by the
         // home's hash, as far as this gateway decides alone (`hot_pending_weight`).
-        let alone = if self.params.hot_pending_weight > 0.0
-            && self.params.shared_home
-            && key_depth > 0
-            && key_depth == deepest
-            && !all_exact
-        {
+        // On events, replicas need no home to agree on: each sees where the others' requests
+        // went, so the spread holds whatever their share of the traffic.
+        let alone = if self.params.hot_pending_weight <= 0.0 || !self.params.shared_home {
+            0.0
+        } else if all_exact {
+            let held = exacts.iter().flatten().copied();
+            let deepest = held.clone().max().unwrap_or(0);
+            let widely = kth_largest(held, most);
+            if deepest > 0 && widely == deepest {
+                1.0
+            } else {
+                0.0
+            }
+        } else if key_depth > 0 && key_depth == deepest {
             1.0 - others()
         } else {
             0.0
@@ -745,6 +755,55 @@ mod tests {
             let (sa, sb) = (a.peek(&ws, &req).unwrap(), b.peek(&ws, &req).unwrap());
             assert_eq!(sa.index, sb.index, "conversation {c}");
         }
+    }
+
+    #[test]
+    fn on_events_questions_under_a_prefix_every_worker_holds_spread_by_pending_prefill() {
+        // Every worker's events hold the same 32-token system prompt. A new question under it:
+        // every worker would prefill the same 8 tokens, and wherever it goes, the events tell
+        // every replica so. It goes where no prefill waits, as with one gateway, whatever the
+        // polled load says of other replicas.
+        use crate::kv_events::{Feed, KvEvent};
+        let system: Vec<u32> = (0..32).collect();
+        let metrics = crate::metrics::Metrics::new();
+        let ws: Vec<Arc<Worker>> = (0..4)
+            .map(|i| {
+                let cfg = crate::config::WorkerConfig::from_url(format!(
+                    "http://127.0.0.1:{}",
+                    13000 + i
+                ));
+                let mut w = Worker::new(&cfg, &metrics).unwrap();
+                let feed = Feed::new(1000);
+                feed.blocks().apply(&KvEvent::BlockStored {
+                    block_hashes: (100..108).collect(),
+                    parent_block_hash: None,
+                    token_ids: system.clone(),
+                    block_size: 4,
+                    lora_id: None,
+                    medium: None,
+                });
+                w.events = Some(Arc::new(feed));
+                Arc::new(w)
+            })
+            .collect();
+        let question = |c: u32| {
+            let mut r = convo(u64::from(c), 2, 1);
+            let tokens: Vec<u32> = system
+                .iter()
+                .copied()
+                .chain(1000 * c..1000 * c + 8)
+                .collect();
+            r.tokens = Some(tokens.into());
+            r
+        };
+        let p = policy();
+        let _mine = another_replica_as_busy(&ws);
+        let home = p.peek(&ws, &question(1)).unwrap().index;
+        let held = hold(&ws[home], 8, 40);
+        assert_ne!(p.peek(&ws, &question(1)).unwrap().index, home);
+        drop(held);
+        let together = arrive_together(&p, &ws, (10..18).map(question), (8, 40));
+        assert_eq!(together, [2, 2, 2, 2]);
     }
 
     #[test]
