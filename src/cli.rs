@@ -48,7 +48,7 @@ enum Command {
         /// Worker base URLs, repeatable or several after one flag (replace the file's list).
         #[arg(long = "worker", num_args = 1..)]
         workers: Vec<String>,
-        /// Routing policy: round_robin, least_conn or prefix (overrides the file).
+        /// Routing policy: round_robin, least_conn, prefix or cache_aware (overrides the file).
         #[arg(long, env = POLICY_ENV)]
         policy: Option<String>,
     },
@@ -69,8 +69,8 @@ enum Command {
         /// Gateway listen address.
         #[arg(long, default_value = "127.0.0.1:8080")]
         listen: SocketAddr,
-        /// Routing policy for the gateway.
-        #[arg(long, env = POLICY_ENV, default_value = "prefix")]
+        /// Routing policy for the gateway (the default is `serve`'s: cache_aware).
+        #[arg(long, env = POLICY_ENV, default_value = "cache_aware")]
         policy: String,
     },
 }

@@ -88,6 +88,16 @@ async fn demo_prints_a_curl_that_streams_through_the_gateway() {
     let text = String::from_utf8_lossy(&r.body);
     assert!(text.contains("chat.completion.chunk"), "{text}");
     assert!(text.trim_end().ends_with("data: [DONE]"), "{text}");
+    // It runs the gateway's default policy, as `serve` would.
+    let m = common::request(addr_of(&url), "GET", "/metrics", b"").await;
+    let metrics = String::from_utf8_lossy(&m.body);
+    assert!(
+        metrics
+            .lines()
+            .any(|l| l.starts_with("kvroute_routing_decisions_total{")
+                && l.contains("policy=\"cache_aware\"")),
+        "{metrics}"
+    );
 }
 
 #[tokio::test]

@@ -29,7 +29,9 @@ pub enum BenchCommand {
     /// --pool, their prefix caches emptied first); the same seeded load through each.
     Compare {
         /// Arms to compare, comma-separated: policy names or gateway config files (their worker
-        /// lists are replaced by the pool's); the first is the baseline of the ratios.
+        /// lists are replaced by the pool's); the first is the baseline of the ratios. `ARM@N`
+        /// runs that arm with N gateway replicas whatever --replicas says, so one run can put one
+        /// gateway beside several (e.g. `cache_aware,cache_aware@2`).
         #[arg(long, default_value = "round_robin,prefix", value_delimiter = ',')]
         policies: Vec<String>,
         /// Another router as an arm, `NAME=COMMAND` (repeatable): started in front of each
@@ -339,6 +341,9 @@ pub async fn run(cmd: BenchCommand) -> Result<(), BenchError> {
                     }),
                 }
             };
+            for arm in &policies {
+                super::arm_replicas(arm, 1)?;
+            }
             if replicas > 1 {
                 println!("{replicas} gateway replicas per kvroute arm, requests sent in turn\n");
             }

@@ -419,7 +419,8 @@ pub async fn compare_replicated(
     let mut runs: Vec<(usize, Run)> = Vec::new();
     let mut limit = None;
     for at in arm_order(policies.len(), spec.seed) {
-        let policy = &policies[at];
+        let (policy, replicas, suffix) = arm_replicas(&policies[at], replicas)?;
+        let policy = &policy.to_owned();
         let pool = match target {
             Target::Sim(sim_cfg) => start_pool_replicated(sim_cfg, policy, replicas).await?,
             Target::Existing {
@@ -442,9 +443,12 @@ pub async fn compare_replicated(
         let k = target.time_scale();
         let label = match external::parse(policy) {
             Some((name, _)) => name.to_owned(),
-            None => std::path::Path::new(policy)
-                .file_stem()
-                .map_or(policy.clone(), |s| s.to_string_lossy().into_owned()),
+            None => {
+                std::path::Path::new(policy)
+                    .file_stem()
+                    .map_or(policy.clone(), |s| s.to_string_lossy().into_owned())
+                    + suffix
+            }
         };
         let (mut run, samples) = run_once(&label, &spec, &pool.workers, slo, k).await?;
         if replicas > 1 && external::parse(policy).is_none() {
@@ -493,6 +497,29 @@ pub async fn compare_replicated(
     }
     runs.sort_by_key(|(at, _)| *at);
     Ok((runs.into_iter().map(|(_, run)| run).collect(), limit))
+}
+
+/// Most gateway replicas an arm may run.
+pub const MAX_REPLICAS: usize = 16;
+
+/// An arm's own replica count: `ARM@N` runs `ARM` with `N` gateway replicas whatever
+/// `--replicas` says, so one run can set one gateway beside several. Returns the arm without
+/// the suffix, its replica count, and the suffix for its label. External arms run one instance.
+pub fn arm_replicas(arm: &str, default: usize) -> Result<(&str, usize, &str), BenchError> {
+    if external::parse(arm).is_some() {
+        return Ok((arm, default, ""));
+    }
+    match arm.rsplit_once('@') {
+        Some((base, n)) if !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()) => {
+            match n.parse::<usize>() {
+                Ok(r) if (1..=MAX_REPLICAS).contains(&r) => Ok((base, r, &arm[base.len()..])),
+                _ => Err(BenchError::Setup(format!(
+                    "`{arm}`: an arm's replicas must be 1 to {MAX_REPLICAS}"
+                ))),
+            }
+        }
+        _ => Ok((arm, default, "")),
+    }
 }
 
 /// Requests the replica-agreement check asks about: the last of the window.
@@ -690,6 +717,27 @@ mod tests {
                 }
             }
             assert!(seen.iter().flatten().all(|&c| c == 1), "{n}: {seen:?}");
+        }
+    }
+
+    #[test]
+    fn an_arm_may_set_its_own_replicas() {
+        use super::arm_replicas;
+        let ok = |arm| arm_replicas(arm, 3).unwrap();
+        assert_eq!(ok("cache_aware"), ("cache_aware", 3, ""));
+        assert_eq!(ok("cache_aware@1"), ("cache_aware", 1, "@1"));
+        assert_eq!(ok("cache_aware+events@2"), ("cache_aware+events", 2, "@2"));
+        assert_eq!(ok("/tmp/a@b.yaml"), ("/tmp/a@b.yaml", 3, ""), "not a count");
+        assert_eq!(
+            ok("smg=smg launch --port {port}@2"),
+            ("smg=smg launch --port {port}@2", 3, "")
+        );
+        for bad in [
+            "cache_aware@0",
+            "cache_aware@17",
+            "cache_aware@99999999999999999999",
+        ] {
+            assert!(arm_replicas(bad, 1).is_err(), "{bad}");
         }
     }
 }
