@@ -715,6 +715,11 @@ mod tests {
 
     /// Workers that all publish events and hold none of 4-token blocks of unrelated tokens.
     fn workers_with_events(n: usize) -> Vec<Arc<Worker>> {
+        workers_storing(n, vec![7], vec![u32::MAX; 4])
+    }
+
+    /// Workers that all publish events, each of which stored `tokens` as blocks of 4 tokens.
+    fn workers_storing(n: usize, block_hashes: Vec<u64>, tokens: Vec<u32>) -> Vec<Arc<Worker>> {
         use crate::kv_events::{Feed, KvEvent};
         let metrics = crate::metrics::Metrics::new();
         (0..n)
@@ -726,9 +731,9 @@ mod tests {
                 let mut w = Worker::new(&cfg, &metrics).unwrap();
                 let feed = Feed::new(1000);
                 feed.blocks().apply(&KvEvent::BlockStored {
-                    block_hashes: vec![7],
+                    block_hashes: block_hashes.clone(),
                     parent_block_hash: None,
-                    token_ids: vec![u32::MAX; 4],
+                    token_ids: tokens.clone(),
                     block_size: 4,
                     lora_id: None,
                     medium: None,
@@ -763,29 +768,8 @@ mod tests {
         // every worker would prefill the same 8 tokens, and wherever it goes, the events tell
         // every replica so. It goes where no prefill waits, as with one gateway, whatever the
         // polled load says of other replicas.
-        use crate::kv_events::{Feed, KvEvent};
         let system: Vec<u32> = (0..32).collect();
-        let metrics = crate::metrics::Metrics::new();
-        let ws: Vec<Arc<Worker>> = (0..4)
-            .map(|i| {
-                let cfg = crate::config::WorkerConfig::from_url(format!(
-                    "http://127.0.0.1:{}",
-                    13000 + i
-                ));
-                let mut w = Worker::new(&cfg, &metrics).unwrap();
-                let feed = Feed::new(1000);
-                feed.blocks().apply(&KvEvent::BlockStored {
-                    block_hashes: (100..108).collect(),
-                    parent_block_hash: None,
-                    token_ids: system.clone(),
-                    block_size: 4,
-                    lora_id: None,
-                    medium: None,
-                });
-                w.events = Some(Arc::new(feed));
-                Arc::new(w)
-            })
-            .collect();
+        let ws = workers_storing(4, (100..108).collect(), system.clone());
         let question = |c: u32| {
             let mut r = convo(u64::from(c), 2, 1);
             let tokens: Vec<u32> = system
