@@ -420,7 +420,6 @@ pub async fn compare_replicated(
     let mut limit = None;
     for at in arm_order(policies.len(), spec.seed) {
         let (policy, replicas, suffix) = arm_replicas(&policies[at], replicas)?;
-        let policy = &policy.to_owned();
         let pool = match target {
             Target::Sim(sim_cfg) => start_pool_replicated(sim_cfg, policy, replicas).await?,
             Target::Existing {
@@ -446,7 +445,7 @@ pub async fn compare_replicated(
             None => {
                 std::path::Path::new(policy)
                     .file_stem()
-                    .map_or(policy.clone(), |s| s.to_string_lossy().into_owned())
+                    .map_or(policy.to_owned(), |s| s.to_string_lossy().into_owned())
                     + suffix
             }
         };

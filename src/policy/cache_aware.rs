@@ -424,11 +424,12 @@ impl CacheAware {
                 .iter()
                 .zip(&exacts)
                 .all(|(w, e)| e.is_some() || !w.is_usable());
+        // The most of the prompt any worker's events hold, in tokens (0 without events).
+        let exact_deepest = exacts.iter().flatten().copied().max().unwrap_or(0);
         if all_exact {
             if let Some((size, chain)) = chains.first().filter(|(_, c)| !c.is_empty()) {
-                let held = exacts.iter().flatten().copied().max().unwrap_or(0);
-                unknown = (prompt - held as f64).max(0.0);
-                let past = (held / u64::from(size)) as usize;
+                unknown = (prompt - exact_deepest as f64).max(0.0);
+                let past = (exact_deepest / u64::from(size)) as usize;
                 key = chain[past.min(chain.len() - 1)];
             }
         }
@@ -491,10 +492,8 @@ impl CacheAware {
         let alone = if self.params.hot_pending_weight <= 0.0 || !self.params.shared_home {
             0.0
         } else if all_exact {
-            let held = exacts.iter().flatten().copied();
-            let deepest = held.clone().max().unwrap_or(0);
-            let widely = kth_largest(held, most);
-            if deepest > 0 && widely == deepest {
+            let widely = kth_largest(exacts.iter().flatten().copied(), most);
+            if exact_deepest > 0 && widely == exact_deepest {
                 1.0
             } else {
                 0.0
