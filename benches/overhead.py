@@ -12,7 +12,8 @@ Everything runs on loopback, each in its own process:
   connections, `proxy_buffering off`, as many worker processes as kvroute has runtime threads:
   one per core), both in front of that upstream;
 - the load: `wrk -t1 -c32` POSTing a small completion request, direct / kvroute / nginx
-  interleaved in each round.
+  interleaved in each round, the order rotated by one place each round (use as many rounds as
+  there are targets, or a multiple, for every target to run in every place).
 
 With `--baseline`, a second kvroute (another build, e.g. the commit before a change) joins the
 interleaved rounds as `kvroute-baseline`, so a change is measured against its parent side by
@@ -194,7 +195,7 @@ async def hold_streams(port, n, path, health_port):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--bin", default="target/release/kvroute")
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=3, help="3 (4 with --baseline) puts every target in every place")
     ap.add_argument("--seconds", type=int, default=5)
     ap.add_argument("--streams", type=int, default=5000)
     ap.add_argument("--memory-only", action="store_true", help="skip the wrk rounds")
@@ -270,7 +271,12 @@ def main():
     try:
         for shape, query in (("json", ""), ("sse-100", "?sse=1")):
             for r in range(0 if a.memory_only else a.rounds):
-                for name, (port, pids) in targets.items():
+                # Each round starts one target later: whichever target follows `direct` runs
+                # slower (seen here: the same build 0.86-0.91x itself one place later), so a
+                # fixed order would favour the targets placed after it.
+                names = list(targets)
+                for name in names[r % len(names):] + names[:r % len(names)]:
+                    port, pids = targets[name]
                     c0 = cpu_seconds(pids) if pids else 0
                     res = wrk(f"http://127.0.0.1:{port}/v1/completions{query}", a.seconds, lua)
                     res["cpu10k"] = (cpu_seconds(pids) - c0) / res["requests"] * 10000 if pids else None
