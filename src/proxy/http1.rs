@@ -166,7 +166,7 @@ pub(super) async fn read_head(
         // (a whole generation, when not streamed) holds none.
         io.readable().await?;
         buf.reserve(READ_SIZE);
-        let n = match io.try_read_buf(buf) {
+        let n = match std::future::poll_fn(|cx| Poll::Ready(read_some(io, cx, buf))).await {
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
                 *drained_at = DrainedAt::now();
                 continue;
@@ -183,6 +183,18 @@ pub(super) async fn read_head(
                 ))
             };
         }
+    }
+}
+
+/// Reads once into `buf`'s spare room, or fails with `WouldBlock` and wakes the task once the
+/// socket is readable again. Unlike `try_read_buf`, a read that leaves room in the buffer tells
+/// tokio the socket is drained (as an edge-triggered epoll allows), so the next look at it, such
+/// as the pool's check for a closed connection at checkout, costs no system call until the worker
+/// sends again: one `recvfrom` fewer per proxied request.
+fn read_some(io: &mut TcpStream, cx: &mut Context<'_>, buf: &mut BytesMut) -> io::Result<usize> {
+    match tokio_util::io::poll_read_buf(Pin::new(io), cx, buf) {
+        Poll::Ready(read) => read,
+        Poll::Pending => Err(io::ErrorKind::WouldBlock.into()),
     }
 }
 
@@ -509,7 +521,7 @@ impl Body for UpstreamBody {
             }
             this.buf.reserve(this.read_size);
             let room = this.buf.capacity() - this.buf.len();
-            let read = io.try_read_buf(&mut this.buf);
+            let read = read_some(io, cx, &mut this.buf);
             if this.buf.is_empty() && this.buf.capacity() > 0 && read.is_err() {
                 this.buf = BytesMut::new();
             }

@@ -8,7 +8,7 @@
 use std::{
     future::Future,
     pin::Pin,
-    sync::Arc,
+    sync::{Arc, LazyLock},
     task::{Context, Poll},
     time::Duration,
 };
@@ -210,15 +210,21 @@ impl Drop for Tracker {
 /// The `usage` token counts in an answer's bytes (a JSON body, or an SSE event with usage), if
 /// this frame has them: `"prompt_tokens": N` and, if present, `"cached_tokens": N`.
 pub(super) fn find_usage(data: &[u8]) -> Option<Usage> {
-    let prompt_tokens = number_after(data, b"\"prompt_tokens\"")?;
+    // Built once: every frame of every answer is searched, and building a searcher costs more
+    // than running it over a small frame.
+    static PROMPT: LazyLock<memmem::Finder<'static>> =
+        LazyLock::new(|| memmem::Finder::new(b"\"prompt_tokens\""));
+    static CACHED: LazyLock<memmem::Finder<'static>> =
+        LazyLock::new(|| memmem::Finder::new(b"\"cached_tokens\""));
+    let prompt_tokens = number_after(data, &PROMPT)?;
     Some(Usage {
         prompt_tokens,
-        cached_tokens: number_after(data, b"\"cached_tokens\""),
+        cached_tokens: number_after(data, &CACHED),
     })
 }
 
-fn number_after(data: &[u8], key: &[u8]) -> Option<u64> {
-    let at = memmem::find(data, key)? + key.len();
+fn number_after(data: &[u8], key: &memmem::Finder<'_>) -> Option<u64> {
+    let at = key.find(data)? + key.needle().len();
     let rest = data[at..]
         .trim_ascii_start()
         .strip_prefix(b":")?
