@@ -350,13 +350,25 @@ pub(super) fn end_to_end(from: &HeaderMap) -> impl Iterator<Item = (&HeaderName,
 /// Removes from `headers`, in place, what [`end_to_end`] leaves out.
 pub(super) fn strip_hop_by_hop(headers: &mut HeaderMap) {
     if headers.contains_key(header::CONNECTION) {
-        let named: Vec<HeaderName> = headers
+        // Usually `keep-alive` or `close`, which go anyway: nothing is allocated for them.
+        let mut named: Vec<HeaderName> = Vec::new();
+        let tokens = headers
             .get_all(header::CONNECTION)
             .iter()
             .filter_map(|v| v.to_str().ok())
             .flat_map(|v| v.split(','))
-            .filter_map(|t| HeaderName::from_bytes(t.trim().as_bytes()).ok())
-            .collect();
+            .map(str::trim);
+        for token in tokens {
+            let goes_anyway = token.eq_ignore_ascii_case("close")
+                || HOP_BY_HOP
+                    .iter()
+                    .any(|h| h.as_str().eq_ignore_ascii_case(token));
+            if !goes_anyway {
+                if let Ok(name) = HeaderName::from_bytes(token.as_bytes()) {
+                    named.push(name);
+                }
+            }
+        }
         for name in named {
             headers.remove(name);
         }
