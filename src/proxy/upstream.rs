@@ -80,7 +80,9 @@ impl Pooled {
     }
 
     /// The worker has closed it, or sent bytes nobody asked for: either way, not to be used.
-    /// Costs no system call unless the event loop has seen the socket become readable.
+    /// Costs no system call unless the event loop has seen the socket become readable, so a close
+    /// that arrived after the loop last polled epoll goes unseen, and the request sent on it
+    /// fails (nginx watches its idle worker connections through the same events).
     fn closed(&self) -> bool {
         !matches!(self.io.try_read(&mut [0u8; 1]), Err(e) if e.kind() == io::ErrorKind::WouldBlock)
     }
@@ -453,5 +455,51 @@ mod tests {
         tokio::time::sleep(Duration::from_secs(30)).await;
         assert_eq!(conns.pooled(w.id_hash), 0);
         assert_eq!(closed.lock().unwrap().len(), 2);
+    }
+
+    #[tokio::test]
+    async fn a_kept_connection_the_worker_has_since_closed_is_not_sent_on() {
+        // A worker on a thread of its own that answers once per connection with keep-alive
+        // framing, then closes it, and says so once it has.
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (closed_tx, closed_rx) = tokio::sync::oneshot::channel();
+        let worker = std::thread::spawn(move || {
+            use std::io::{Read, Write};
+            let mut closed_tx = Some(closed_tx);
+            for _ in 0..2 {
+                let (mut stream, _) = listener.accept().unwrap();
+                let mut head = Vec::new();
+                let mut byte = [0u8; 1];
+                while !head.ends_with(b"\r\n\r\n") && stream.read(&mut byte).unwrap() == 1 {
+                    head.push(byte[0]);
+                }
+                stream
+                    .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+                    .unwrap();
+                drop(stream);
+                if let Some(tx) = closed_tx.take() {
+                    tx.send(()).unwrap();
+                }
+            }
+        });
+        let w = Worker::new(
+            &WorkerConfig::from_url(format!("http://{addr}")),
+            &Metrics::new(),
+        )
+        .unwrap();
+        let conns = Connections::new(Duration::from_secs(3600), IDLE);
+        assert_eq!(get(&conns, &w).await, "ok");
+        assert_eq!(
+            conns.pooled(w.id_hash),
+            1,
+            "kept: nothing said it would close"
+        );
+        // The close reaches this socket before the message does, so the event loop, which
+        // waits for the message, has seen it. Reads that leave tokio believing the socket is
+        // empty must not hide it: the next request goes out on a new connection.
+        closed_rx.await.unwrap();
+        assert_eq!(get(&conns, &w).await, "ok");
+        worker.join().unwrap();
     }
 }
