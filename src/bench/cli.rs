@@ -112,7 +112,9 @@ pub struct LoadArgs {
     /// Clients in flight (closed loop), or the cap on in-flight requests with --rate.
     #[arg(long, default_value_t = 16)]
     concurrency: usize,
-    /// Open loop: Poisson arrivals at this many requests/s.
+    /// Open loop: Poisson arrivals at this many per wall-clock second (with simulated workers at
+    /// --time-scale k the report, in modelled time, shows k times fewer). In multi-turn and chat an
+    /// arrival starts a conversation, whose turns then follow one another.
     #[arg(long)]
     rate: Option<f64>,
     /// Seconds before the measured window.
