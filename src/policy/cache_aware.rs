@@ -492,8 +492,8 @@ impl CacheAware {
         let alone = if self.params.hot_pending_weight <= 0.0 || !self.params.shared_home {
             0.0
         } else if all_exact {
-            let widely = kth_largest(exacts.iter().flatten().copied(), most);
-            if exact_deepest > 0 && widely == exact_deepest {
+            let holding = exacts.iter().flatten().filter(|&&e| e == exact_deepest);
+            if exact_deepest > 0 && holding.count() >= most {
                 1.0
             } else {
                 0.0
