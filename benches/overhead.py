@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Proxy overhead: the same load direct to a fast upstream, through kvroute and through nginx.
 
-    python3 benches/overhead.py [--bin target/release/kvroute] [--rounds 3] [--seconds 5]
+    python3 benches/overhead.py [--bin target/release/kvroute] [--rounds N] [--seconds 5]
                                 [--baseline OTHER_KVROUTE_BINARY]
 
 Everything runs on loopback, each in its own process:
@@ -12,8 +12,8 @@ Everything runs on loopback, each in its own process:
   connections, `proxy_buffering off`, as many worker processes as kvroute has runtime threads:
   one per core), both in front of that upstream;
 - the load: `wrk -t1 -c32` POSTing a small completion request, direct / kvroute / nginx
-  interleaved in each round, the order rotated by one place each round (use as many rounds as
-  there are targets, or a multiple, for every target to run in every place).
+  interleaved in each round, the order rotated by one place each round; by default as many
+  rounds as there are targets, so every target runs once in every place.
 
 With `--baseline`, a second kvroute (another build, e.g. the commit before a change) joins the
 interleaved rounds as `kvroute-baseline`, so a change is measured against its parent side by
@@ -195,7 +195,7 @@ async def hold_streams(port, n, path, health_port):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--bin", default="target/release/kvroute")
-    ap.add_argument("--rounds", type=int, default=3, help="3 (4 with --baseline) puts every target in every place")
+    ap.add_argument("--rounds", type=int, help="default: one per target (3, or 4 with --baseline)")
     ap.add_argument("--seconds", type=int, default=5)
     ap.add_argument("--streams", type=int, default=5000)
     ap.add_argument("--memory-only", action="store_true", help="skip the wrk rounds")
@@ -267,13 +267,14 @@ def main():
     if base:
         targets["kvroute-baseline"] = (base_port, [base.pid])
     targets["nginx"] = (ngx_port, pids_of(proxy))
+    rounds = a.rounds or len(targets)
     results = {}
     try:
         for shape, query in (("json", ""), ("sse-100", "?sse=1")):
-            for r in range(0 if a.memory_only else a.rounds):
-                # Each round starts one target later: whichever target follows `direct` runs
-                # slower (seen here: the same build 0.86-0.91x itself one place later), so a
-                # fixed order would favour the targets placed after it.
+            for r in range(0 if a.memory_only else rounds):
+                # Each round starts one target later: whichever target runs right after
+                # `direct` comes out slower (seen here: 0.86-0.91x the same build run in the
+                # next place), so a fixed order would handicap one target.
                 names = list(targets)
                 for name in names[r % len(names):] + names[:r % len(names)]:
                     port, pids = targets[name]
@@ -283,7 +284,7 @@ def main():
                     results.setdefault((shape, name), []).append(res)
         if a.memory_only:
             results = {}
-        print(f"wrk -t1 -c32 -d{a.seconds}s, POST /v1/completions; {a.rounds} interleaved rounds; {cores} cores; medians (each round)")
+        print(f"wrk -t1 -c32 -d{a.seconds}s, POST /v1/completions; {rounds} interleaved rounds; {cores} cores; medians (each round)")
         print()
         print("| shape | target | req/s | p50 ms | p99 ms | proxy CPU s / 10k req | non-2xx |")
         print("|---|---|---|---|---|---|---|")
