@@ -142,12 +142,12 @@ pub struct CacheAwareParams {
     /// own wait, and can leave a worker idle for good; this bounds that. 0 turns it off; else at
     /// least 1.
     pub load_bound: f64,
-    /// Price a copy of a hot prefix (one that at least two workers hold) to an idle worker that
-    /// holds none of the prompt as an investment the requests to come share: `2 / g` of its
-    /// prefill when the mean in flight `g` is over 2 (the first request saves `g` requests'
-    /// wait, the `g` that follow it save `g / 2` each). Otherwise, and for a prefix one worker
-    /// holds, the copy costs its whole prefill; a worker without a prefix that everyone shares
-    /// is not left idle.
+    /// Price a copy of a hot prefix to an idle worker that holds none of the prompt as an
+    /// investment the requests to come share: while the mean in flight is over 2, the hot part
+    /// is priced as held there. Hot: at least two workers hold it, or one of the last `n`
+    /// requests went through it (`n` workers; about a worker's share of the traffic or more).
+    /// Otherwise the copy costs its whole prefill. A worker without a prefix that everyone
+    /// shares is not left idle, beside the others or at light load beside one busy holder.
     pub amortize_hot_copies: bool,
     /// Replicas without shared state agree on a conversation's worker. The home's rendezvous key
     /// is the first block past the part of the prompt that most workers hold (more than half, at

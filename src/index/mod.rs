@@ -107,6 +107,10 @@ pub struct Matches {
     /// crowded out of the list, sent there. (In a pool of at most `HOLDERS`, a full list names
     /// every worker anyway.)
     pub everyone: usize,
+    /// Leading blocks that one of the last `window` prompts written to the index went through
+    /// (see [`PrefixIndex::matches`]): with `window` the number of workers, a prefix drawing
+    /// about a worker's share of the traffic or more.
+    pub recent: usize,
 }
 
 impl Matches {
@@ -177,9 +181,14 @@ impl PrefixIndex {
     /// before it. Missing from a list with room, a worker's match ends there (it never held the
     /// block, or the block was removed). Stops at the first block nobody holds, or that extends
     /// nobody's match and has room.
-    pub fn matches(&self, hashes: &[u64]) -> Matches {
+    ///
+    /// Also how many leading blocks one of the last `window` inserts went through
+    /// ([`Matches::recent`]): one sample of how hot the prefix is. A prefix with a share `s` of
+    /// the traffic shows as recent with probability `1 - (1 - s)^window`.
+    pub fn matches(&self, hashes: &[u64], window: u32) -> Matches {
         let g = self.lock();
         let mut depths: Vec<(WorkerId, usize)> = Vec::new();
+        let mut recent = 0;
         // The first of the run of blocks with full holder lists that ends just before this one:
         // a match that stopped at or after it may resume.
         let mut full_since = 0;
@@ -203,6 +212,13 @@ impl PrefixIndex {
                     None => {}
                 }
             }
+            if recent == i {
+                let n = usize::from(entry.len);
+                let last = entry.touched[..n].iter().max().copied().unwrap_or(0);
+                if g.tick.wrapping_sub(last) < window {
+                    recent = i + 1;
+                }
+            }
             let full = entry.ids().len() >= HOLDERS;
             if full && everyone == i {
                 everyone = i + 1;
@@ -214,7 +230,11 @@ impl PrefixIndex {
                 }
             }
         }
-        Matches { depths, everyone }
+        Matches {
+            depths,
+            everyone,
+            recent,
+        }
     }
 
     /// Records that `worker` was sent a prompt through all of `hashes`.
@@ -276,13 +296,13 @@ mod tests {
         let idx = PrefixIndex::with_max_bytes(1 << 20);
         idx.insert(&[1, 2, 3, 4], 10);
         idx.insert(&[1, 2, 7], 20);
-        let m = idx.matches(&[1, 2, 3, 9]);
+        let m = idx.matches(&[1, 2, 3, 9], 1);
         assert_eq!(m.depth_of(10), 3);
         assert_eq!(m.depth_of(20), 2);
         assert_eq!(m.depth_of(30), 0);
         assert_eq!(m.deepest(), 3);
         assert_eq!(m.everyone, 0, "no list is full");
-        assert_eq!(idx.matches(&[5, 1]).depths, []);
+        assert_eq!(idx.matches(&[5, 1], 1).depths, []);
     }
 
     #[test]
@@ -290,7 +310,7 @@ mod tests {
         let idx = PrefixIndex::with_max_bytes(1 << 20);
         idx.insert(&[1, 2, 3], 10);
         idx.remove(&[2], 10);
-        assert_eq!(idx.matches(&[1, 2, 3]).depth_of(10), 1);
+        assert_eq!(idx.matches(&[1, 2, 3], 1).depth_of(10), 1);
     }
 
     #[test]
@@ -302,18 +322,38 @@ mod tests {
         for w in 1..=HOLDERS as u64 {
             idx.insert(&[1, 2, 3], w);
         }
-        let m = idx.matches(&[1, 2, 3, 10, 11, 12]);
+        let m = idx.matches(&[1, 2, 3, 10, 11, 12], 1);
         assert_eq!(m.depth_of(0), 5, "its own blocks imply the prefix");
         assert_eq!(m.depth_of(1), 3);
         assert_eq!(m.everyone, 3, "a prefix on more workers than a list holds");
         assert_eq!(
-            idx.matches(&[1, 2, 3, 10]).depth_of(99),
+            idx.matches(&[1, 2, 3, 10], 1).depth_of(99),
             0,
             "not listed anywhere"
         );
         // A hole where the list has room still ends the match.
         idx.remove(&[10], 0);
-        assert_eq!(idx.matches(&[1, 2, 3, 10, 11]).depth_of(0), 0);
+        assert_eq!(idx.matches(&[1, 2, 3, 10, 11], 1).depth_of(0), 0);
+    }
+
+    #[test]
+    fn recent_counts_the_leading_blocks_one_of_the_last_inserts_went_through() {
+        let idx = PrefixIndex::with_max_bytes(1 << 20);
+        idx.insert(&[1, 2, 3], 10); // a conversation under the shared prefix [1, 2]
+        for k in 0..3u64 {
+            idx.insert(&[1, 2, 100 + k], 20 + k); // three more, on other workers
+        }
+        // The shared prefix was in the last insert; the first conversation's block 3, three
+        // inserts before it.
+        let m = idx.matches(&[1, 2, 3, 4], 3);
+        assert_eq!((m.recent, m.deepest()), (2, 3));
+        assert_eq!(idx.matches(&[1, 2, 3, 4], 4).recent, 3, "a wider window");
+        // A prefix nobody has sent since: not recent, though held.
+        for k in 0..4u64 {
+            idx.insert(&[700, 800 + k], 30);
+        }
+        let m = idx.matches(&[1, 2, 3], 4);
+        assert_eq!((m.recent, m.depth_of(10)), (0, 3));
     }
 
     #[test]
@@ -322,7 +362,7 @@ mod tests {
         for w in 0..(HOLDERS as u64 + 3) {
             idx.insert(&[1], w);
         }
-        let m = idx.matches(&[1]);
+        let m = idx.matches(&[1], 1);
         assert_eq!(m.depths.len(), HOLDERS);
         assert_eq!(m.depth_of(0), 0, "the least recent was replaced");
         assert_eq!(m.depth_of(HOLDERS as u64 + 2), 1);
@@ -336,8 +376,8 @@ mod tests {
             idx.insert(&[k], 2);
             idx.insert(&[u64::MAX], 1); // kept warm
         }
-        assert_eq!(idx.matches(&[u64::MAX]).depth_of(1), 1);
-        assert_eq!(idx.matches(&[0]).depth_of(2), 0, "cold block evicted");
+        assert_eq!(idx.matches(&[u64::MAX], 1).depth_of(1), 1);
+        assert_eq!(idx.matches(&[0], 1).depth_of(2), 0, "cold block evicted");
         let s = idx.stats();
         assert!(s.blocks <= 64 && s.evictions > 900, "{s:?}");
     }

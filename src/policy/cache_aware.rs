@@ -52,14 +52,19 @@
 //!
 //! A copy is an investment: once a worker holds a prefix, every later request that shares it
 //! saves that prefill there. Priced against one request's wait, a copy of a prefix everyone
-//! shares is never worth it to a cold worker once the others split the load, and that worker
-//! can stay idle for good. Moving the first request to an idle worker saves it the `g` requests
-//! in flight on an average worker, and the about `g` requests that follow it there save `g / 2`
-//! on average without paying again: `g² / 2` in all against the copy's prefill `P`. So to an
-//! idle worker that holds none of a prompt whose prefix at least two workers hold (hot), the
-//! prefix is priced at `2P / g` when `g > 2` (`amortize_hot_copies`). Only idle workers: the
-//! same discount for any worker below the mean made copies where loads were merely uneven and
-//! cost p95 TTFT on three of five bench workloads (see the README).
+//! shares is never worth it to a cold worker, and that worker can stay idle for good: with the
+//! others splitting the load, or at light load with one worker taking everything (a request
+//! there waits behind a dozen others, 64-odd tokens each, against a 1,024-token system prompt
+//! weighed three times). What that leaves out is that the copy is paid once and the worker it
+//! adds serves its share of every later request: its decode steps are not shared with the
+//! others', and the prefills of the requests it takes stall nobody else. So to an idle worker
+//! that holds none of the prompt, the hot part of the prompt is priced as held while the mean in
+//! flight `g` is over 2 (`amortize_hot_copies`). Hot: at least two workers hold it, or one of the
+//! last `n` requests (`n` workers) went through it, a sample that catches a prefix drawing about
+//! a worker's share of the traffic or more ([`crate::index::Matches::recent`]); a conversation's
+//! own earlier turns are not hot, so a conversation stays where its history is. Only idle
+//! workers: the same discount for any worker below the mean made copies where loads were merely
+//! uneven and cost p95 TTFT on three of five bench workloads (see the README).
 //! With `load_bound` set, a worker at or over that many times the mean load is also left out
 //! first (bounded loads).
 //!
@@ -374,7 +379,9 @@ impl CacheAware {
         let Some(&last) = req.block_hashes.last() else {
             return self.least_work(workers, req);
         };
-        let matches = self.index.matches(&req.block_hashes);
+        // A prefix one of the last `workers` requests went through counts as hot below.
+        let window = u32::try_from(workers.len()).unwrap_or(u32::MAX);
+        let matches = self.index.matches(&req.block_hashes, window);
         let deepest = matches.deepest();
         let bpt = self.bytes_per_token();
         let prompt = match &req.tokens {
@@ -456,10 +463,13 @@ impl CacheAware {
                 None => 0.0,
             }
         };
-        // The part of the prompt that at least two workers hold (a hot prefix).
+        // The hot part of the prompt: what at least two workers hold, or what one of the last
+        // `workers` requests went through (about a worker's share of the traffic or more), which
+        // the one worker holding it cannot keep to itself without leaving others idle.
         let hot = if self.params.amortize_hot_copies {
             let by_events = second_largest(exacts.iter().flatten().copied());
-            (req.bytes_at_depth(shared_depth) as f64 / bpt).max(by_events as f64)
+            let depth = shared_depth.max(matches.recent);
+            (req.bytes_at_depth(depth) as f64 / bpt).max(by_events as f64)
         } else {
             0.0
         };
@@ -475,7 +485,7 @@ impl CacheAware {
         // at all; an idle worker's credit for a hot prefix), so the common pool, which has
         // neither, runs no per-worker code for them: this loop is the decision's cost at scale.
         let idle_credit = if hot > 0.0 && mean_queued > 2.0 {
-            miss * hot * (1.0 - 2.0 / mean_queued)
+            miss * hot
         } else {
             0.0
         };
@@ -993,7 +1003,7 @@ mod tests {
         assert_eq!(s.outcome, Outcome::Replicated);
         drop((held, more));
         // Now two workers hold the prefix, and each conversation sticks to where it went.
-        assert_eq!(p.index.matches(&shared.block_hashes).depths.len(), 2);
+        assert_eq!(p.index.matches(&shared.block_hashes, 4).depths.len(), 2);
         assert_eq!(pick(&p, &ws, &convo(6, 8, 2)).index, s.index);
         assert_eq!(pick(&p, &ws, &convo(5, 8, 2)).index, home);
     }
@@ -1080,8 +1090,9 @@ mod tests {
         // the idle worker would stay idle.
         let full = run(false, 12, 0, 0);
         assert!(full.index < 3, "{full:?}");
-        // Amortized: the idle worker is 9 below the mean, so the copy costs 2 × 512 / 9 = 114
-        // tokens, less than the 192 of waiting (or 160 after the home's credit).
+        // Amortized: to an idle worker the hot prefix is priced as held, since every later
+        // request there shares the copy: it costs the 64 tokens the holders would prefill too,
+        // against their 192 of waiting (or 160 after the home's credit).
         let shared_copy = run(true, 12, 0, 0);
         assert_eq!(
             (shared_copy.index, shared_copy.outcome),
@@ -1095,12 +1106,53 @@ mod tests {
         // conversation does not scatter to workers that hold only its start.
         let partial = run(true, 12, 0, 2);
         assert!(partial.index < 3, "{partial:?}");
-        // A prefix only one worker holds is not hot: its home keeps it until its queue costs
-        // more than a copy, however idle the others are.
-        let p = unit();
+        // A prefix only one worker holds and that no recent request went through is not hot:
+        // its holder keeps it until its queue costs more than a copy, however idle the others.
+        let p = CacheAware::new(CacheAwareParams {
+            request_cost_tokens: 16.0,
+            ..unit().params
+        });
         p.index.insert(&shared.block_hashes, ws[0].id_hash);
-        let held: Vec<_> = (0..6).map(|_| ws[0].acquire()).collect(); // 384 < 512 tokens
-        assert_eq!(pick(&p, &ws, &convo(9, 8, 1)).index, 0);
+        for k in 0..4 {
+            p.index.insert(&[1 << 60 | k], ws[0].id_hash); // other traffic since
+        }
+        let held: Vec<_> = (0..12).map(|_| ws[0].acquire()).collect(); // 192 < 512 tokens
+        let s = pick(&p, &ws, &convo(9, 8, 1));
+        assert_eq!((s.index, s.outcome), (0, Outcome::LongestMatch));
+        drop(held);
+    }
+
+    /// At light load, one long system prompt shared by every conversation (the bench's `chat` at
+    /// a few requests a second): whichever worker took the first request holds it, and pricing
+    /// a copy against one request's wait kept every later request there, with three workers
+    /// idle and every answer decoding beside all the others (e2e 1.3x round-robin's).
+    #[test]
+    fn a_prefix_every_request_shares_spreads_to_idle_workers_though_one_worker_holds_it() {
+        let ws = test_workers(4);
+        // 16 blocks of 256 bytes: 1,024 tokens of system prompt, then a 64-token question.
+        let question = |c| convo(c, 16, 1);
+        let p = policy();
+        let first = pick(&p, &ws, &question(0)).index;
+        // Twelve conversations in flight there (1,300 tokens each), one more arriving: the mean
+        // in flight is over 2 and the others are idle.
+        let held: Vec<_> = (0..12).map(|_| hold(&ws[first], 0, 1300)).collect();
+        let s = pick(&p, &ws, &question(1));
+        assert_ne!(s.index, first, "{s:?}");
+        assert_eq!(s.outcome, Outcome::Replicated);
+        // A conversation already on the holder stays: the idle worker would have to prefill its
+        // earlier turns, which no recent request shares.
+        p.index
+            .insert(&convo(2, 16, 8).block_hashes, ws[first].id_hash);
+        for c in 10..14 {
+            pick(&p, &ws, &question(c)); // traffic since: the system prompt stays hot
+        }
+        assert_eq!(pick(&p, &ws, &convo(2, 16, 9)).index, first);
+        drop(held);
+        // With eight in flight (a mean of 2), packing costs little and no copy is made.
+        let p = policy();
+        let first = pick(&p, &ws, &question(0)).index;
+        let held: Vec<_> = (0..8).map(|_| hold(&ws[first], 0, 1300)).collect();
+        assert_eq!(pick(&p, &ws, &question(1)).index, first);
         drop(held);
     }
 
@@ -1109,13 +1161,21 @@ mod tests {
         // A 576-token request whose first 512 tokens its holder holds: 192 weighted tokens of
         // prefill there, 1,728 elsewhere, and up to 96 of credit (3 × 0.5 × its 64 unknown tokens)
         // on whichever worker is the home of its last block. A queued request costs 4 + 0.04 × its
-        // prompt tokens.
+        // prompt tokens. The prefix is not hot (other traffic came between its requests), so an
+        // idle worker gets no credit for it.
         let ws = test_workers(3);
+        let other_traffic = |p: &CacheAware| {
+            for k in 0..ws.len() as u64 {
+                p.index.insert(&[1 << 60 | k], ws[0].id_hash);
+            }
+        };
         let p = policy();
         let holder = pick(&p, &ws, &convo(0, 8, 0)).index;
+        other_traffic(&p);
         // 512-token requests in flight cost 24.48 each: it stays at 58 (1,612) ...
         let mut held: Vec<_> = (0..58).map(|_| hold(&ws[holder], 0, 512)).collect();
         assert_eq!(pick(&p, &ws, &convo(5, 8, 1)).index, holder);
+        other_traffic(&p);
         // ... and is copied at 67 (1,832).
         held.extend((0..9).map(|_| hold(&ws[holder], 0, 512)));
         assert_ne!(pick(&p, &ws, &convo(6, 8, 1)).index, holder);
@@ -1124,8 +1184,10 @@ mod tests {
         // copied at 20 (1,910). (A fresh policy: the first one now knows a copy.)
         let p = policy();
         let holder = pick(&p, &ws, &convo(0, 8, 0)).index;
+        other_traffic(&p);
         let mut held: Vec<_> = (0..15).map(|_| hold(&ws[holder], 0, 2048)).collect();
         assert_eq!(pick(&p, &ws, &convo(7, 8, 1)).index, holder);
+        other_traffic(&p);
         held.extend((0..5).map(|_| hold(&ws[holder], 0, 2048)));
         assert_ne!(pick(&p, &ws, &convo(8, 8, 1)).index, holder);
         drop(held);
@@ -1241,7 +1303,7 @@ mod tests {
         let s2 = pick(&p, &ws, &r2);
         assert_eq!(s2.index, s1.index);
         p.observe(&ws[s2.index], &r2, &s2, Observed::Failed);
-        let m = p.index.matches(&r2.block_hashes);
+        let m = p.index.matches(&r2.block_hashes, 2);
         assert_eq!(m.depth_of(ws[s1.index].id_hash), 3, "turn 1's blocks stay");
     }
 
