@@ -153,8 +153,7 @@ async fn the_gateways_own_errors_name_the_arm_too() {
 
 #[test]
 fn check_reports_the_arms_of_an_ab_config() {
-    let dir = std::env::temp_dir().join(format!("kvroute-ab-check-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = common::TempDir::new("ab-check");
     let file = dir.join("ab.yaml");
     std::fs::write(
         &file,
@@ -172,5 +171,4 @@ fn check_reports_the_arms_of_an_ab_config() {
         stdout.contains("ab arms a=round_robin:1, b=cache_aware:3"),
         "{stdout}"
     );
-    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -1,5 +1,7 @@
 //! The `kvroute` binary's command line: config checking and overrides.
 
+mod common;
+
 use std::process::Command;
 
 fn kvroute(args: &[&str]) -> std::process::Output {
@@ -36,8 +38,7 @@ fn every_example_config_passes_check() {
 
 #[test]
 fn a_bad_config_fails_check_with_a_clear_message() {
-    let dir = std::env::temp_dir().join(format!("kvroute-cli-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = common::TempDir::new("cli");
     let bad = dir.join("bad.yaml");
     std::fs::write(
         &bad,

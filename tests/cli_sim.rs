@@ -102,8 +102,7 @@ async fn demo_prints_a_curl_that_streams_through_the_gateway() {
 
 #[tokio::test]
 async fn sim_reads_a_config_file_and_flags_override_it() {
-    let dir = std::env::temp_dir().join(format!("kvroute-sim-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = common::TempDir::new("sim");
     let file = dir.join("sim.yaml");
     std::fs::write(
         &file,
@@ -129,7 +128,6 @@ async fn sim_reads_a_config_file_and_flags_override_it() {
     );
     let faulty = common::request(addr_of(&urls[1]), "POST", "/v1/completions", body).await;
     assert_eq!(faulty.status, 500, "faults from the file, on worker 1 only");
-    let _ = std::fs::remove_dir_all(dir);
 }
 
 #[tokio::test]
@@ -160,8 +158,7 @@ async fn healthcheck_exits_zero_only_for_a_healthy_url() {
 async fn serve_reloads_its_config_on_sighup() {
     let (_sim, mut lines) = spawn(&["sim", "--workers", "2", "--port", "0", "--time-scale", "50"]);
     let workers: Vec<String> = lines.by_ref().take(2).collect();
-    let dir = std::env::temp_dir().join(format!("kvroute-hup-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = common::TempDir::new("hup");
     let path = dir.join("kvroute.yaml");
     let write = |policy: &str| {
         let list: String = workers.iter().map(|w| format!("  - url: {w}\n")).collect();
@@ -195,5 +192,4 @@ async fn serve_reloads_its_config_on_sighup() {
     let body = br#"{"prompt": "x", "max_tokens": 1}"#;
     let r = common::request(addr, "POST", "/v1/completions", body).await;
     assert_eq!(r.header("x-kvroute-arm"), Some("prefix"));
-    let _ = std::fs::remove_dir_all(dir);
 }

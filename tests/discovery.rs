@@ -1,6 +1,8 @@
 //! Discovery: DNS against a resolver the test controls (virtual time), and Kubernetes against a
 //! fake API server on loopback serving list and watch of EndpointSlices.
 
+mod common;
+
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -428,8 +430,7 @@ async fn kubernetes_discovery_uses_ready_endpoints_and_resumes_watches() {
 async fn kubernetes_discovery_speaks_tls_with_the_ca_bundle_and_sends_the_token() {
     let api = Arc::new(FakeApi::default());
     let (api_url, pem) = serve_tls(fake_api(api.clone())).await;
-    let dir = std::env::temp_dir().join(format!("kvroute-kube-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = common::TempDir::new("kube");
     let (ca, token) = (dir.join("ca.crt"), dir.join("token"));
     std::fs::write(&ca, pem).unwrap();
     std::fs::write(&token, "sa-token-123\n").unwrap();
@@ -443,7 +444,6 @@ async fn kubernetes_discovery_speaks_tls_with_the_ca_bundle_and_sends_the_token(
         api.authorization.lock().await.as_deref(),
         Some("Bearer sa-token-123")
     );
-    let _ = std::fs::remove_dir_all(dir);
 }
 
 #[tokio::test]
@@ -451,8 +451,7 @@ async fn kubernetes_discovery_refuses_a_server_its_ca_did_not_sign() {
     let api = Arc::new(FakeApi::default());
     let (api_url, _pem) = serve_tls(fake_api(api.clone())).await;
     let (_other_url, other_pem) = serve_tls(fake_api(Arc::new(FakeApi::default()))).await;
-    let dir = std::env::temp_dir().join(format!("kvroute-kube-bad-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = common::TempDir::new("kube-bad");
     let ca = dir.join("ca.crt");
     std::fs::write(&ca, other_pem).unwrap();
     let state = AppState::new(kube_config(
@@ -477,7 +476,6 @@ async fn kubernetes_discovery_refuses_a_server_its_ca_did_not_sign() {
     );
     assert!(names(&up).is_empty());
     cancel.cancel();
-    let _ = std::fs::remove_dir_all(dir);
 }
 
 /// Initial list, NotReady, a new slice, a dropped watch with changes while it was down (resumed

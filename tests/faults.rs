@@ -213,8 +213,7 @@ async fn running_out_of_descriptors_is_the_gateways_503_not_the_workers_fault() 
     let up = upstream("w0", &[]).await;
     // The gateway binary with a small descriptor limit, in front of a healthy worker; no health
     // checks or load polls, so no pooled connection to the worker exists to be reused.
-    let dir = std::env::temp_dir().join(format!("kvroute-fd-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = common::TempDir::new("fd");
     let cfg = dir.join("gw.yaml");
     std::fs::write(
         &cfg,

@@ -507,13 +507,10 @@ async fn bench_run_works_unchanged_against_real_workers() {
         workers["generation_tokens"].as_f64().unwrap() > 0.0,
         "{workers}"
     );
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
-fn tempdir() -> std::path::PathBuf {
-    let dir = std::env::temp_dir().join(format!("kvroute-real-vllm-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
+fn tempdir() -> common::TempDir {
+    common::TempDir::new("real-vllm")
 }
 
 /// The shape of a JSON value: objects keep their keys (sorted) with the shapes of their values,

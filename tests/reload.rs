@@ -34,7 +34,7 @@ struct Setup {
     addrs: Vec<std::net::SocketAddr>,
     urls: Vec<String>,
     path: std::path::PathBuf,
-    dir: std::path::PathBuf,
+    _dir: common::TempDir,
     cancel: CancellationToken,
     _tasks: JoinSet<()>,
 }
@@ -42,7 +42,6 @@ struct Setup {
 impl Drop for Setup {
     fn drop(&mut self) {
         self.cancel.cancel();
-        let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
 
@@ -59,8 +58,7 @@ async fn setup(tag: &str) -> Setup {
         .await
         .unwrap();
     let urls: Vec<String> = addrs.iter().map(|a| format!("http://{a}")).collect();
-    let dir = std::env::temp_dir().join(format!("kvroute-{tag}-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = common::TempDir::new(tag);
     let path = dir.join("kvroute.yaml");
     std::fs::write(&path, yaml("round_robin", &urls)).unwrap();
     let config = Config::load(Some(&path), Overrides::default()).unwrap();
@@ -81,7 +79,7 @@ async fn setup(tag: &str) -> Setup {
         addrs,
         urls,
         path,
-        dir,
+        _dir: dir,
         cancel,
         _tasks: tasks,
     }

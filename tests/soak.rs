@@ -193,8 +193,7 @@ async fn soak_with_cancellations_and_worker_restarts_leaks_nothing() {
     let (_w0, url0) = sim(0);
     let (w1, url1) = sim(0);
     let port1 = addr_of(&url1).port();
-    let dir = std::env::temp_dir().join(format!("kvroute-soak-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = common::TempDir::new("soak");
     let cfg = dir.join("kvroute.yaml");
     std::fs::write(
         &cfg,
@@ -324,5 +323,4 @@ async fn soak_with_cancellations_and_worker_restarts_leaks_nothing() {
         end.1,
         warm.1
     );
-    let _ = std::fs::remove_dir_all(dir);
 }
