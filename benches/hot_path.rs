@@ -62,8 +62,13 @@ fn pool(n: usize, metrics: &Metrics) -> Vec<Arc<Worker>> {
 }
 
 /// `cache_aware` at 1,024 workers with 100k blocks in its index: one decision (index walk, cost
-/// of every worker, index write) for a 32-block conversation whose first 16 blocks are a system
-/// prompt known on 8 workers and whose next 8 are known on one.
+/// of every worker, index write) for a 32-block conversation whose first 24 blocks (a 16-block
+/// system prompt and its earlier turn) are known on one worker (all 32 from the second
+/// iteration on, as each decision writes them). The eight conversations placed
+/// under the system prompt all go to that worker: with a third of the workers at one request in
+/// flight, no queue outweighs a copy. So the system prompt is hot (every recent request went
+/// through it) but one worker holds it, and the pool is too idle (mean in flight 0.33) for the
+/// idle workers' credit: the pass prices every worker without it.
 fn cache_aware_at_scale(c: &mut Criterion) {
     let metrics = Metrics::new();
     let workers = pool(1024, &metrics);
@@ -97,11 +102,11 @@ fn cache_aware_at_scale(c: &mut Criterion) {
     c.bench_function("select/cache_aware_1024_workers_100k_blocks", |b| {
         b.iter(|| p.select(&workers, &info).expect("a worker"))
     });
-    // A new question under the system prompt: known no further than a prefix as many workers
-    // hold as a block can list, so the decision also weighs pending prefill by the other
-    // replicas' share of the load (`hot_pending_weight`), a second pass over the workers. Timed
-    // with `peek`, the decision without its index write: written, the question would be known
-    // on one worker from the second iteration on, and no longer take this path.
+    // A new question under the system prompt, which one worker holds. Timed with `peek`, the
+    // decision without its index write: written, the question itself would be known on one
+    // worker from the second iteration on. (Not timed here: a prefix as many workers hold as a
+    // block can list, where `hot_pending_weight` adds a second pass over the workers, and a busy
+    // pool, where idle workers are credited for a hot prefix.)
     let mut question = system;
     question.extend((0..8).map(|_| next()));
     let question = RequestInfo::keyed(question, 256);
