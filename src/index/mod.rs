@@ -212,7 +212,7 @@ impl PrefixIndex {
                     None => {}
                 }
             }
-            if recent == i {
+            if recent == i && window > 0 {
                 let n = usize::from(entry.len);
                 let last = entry.touched[..n].iter().max().copied().unwrap_or(0);
                 if g.tick.wrapping_sub(last) < window {
@@ -348,6 +348,7 @@ mod tests {
         let m = idx.matches(&[1, 2, 3, 4], 3);
         assert_eq!((m.recent, m.deepest()), (2, 3));
         assert_eq!(idx.matches(&[1, 2, 3, 4], 4).recent, 3, "a wider window");
+        assert_eq!(idx.matches(&[1, 2, 3, 4], 0).recent, 0, "no window, no sample");
         // A prefix nobody has sent since: not recent, though held.
         for k in 0..4u64 {
             idx.insert(&[700, 800 + k], 30);

@@ -109,12 +109,8 @@ fn mix(key: u64, worker: u64) -> u64 {
     z ^ (z >> 29)
 }
 
-/// How many workers are usable, and their requests in flight in all.
-fn usable_load(workers: &[Arc<Worker>]) -> (usize, usize) {
-    usable_load_of(workers.iter())
-}
-
-fn usable_load_of<'a>(workers: impl Iterator<Item = &'a Arc<Worker>>) -> (usize, usize) {
+/// How many of `workers` are usable, and their requests in flight in all.
+fn usable_load<'a>(workers: impl Iterator<Item = &'a Arc<Worker>>) -> (usize, usize) {
     workers
         .filter(|w| w.is_usable())
         .fold((0, 0), |(n, total), w| {
@@ -128,7 +124,7 @@ fn usable_load_of<'a>(workers: impl Iterator<Item = &'a Arc<Worker>>) -> (usize,
 /// workers (criterion).
 fn sampled_mean_queued(workers: &[Arc<Worker>]) -> f64 {
     let step = workers.len().div_ceil(64).max(1);
-    let (n, total) = usable_load_of(workers.iter().step_by(step));
+    let (n, total) = usable_load(workers.iter().step_by(step));
     if n == 0 {
         0.0
     } else {
@@ -396,8 +392,13 @@ impl CacheAware {
         let Some(&last) = req.block_hashes.last() else {
             return self.least_work(workers, req);
         };
-        // A prefix one of the last `workers` requests went through counts as hot below.
-        let window = u32::try_from(workers.len()).unwrap_or(u32::MAX);
+        // A prefix one of the last `workers` requests went through counts as hot below; only
+        // the idle credit asks (a window of 0 makes the walk skip the sample).
+        let window = if self.params.amortize_hot_copies {
+            u32::try_from(workers.len()).unwrap_or(u32::MAX)
+        } else {
+            0
+        };
         let matches = self.index.matches(&req.block_hashes, window);
         let deepest = matches.deepest();
         let bpt = self.bytes_per_token();
@@ -492,7 +493,7 @@ impl CacheAware {
         };
         // Usable workers and their requests in flight, for bounded loads.
         let cap = if self.params.load_bound > 0.0 {
-            self.load_cap(usable_load(workers))
+            self.load_cap(usable_load(workers.iter()))
         } else {
             usize::MAX
         };
