@@ -348,7 +348,11 @@ mod tests {
         let m = idx.matches(&[1, 2, 3, 4], 3);
         assert_eq!((m.recent, m.deepest()), (2, 3));
         assert_eq!(idx.matches(&[1, 2, 3, 4], 4).recent, 3, "a wider window");
-        assert_eq!(idx.matches(&[1, 2, 3, 4], 0).recent, 0, "no window, no sample");
+        assert_eq!(
+            idx.matches(&[1, 2, 3, 4], 0).recent,
+            0,
+            "no window, no sample"
+        );
         // A prefix nobody has sent since: not recent, though held.
         for k in 0..4u64 {
             idx.insert(&[700, 800 + k], 30);
