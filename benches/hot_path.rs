@@ -104,9 +104,7 @@ fn cache_aware_at_scale(c: &mut Criterion) {
     });
     // A new question under the system prompt, which one worker holds. Timed with `peek`, the
     // decision without its index write: written, the question itself would be known on one
-    // worker from the second iteration on. (Not timed here: a prefix as many workers hold as a
-    // block can list, where `hot_pending_weight` adds a second pass over the workers, and a busy
-    // pool, where idle workers are credited for a hot prefix.)
+    // worker from the second iteration on.
     let mut question = system;
     question.extend((0..8).map(|_| next()));
     let question = RequestInfo::keyed(question, 256);
@@ -114,6 +112,91 @@ fn cache_aware_at_scale(c: &mut Criterion) {
         "select/cache_aware_1024_workers_question_under_hot_prefix",
         |b| b.iter(|| p.peek(&workers, &question).expect("a worker")),
     );
+
+    // A second system prompt, copied to as many workers as a block can list: each conversation
+    // placed under it finds its holders' queues (1,000 requests each while it is placed) worth
+    // more than a copy. A question under it is known no further than a prefix most workers are
+    // presumed to hold, so `hot_pending_weight` applies and the pass prices every worker as
+    // holding the prefix.
+    let system: Vec<u64> = (0..16).map(|_| next()).collect();
+    let mut holders: Vec<usize> = Vec::new();
+    let mut crowd = Vec::new();
+    for _ in 0..64 {
+        let mut h = system.clone();
+        h.extend((0..8).map(|_| next()));
+        let s = p
+            .select(&workers, &RequestInfo::keyed(h, 256))
+            .expect("a worker");
+        if !holders.contains(&s.index) {
+            holders.push(s.index);
+        }
+        if holders.len() == kvroute::index::HOLDERS {
+            break;
+        }
+        crowd.extend((0..1000).map(|_| workers[s.index].acquire()));
+    }
+    drop(crowd);
+    assert_eq!(holders.len(), kvroute::index::HOLDERS, "{holders:?}");
+    let mut question = system;
+    question.extend((0..8).map(|_| next()));
+    let question = RequestInfo::keyed(question, 256);
+    // Whichever worker it goes to is priced as holding the 16 blocks.
+    let to = p.peek(&workers, &question).expect("a worker");
+    assert_eq!(to.prediction.map(|p| p.matched_blocks), Some(16), "{to:?}");
+    c.bench_function(
+        "select/cache_aware_1024_workers_question_under_prefix_on_full_holder_list",
+        |b| b.iter(|| p.peek(&workers, &question).expect("a worker")),
+    );
+}
+
+/// `cache_aware` at 1,024 workers in a busy pool: two workers in three have four requests in
+/// flight (a mean of 2.7), the rest none, and a system prompt that one worker holds is hot, so
+/// the pass credits each idle worker for a copy (`amortize_hot_copies`; the holder has 64 in
+/// flight). Timed: a new question under it (with `peek`, as above) and a conversation's next
+/// turn, with 100k blocks indexed.
+fn cache_aware_busy_pool(c: &mut Criterion) {
+    let metrics = Metrics::new();
+    let workers = pool(1024, &metrics);
+    let _guards: Vec<_> = workers
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| i % 3 != 0)
+        .flat_map(|(_, w)| (0..4).map(|_| w.acquire()))
+        .collect();
+    let p = policy::build(&PolicyConfig::CacheAware(CacheAwareParams::default()));
+    let mut x = 0x9e37_79b9_7f4a_7c15u64;
+    let mut next = || {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x
+    };
+    for _ in 0..12_500 {
+        let hashes: Vec<u64> = (0..8).map(|_| next()).collect();
+        p.select(&workers, &RequestInfo::keyed(hashes, 256));
+    }
+    let system: Vec<u64> = (0..16).map(|_| next()).collect();
+    let mut convo = system.clone();
+    convo.extend((0..8).map(|_| next()));
+    let first = p.select(&workers, &RequestInfo::keyed(convo.clone(), 256));
+    convo.extend((0..8).map(|_| next()));
+    let turn = RequestInfo::keyed(convo, 256);
+    let mut question = system;
+    question.push(next());
+    let question = RequestInfo::keyed(question, 256);
+    // The holder busier than its credit as the question's home (a one-block question: 96
+    // tokens). The idle credit is what this bench is for: the question goes to an idle worker.
+    let holder = first.expect("a worker").index;
+    let _busy: Vec<_> = (0..64).map(|_| workers[holder].acquire()).collect();
+    let to = p.peek(&workers, &question).expect("a worker");
+    assert!(to.index != holder && to.index % 3 == 0, "{to:?}");
+    c.bench_function(
+        "select/cache_aware_1024_workers_busy_question_under_hot_prefix",
+        |b| b.iter(|| p.peek(&workers, &question).expect("a worker")),
+    );
+    c.bench_function("select/cache_aware_1024_workers_busy_next_turn", |b| {
+        b.iter(|| p.select(&workers, &turn).expect("a worker"))
+    });
 }
 
 fn policies(c: &mut Criterion) {
@@ -215,6 +298,7 @@ criterion_group!(
     routing_key,
     policies,
     cache_aware_at_scale,
+    cache_aware_busy_pool,
     tokenize_and_look_up
 );
 criterion_main!(benches);
