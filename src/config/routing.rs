@@ -143,9 +143,10 @@ pub struct CacheAwareParams {
     /// least 1.
     pub load_bound: f64,
     /// Price a copy of a hot prefix to an idle worker that holds none of the prompt as an
-    /// investment the requests to come share: while the mean in flight is over 2, the hot part
-    /// is priced as held there. Hot: at least two workers hold it, or one of the last `n`
-    /// requests went through it (`n` workers; about a worker's share of the traffic or more).
+    /// investment the requests to come share: while the mean in flight is over 1, the hot part
+    /// is priced as held there (at 1 or less, a conversation's own earlier turns can look hot).
+    /// Hot: at least two workers hold it, or one of the last `n` requests went through it (`n`
+    /// workers; about a worker's share of the traffic or more).
     /// Otherwise the copy costs its whole prefill. A worker without a prefix that everyone
     /// shares is not left idle, beside the others or at light load beside one busy holder.
     pub amortize_hot_copies: bool,
