@@ -1019,8 +1019,13 @@ mod tests {
 
     #[test]
     fn a_hot_prefix_is_copied_when_its_holder_is_busy() {
+        // The cost alone: without the idle workers' credit for a copy (tested below), which at a
+        // mean of 2 in flight would copy the prefix sooner.
         let ws = test_workers(3);
-        let p = unit();
+        let p = CacheAware::new(CacheAwareParams {
+            amortize_hot_copies: false,
+            ..unit().params
+        });
         let shared = convo(0, 8, 0); // 2,048 bytes: ~512 tokens at 4 bytes per token
         let home = pick(&p, &ws, &shared).index;
         // 6 requests in flight (384 tokens) cost less than recomputing the prefix elsewhere: it stays.
