@@ -61,6 +61,28 @@ fn pool(n: usize, metrics: &Metrics) -> Vec<Arc<Worker>> {
         .collect()
 }
 
+/// Pseudo-random block hashes from `seed` (xorshift).
+fn xorshift(mut x: u64) -> impl FnMut() -> u64 {
+    move || {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x
+    }
+}
+
+/// Routes 12,500 unrelated 8-block prompts through `p`: 100k blocks in its index.
+fn index_100k_blocks(
+    p: &dyn policy::Policy,
+    workers: &[Arc<Worker>],
+    next: &mut impl FnMut() -> u64,
+) {
+    for _ in 0..12_500 {
+        let hashes: Vec<u64> = (0..8).map(|_| next()).collect();
+        p.select(workers, &RequestInfo::keyed(hashes, 256));
+    }
+}
+
 /// `cache_aware` at 1,024 workers with 100k blocks in its index: one decision (index walk, cost
 /// of every worker, index write) for a 32-block conversation whose first 24 blocks (a 16-block
 /// system prompt and its earlier turn) are known on one worker (all 32 from the second
@@ -74,18 +96,8 @@ fn cache_aware_at_scale(c: &mut Criterion) {
     let workers = pool(1024, &metrics);
     let _guards: Vec<_> = workers.iter().step_by(3).map(|w| w.acquire()).collect();
     let p = policy::build(&PolicyConfig::CacheAware(CacheAwareParams::default()));
-    let mut x = 0x2545_f491_4f6c_dd1du64;
-    let mut next = || {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        x
-    };
-    // 12,500 unrelated 8-block prompts: 100k blocks.
-    for _ in 0..12_500 {
-        let hashes: Vec<u64> = (0..8).map(|_| next()).collect();
-        p.select(&workers, &RequestInfo::keyed(hashes, 256));
-    }
+    let mut next = xorshift(0x2545_f491_4f6c_dd1d);
+    index_100k_blocks(p.as_ref(), &workers, &mut next);
     let system: Vec<u64> = (0..16).map(|_| next()).collect();
     for _ in 0..8 {
         let mut h = system.clone();
@@ -164,17 +176,8 @@ fn cache_aware_busy_pool(c: &mut Criterion) {
         .flat_map(|(_, w)| (0..4).map(|_| w.acquire()))
         .collect();
     let p = policy::build(&PolicyConfig::CacheAware(CacheAwareParams::default()));
-    let mut x = 0x9e37_79b9_7f4a_7c15u64;
-    let mut next = || {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        x
-    };
-    for _ in 0..12_500 {
-        let hashes: Vec<u64> = (0..8).map(|_| next()).collect();
-        p.select(&workers, &RequestInfo::keyed(hashes, 256));
-    }
+    let mut next = xorshift(0x9e37_79b9_7f4a_7c15);
+    index_100k_blocks(p.as_ref(), &workers, &mut next);
     let system: Vec<u64> = (0..16).map(|_| next()).collect();
     let mut convo = system.clone();
     convo.extend((0..8).map(|_| next()));
