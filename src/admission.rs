@@ -12,10 +12,12 @@ use std::{
     collections::HashMap,
     sync::{
         atomic::{AtomicUsize, Ordering},
-        Arc, Mutex,
+        Arc,
     },
     time::Duration,
 };
+
+use parking_lot::Mutex;
 
 use tokio::{sync::Notify, time::Instant};
 
@@ -45,7 +47,7 @@ impl SlotFreed {
         if self.waiting.load(Ordering::Acquire) == 0 {
             return;
         }
-        let lines = self.lines.lock().unwrap_or_else(|e| e.into_inner());
+        let lines = self.lines.lock();
         for (model, line) in lines.iter() {
             if models.is_empty() || model.is_empty() || models.iter().any(|m| m == model) {
                 line.notify.notify_one();
@@ -63,7 +65,7 @@ impl SlotFreed {
         if self.waiting() == 0 {
             return 0;
         }
-        let lines = self.lines.lock().unwrap_or_else(|e| e.into_inner());
+        let lines = self.lines.lock();
         lines
             .get(model)
             .map_or(0, |l| l.waiting.load(Ordering::Relaxed))
@@ -71,7 +73,7 @@ impl SlotFreed {
 
     /// Takes a place in `model`'s line if it holds fewer than `size`.
     fn join(&self, model: &str, size: usize) -> Option<Place<'_>> {
-        let mut lines = self.lines.lock().unwrap_or_else(|e| e.into_inner());
+        let mut lines = self.lines.lock();
         let line = lines.entry(model.to_owned()).or_default();
         if line.waiting.load(Ordering::Relaxed) >= size {
             if line.waiting.load(Ordering::Relaxed) == 0 {
@@ -117,7 +119,7 @@ struct Place<'a> {
 
 impl Drop for Place<'_> {
     fn drop(&mut self) {
-        let mut lines = self.queues.lines.lock().unwrap_or_else(|e| e.into_inner());
+        let mut lines = self.queues.lines.lock();
         self.queues.waiting.fetch_sub(1, Ordering::AcqRel);
         if self.line.waiting.fetch_sub(1, Ordering::AcqRel) == 1 {
             lines.remove(&self.model);

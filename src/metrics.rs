@@ -3,7 +3,9 @@
 //! Label values come from bounded sets: routes are the matched route names, workers are the
 //! configured pool, policies and outcomes are enums, status is the HTTP status code.
 
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, OnceLock};
+
+use parking_lot::Mutex;
 
 use prometheus::{
     Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGaugeVec, Opts,
@@ -32,7 +34,7 @@ pub struct MetricSet {
     /// Live `Worker` objects per worker name: a name's series are removed when its count drops
     /// to zero (the worker left the pool and its last request ended), so churn does not grow
     /// `/metrics` without bound.
-    worker_names: std::sync::Arc<std::sync::Mutex<std::collections::HashMap<String, usize>>>,
+    worker_names: std::sync::Arc<parking_lot::Mutex<std::collections::HashMap<String, usize>>>,
     /// `route`, `policy`, `arm`, `worker` ("none" when no worker was picked), `status`.
     pub requests: IntCounterVec,
     /// `policy`, `arm`, `outcome` (preferred, spilled, least_conn_fallback, longest_match,
@@ -339,13 +341,13 @@ impl Metrics {
 
     /// A `Worker` named `name` was made.
     pub fn worker_born(&self, name: &str) {
-        let mut names = self.worker_names.lock().unwrap_or_else(|e| e.into_inner());
+        let mut names = self.worker_names.lock();
         *names.entry(name.to_owned()).or_default() += 1;
     }
 
     /// A `Worker` named `name` was dropped; the last one takes the name's series with it.
     pub fn worker_gone(&self, name: &str) {
-        let mut names = self.worker_names.lock().unwrap_or_else(|e| e.into_inner());
+        let mut names = self.worker_names.lock();
         let Some(n) = names.get_mut(name) else {
             return;
         };
@@ -531,7 +533,7 @@ impl SeriesByArm {
         arm: &str,
         worker: &str,
     ) -> Arc<WorkerSeries> {
-        let mut all = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        let mut all = self.0.lock();
         if let Some(s) = all.iter().find(|s| s.policy == policy && &*s.arm == arm) {
             return Arc::clone(s);
         }

@@ -111,12 +111,12 @@ async fn dns_discovery_follows_the_answers_and_survives_a_resolver_outage() {
 /// watches (403), make them go silent, send bookmarks and drop live watches.
 #[derive(Default)]
 struct FakeApi {
-    store: std::sync::Mutex<Store>,
+    store: parking_lot::Mutex<Store>,
     /// Bumped on every change; live watches wait on it.
     changed: tokio::sync::Notify,
     lists: std::sync::atomic::AtomicU64,
     /// The query of every watch request, in order.
-    watches: std::sync::Mutex<Vec<BTreeMap<String, String>>>,
+    watches: parking_lot::Mutex<Vec<BTreeMap<String, String>>>,
     authorization: Mutex<Option<String>>,
     forbid_watch: std::sync::atomic::AtomicBool,
     silent_watch: std::sync::atomic::AtomicBool,
@@ -137,7 +137,7 @@ struct Store {
 
 impl FakeApi {
     fn record(&self, kind: &str, mut object: Value) {
-        let mut st = self.store.lock().unwrap();
+        let mut st = self.store.lock();
         st.rv += 1;
         let rv = st.rv;
         object["metadata"]["resourceVersion"] = json!(rv.to_string());
@@ -159,7 +159,7 @@ impl FakeApi {
     /// Creates or replaces a slice (ADDED or MODIFIED to watchers).
     fn put(&self, slice: Value) {
         let name = slice["metadata"]["name"].as_str().unwrap().to_string();
-        let exists = self.store.lock().unwrap().slices.contains_key(&name);
+        let exists = self.store.lock().slices.contains_key(&name);
         self.record(if exists { "MODIFIED" } else { "ADDED" }, slice);
     }
 
@@ -174,7 +174,7 @@ impl FakeApi {
 
     /// Ends every live watch (the connection drops) once it has sent what happened so far.
     fn drop_watches(&self) {
-        let mut st = self.store.lock().unwrap();
+        let mut st = self.store.lock();
         let (generation, rv) = (st.generation, st.rv);
         st.ended_at.insert(generation, rv);
         st.generation += 1;
@@ -184,13 +184,13 @@ impl FakeApi {
 
     /// Forgets the history: a watch from before now gets 410 Gone.
     fn compact(&self) {
-        let mut st = self.store.lock().unwrap();
+        let mut st = self.store.lock();
         st.compacted = st.rv;
         st.log.clear();
     }
 
     fn rv(&self) -> u64 {
-        self.store.lock().unwrap().rv
+        self.store.lock().rv
     }
 
     fn lists(&self) -> u64 {
@@ -198,16 +198,11 @@ impl FakeApi {
     }
 
     fn watch_count(&self) -> usize {
-        self.watches.lock().unwrap().len()
+        self.watches.lock().len()
     }
 
     fn last_watch(&self) -> BTreeMap<String, String> {
-        self.watches
-            .lock()
-            .unwrap()
-            .last()
-            .cloned()
-            .unwrap_or_default()
+        self.watches.lock().last().cloned().unwrap_or_default()
     }
 }
 
@@ -222,7 +217,7 @@ async fn endpointslices(
         .map(str::to_string);
     assert_eq!(q["labelSelector"], "kubernetes.io/service-name=vllm");
     if q.get("watch").map(String::as_str) == Some("1") {
-        api.watches.lock().unwrap().push(q.clone());
+        api.watches.lock().push(q.clone());
         if api.forbid_watch.load(std::sync::atomic::Ordering::SeqCst) {
             return (
                 axum::http::StatusCode::FORBIDDEN,
@@ -236,7 +231,7 @@ async fn endpointslices(
             return axum::response::Response::new(Body::from_stream(never));
         }
         let from: u64 = q["resourceVersion"].parse().unwrap();
-        let generation = api.store.lock().unwrap().generation;
+        let generation = api.store.lock().generation;
         let lines = futures_util::stream::unfold(
             (api, from, false),
             move |(api, mut at, gone)| async move {
@@ -250,7 +245,7 @@ async fn endpointslices(
                     changed.as_mut().enable();
                     // What the watch sends next: nothing (it ends), a 410, an event, or wait.
                     let next: Option<Option<(u64, String, bool)>> = {
-                        let st = api.store.lock().unwrap();
+                        let st = api.store.lock();
                         let end = st.ended_at.get(&generation).copied().unwrap_or(u64::MAX);
                         if at >= end {
                             Some(None)
@@ -278,7 +273,7 @@ async fn endpointslices(
         return axum::response::Response::new(Body::from_stream(lines));
     }
     api.lists.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-    let st = api.store.lock().unwrap();
+    let st = api.store.lock();
     let items: Vec<Value> = st.slices.values().cloned().collect();
     let rv = st.rv.to_string();
     drop(st);

@@ -20,8 +20,9 @@ use std::{
     collections::HashMap,
     hash::{BuildHasherDefault, Hasher},
     mem::size_of,
-    sync::Mutex,
 };
+
+use parking_lot::Mutex;
 
 /// Workers remembered per block: enough for a shared system prompt on every worker of a small
 /// pool; in a larger pool a hot prefix keeps its most recent holders.
@@ -169,10 +170,10 @@ impl PrefixIndex {
         self.max_bytes
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, Generations> {
-        // A panic while holding the lock cannot leave a half-written entry: every write is one
-        // `Copy` value. Carry on with the data.
-        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    fn lock(&self) -> parking_lot::MutexGuard<'_, Generations> {
+        // parking_lot's lock is not poisoned by a panic while held, and none is needed: such a
+        // panic cannot leave a half-written entry, every write being one `Copy` value.
+        self.inner.lock()
     }
 
     /// For each worker, how many of `hashes`' leading blocks it holds. A block records only its

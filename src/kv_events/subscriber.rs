@@ -12,14 +12,12 @@
 //! sequence that goes backwards is a restarted worker: its cache is empty, and so are its blocks.
 
 use std::{
-    sync::{
-        atomic::{AtomicU64, Ordering},
-        Mutex, MutexGuard,
-    },
+    sync::atomic::{AtomicU64, Ordering},
     time::Duration,
 };
 
 use bytes::Bytes;
+use parking_lot::{Mutex, MutexGuard};
 use tokio_util::sync::CancellationToken;
 use zeromq::{Socket, SocketRecv, SocketSend, ZmqMessage};
 
@@ -72,7 +70,7 @@ impl Feed {
     }
 
     pub fn blocks(&self) -> MutexGuard<'_, WorkerBlocks> {
-        self.blocks.lock().unwrap_or_else(|e| e.into_inner())
+        self.blocks.lock()
     }
 
     fn apply(&self, payload: &[u8]) {

@@ -20,10 +20,12 @@ use std::{
     fmt, io,
     sync::{
         atomic::{AtomicBool, Ordering},
-        Arc, Mutex, Weak,
+        Arc, Weak,
     },
     time::Duration,
 };
+
+use parking_lot::Mutex;
 
 use bytes::BytesMut;
 use tokio::{net::TcpStream, time::Instant};
@@ -114,8 +116,8 @@ impl Home {
     }
 }
 
-fn lock(queues: &Queues) -> std::sync::MutexGuard<'_, HashMap<u64, VecDeque<Pooled>>> {
-    queues.lock().unwrap_or_else(|e| e.into_inner())
+fn lock(queues: &Queues) -> parking_lot::MutexGuard<'_, HashMap<u64, VecDeque<Pooled>>> {
+    queues.lock()
 }
 
 fn checkin(queues: &Queues, worker: u64, io: TcpStream, since: Instant) {
@@ -402,11 +404,11 @@ mod tests {
                         let n = match tokio::time::timeout(keep_alive, stream.read(&mut buf)).await
                         {
                             Err(_) => {
-                                log.lock().unwrap().push(Closed::ByWorkerIdle);
+                                log.lock().push(Closed::ByWorkerIdle);
                                 return;
                             }
                             Ok(Ok(0)) | Ok(Err(_)) => {
-                                log.lock().unwrap().push(Closed::ByClient);
+                                log.lock().push(Closed::ByClient);
                                 return;
                             }
                             Ok(Ok(n)) => n,
@@ -445,16 +447,16 @@ mod tests {
         // The first connection was closed by the pool, never by the worker's idle timer: the race
         // in which a request meets the worker's close cannot happen.
         for _ in 0..100 {
-            if !closed.lock().unwrap().is_empty() {
+            if !closed.lock().is_empty() {
                 break;
             }
             tokio::task::yield_now().await;
         }
-        assert_eq!(*closed.lock().unwrap(), vec![Closed::ByClient]);
+        assert_eq!(*closed.lock(), vec![Closed::ByClient]);
         // A connection left alone is forgotten (whoever closes it first: it is never sent on).
         tokio::time::sleep(Duration::from_secs(30)).await;
         assert_eq!(conns.pooled(w.id_hash), 0);
-        assert_eq!(closed.lock().unwrap().len(), 2);
+        assert_eq!(closed.lock().len(), 2);
     }
 
     #[tokio::test]

@@ -25,11 +25,9 @@
 //! prefix of the whole's ids is checked when the tokenizer is loaded, at every cut of a sample
 //! text; where it does not, heads are not used.
 
-use std::{
-    collections::HashMap,
-    path::Path,
-    sync::{Arc, Mutex},
-};
+use std::{collections::HashMap, path::Path, sync::Arc};
+
+use parking_lot::Mutex;
 
 use xxhash_rust::xxh3::xxh3_64;
 
@@ -307,7 +305,7 @@ impl ModelTokenizer {
             parts: Vec::new(),
             uncached_bytes: 0,
         };
-        let map = cache.map.lock().unwrap_or_else(|e| e.into_inner());
+        let map = cache.map.lock();
         for piece in self.split(&text) {
             pending.parts.push(match piece {
                 Piece::Added(id) => Part::Added(id),
@@ -342,7 +340,7 @@ impl ModelTokenizer {
                     let ids = self.encode(&text, special)?;
                     out.extend_from_slice(&ids);
                     if let (Some(key), Some(cache)) = (key, &self.pieces) {
-                        let mut g = cache.map.lock().unwrap_or_else(|e| e.into_inner());
+                        let mut g = cache.map.lock();
                         if g.tokens + ids.len() > PIECE_CACHE_TOKENS {
                             g.ids.clear();
                             g.tokens = 0;
