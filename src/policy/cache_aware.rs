@@ -377,12 +377,12 @@ impl CacheAware {
     /// The fewest requests in flight at which a worker is passed over (`load_bound`; see
     /// [`CacheAwareParams`]): the bound times the mean over usable workers, counting the new
     /// request, rounded up. Some usable worker is always under it, since the bound is at least 1.
-    fn load_cap(&self, (usable, total): (usize, usize)) -> usize {
+    fn load_cap(&self, load: PoolLoad) -> usize {
         let bound = self.params.load_bound;
-        if bound <= 0.0 || usable == 0 {
+        if bound <= 0.0 || load.usable == 0 {
             return usize::MAX;
         }
-        (bound * (total + 1) as f64 / usable as f64).ceil() as usize
+        (bound * (load.queued + 1) as f64 / load.usable as f64).ceil() as usize
     }
 
     /// No key: the usable worker with the least work queued, ties rotating.
@@ -508,8 +508,7 @@ impl CacheAware {
         };
         // Usable workers and their requests in flight, for bounded loads.
         let cap = if self.params.load_bound > 0.0 {
-            let all = PoolLoad::of(workers.iter());
-            self.load_cap((all.usable, all.queued))
+            self.load_cap(PoolLoad::of(workers.iter()))
         } else {
             usize::MAX
         };
@@ -1227,12 +1226,15 @@ mod tests {
                 "turn {turn}"
             );
         }
-        // Four conversations at a time, one per worker, each with its next turn in flight while
-        // the others arrive: still a mean of 1, and every one stays with its history.
+        // Four conversations at a time, each with its next turn in flight while the others
+        // arrive. All four start on the system prompt's first holder (nothing else is known),
+        // so that worker has four in flight and the others none: a mean of 1, and every
+        // conversation stays with its history rather than being copied to an idle worker.
         let p = policy();
         let homes: Vec<usize> = (10..14)
             .map(|c| pick(&p, &ws, &convo(c, 16, 4)).index)
             .collect();
+        assert!(homes.iter().all(|&h| h == homes[0]), "{homes:?}");
         for turn in 5..8 {
             let mut held = Vec::new();
             for (c, &home) in (10..14).zip(&homes) {
