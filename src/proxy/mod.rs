@@ -35,8 +35,9 @@ use crate::{
     load::RequestLoad,
     metrics::Metrics,
     policy::arms::Arm,
+    policy::Selection,
     routing_key::RequestInfo,
-    workers::{eligible, Pool, Worker},
+    workers::{eligible, InflightGuard, Pool, Worker},
 };
 
 /// Response header naming the worker that served the request.
@@ -115,19 +116,68 @@ pub async fn forward(
     let started = Instant::now();
     let snapshot = up.pool.snapshot();
     let workers = eligible(&snapshot, info.model.as_deref())?;
-    let cap = up.config.max_inflight_per_worker;
-    let mut last_error = ApiError::NoWorker;
     // The request's key, shared with the tracker when the policy learns.
     let info = Arc::new(info);
+    let mut last_error = ApiError::NoWorker;
     // Refused connections retried so far, and choices lost to a concurrent request.
     let (mut refused, mut lost) = (0, 0);
     loop {
+        let Some(choice) = choose(up, arm, &workers, &info, &mut lost).await? else {
+            return Err(last_error);
+        };
+        if route != Route::Passthrough {
+            arm.count_decision(&up.metrics, choice.selection.outcome);
+        }
+        let (worker, tracker) = choice.into_tracker(up, arm, &info, started);
+        let request = Outgoing {
+            parts,
+            body: body.clone(),
+            // The gateway's own key: the client's never reaches a worker.
+            authorization: up.auth.worker_authorization.as_ref(),
+        };
+        let timeout = up.config.timeouts.first_byte();
+        let own = OWN_CONNECTIONS.with(|own| own.get().cloned());
+        let connections = own.as_deref().unwrap_or(&up.connections);
+        let sent = tokio::time::timeout(timeout, connections.send(&worker, &request)).await;
+        match settle(up, &worker, tracker, sent, route, timeout) {
+            Settled::Answered(resp) => return Ok(resp),
+            Settled::Failed(e) => return Err(e),
+            Settled::Refused(e) => {
+                last_error = e;
+                refused += 1;
+                if refused > up.config.connect_retries {
+                    return Err(last_error);
+                }
+            }
+        }
+    }
+}
+
+/// A worker chosen for a request, with its in-flight slot taken.
+struct Choice {
+    worker: Arc<Worker>,
+    slot: InflightGuard,
+    selection: Selection,
+}
+
+/// Chooses a worker for the request and takes one of its in-flight slots: through admission
+/// control when there is a per-worker cap, then the arm's policy among the workers under it.
+/// `None` when the policy finds no worker to choose.
+async fn choose(
+    up: &Upstreams,
+    arm: &Arm,
+    workers: &[Arc<Worker>],
+    info: &RequestInfo,
+    lost: &mut usize,
+) -> Result<Option<Choice>, ApiError> {
+    let cap = up.config.max_inflight_per_worker;
+    loop {
         if cap > 0 {
-            admit(up, &workers, info.model.as_deref().unwrap_or(""), cap).await?;
+            admit(up, workers, info.model.as_deref().unwrap_or(""), cap).await?;
         }
         // With a per-worker cap, the policy chooses among the workers under it.
         let open: Cow<[Arc<Worker>]> = if cap == 0 {
-            Cow::Borrowed(&workers)
+            Cow::Borrowed(workers)
         } else {
             Cow::Owned(
                 workers
@@ -137,32 +187,51 @@ pub async fn forward(
                     .collect(),
             )
         };
-        let policy = arm.policy.as_ref();
-        let Some(selection) = policy.select(&open, &info) else {
-            return Err(last_error);
+        let Some(selection) = arm.policy.select(&open, info) else {
+            return Ok(None);
         };
         let worker = &open[selection.index];
         // Taken before anything else is counted, so the cap holds under concurrent choices.
-        let Some(slot) = worker.try_acquire(cap) else {
-            // Another request took the last slot between the choice and here: go back through
-            // admission (which queues, when configured) and choose again. Bounded, so a request
-            // that keeps losing is refused rather than spinning.
-            lost += 1;
-            if lost > MAX_LOST_CHOICES {
-                up.metrics.shed.with_label_values(&["lost_choices"]).inc();
-                return Err(ApiError::AtCapacity);
-            }
-            continue;
-        };
-        if route != Route::Passthrough {
-            arm.count_decision(&up.metrics, selection.outcome);
+        if let Some(slot) = worker.try_acquire(cap) {
+            return Ok(Some(Choice {
+                worker: Arc::clone(worker),
+                slot,
+                selection,
+            }));
         }
+        // Another request took the last slot between the choice and here: go back through
+        // admission (which queues, when configured) and choose again. Bounded, so a request
+        // that keeps losing is refused rather than spinning.
+        *lost += 1;
+        if *lost > MAX_LOST_CHOICES {
+            up.metrics.shed.with_label_values(&["lost_choices"]).inc();
+            return Err(ApiError::AtCapacity);
+        }
+    }
+}
+
+impl Choice {
+    /// The worker, and the request's accounting on it with what the policy learns from when
+    /// the request ends.
+    fn into_tracker(
+        self,
+        up: &Upstreams,
+        arm: &Arm,
+        info: &Arc<RequestInfo>,
+        started: Instant,
+    ) -> (Arc<Worker>, Tracker) {
+        let Choice {
+            worker,
+            slot,
+            selection,
+        } = self;
+        let policy = arm.policy.as_ref();
         let feedback = policy.learns().then(|| Feedback {
             policy: Arc::clone(&arm.policy),
-            info: Arc::clone(&info),
+            info: Arc::clone(info),
             selection,
             load: RequestLoad::new(
-                worker,
+                &worker,
                 selection.prediction.map_or(0, |p| u64::from(p.uncached())),
                 selection
                     .prediction
@@ -179,65 +248,79 @@ pub async fn forward(
             phase: Phase::Waiting,
             feedback,
         };
-        let request = Outgoing {
-            parts,
-            body: body.clone(),
-            // The gateway's own key: the client's never reaches a worker.
-            authorization: up.auth.worker_authorization.as_ref(),
-        };
-        let timeout = up.config.timeouts.first_byte();
-        let own = OWN_CONNECTIONS.with(|own| own.get().cloned());
-        let connections = own.as_deref().unwrap_or(&up.connections);
-        match tokio::time::timeout(timeout, connections.send(worker, &request)).await {
-            Ok(Ok(resp)) => {
-                worker.record_status(
-                    resp.status(),
-                    up.config.health.passive_failures,
-                    Duration::from_secs_f64(up.config.eject_seconds),
-                );
-                return Ok(tracker.into_response(resp, route, up.config.timeouts.idle_stream()));
+        (worker, tracker)
+    }
+}
+
+/// What a send to a worker gave back: the response head, the send's error, or the first-byte
+/// timeout.
+type Sent = Result<
+    Result<http::Response<UpstreamBody>, upstream::UpstreamError>,
+    tokio::time::error::Elapsed,
+>;
+
+/// How a send to a worker ended, for [`forward`].
+enum Settled {
+    /// The worker answered: the response, its body relayed with the tracker attached.
+    Answered(Response),
+    /// The request failed for good.
+    Failed(ApiError),
+    /// The connection was refused: nothing reached the worker, so another may take it.
+    Refused(ApiError),
+}
+
+/// Records how the send to `worker` ended (its health, the tracker's outcome) and says what
+/// the request does next.
+fn settle(
+    up: &Upstreams,
+    worker: &Worker,
+    tracker: Tracker,
+    sent: Sent,
+    route: Route,
+    timeout: Duration,
+) -> Settled {
+    let eject = Duration::from_secs_f64(up.config.eject_seconds);
+    match sent {
+        Ok(Ok(resp)) => {
+            worker.record_status(resp.status(), up.config.health.passive_failures, eject);
+            Settled::Answered(tracker.into_response(resp, route, up.config.timeouts.idle_stream()))
+        }
+        Ok(Err(e)) if e.is_connect() && out_of_descriptors(&e) => {
+            // The gateway's own failure (too many open files): not the worker's fault.
+            tracker.failed("gateway_fd_exhausted");
+            Settled::Failed(ApiError::GatewayExhausted(error_chain(&e)))
+        }
+        Ok(Err(e)) if e.is_connect() => {
+            tracker.failed("connect");
+            worker.eject_for(eject);
+            static CONNECT: crate::logging::Throttle = crate::logging::Throttle::new(10);
+            if let Some(suppressed) = CONNECT.allow() {
+                tracing::warn!(worker = %worker.name, error = %e, suppressed, "connect failed; trying another worker");
             }
-            Ok(Err(e)) if e.is_connect() && out_of_descriptors(&e) => {
-                // The gateway's own failure (too many open files): not the worker's fault.
-                tracker.failed("gateway_fd_exhausted");
-                return Err(ApiError::GatewayExhausted(error_chain(&e)));
-            }
-            Ok(Err(e)) if e.is_connect() => {
-                tracker.failed("connect");
-                worker.eject_for(Duration::from_secs_f64(up.config.eject_seconds));
-                static CONNECT: crate::logging::Throttle = crate::logging::Throttle::new(10);
-                if let Some(suppressed) = CONNECT.allow() {
-                    tracing::warn!(worker = %worker.name, error = %e, suppressed, "connect failed; trying another worker");
-                }
-                last_error = ApiError::UpstreamConnect {
-                    worker: worker.name.clone(),
-                    detail: error_chain(&e),
-                };
-                refused += 1;
-                if refused > up.config.connect_retries {
-                    return Err(last_error);
-                }
-            }
-            Ok(Err(e)) => {
-                tracker.failed("request");
-                return Err(ApiError::UpstreamFailed {
-                    worker: worker.name.clone(),
-                    detail: error_chain(&e),
-                });
-            }
-            Err(_) => {
-                tracker.failed("timeout");
-                // Repeated timeouts eject a hung worker, as repeated 5xx do.
-                worker.record_status(
-                    http::StatusCode::GATEWAY_TIMEOUT,
-                    up.config.health.passive_failures,
-                    Duration::from_secs_f64(up.config.eject_seconds),
-                );
-                return Err(ApiError::UpstreamTimeout {
-                    worker: worker.name.clone(),
-                    seconds: timeout.as_secs_f64(),
-                });
-            }
+            Settled::Refused(ApiError::UpstreamConnect {
+                worker: worker.name.clone(),
+                detail: error_chain(&e),
+            })
+        }
+        Ok(Err(e)) => {
+            tracker.failed("request");
+            Settled::Failed(ApiError::UpstreamFailed {
+                worker: worker.name.clone(),
+                detail: error_chain(&e),
+            })
+        }
+        Err(_) => {
+            tracker.failed("timeout");
+            // Repeated timeouts eject a hung worker, as repeated 5xx do.
+            worker.record_status(
+                http::StatusCode::GATEWAY_TIMEOUT,
+                up.config.health.passive_failures,
+                eject,
+            );
+            Settled::Failed(ApiError::UpstreamTimeout {
+                worker: worker.name.clone(),
+                seconds: timeout.as_secs_f64(),
+            })
         }
     }
 }
