@@ -128,7 +128,13 @@ pub async fn forward(
         if route != Route::Passthrough {
             arm.count_decision(&up.metrics, choice.selection.outcome);
         }
-        let (worker, tracker) = choice.into_tracker(up, arm, &info, started);
+        let Choice {
+            open,
+            selection,
+            slot,
+        } = choice;
+        let worker = &open[selection.index];
+        let tracker = tracker(up, arm, worker, slot, selection, &info, started);
         let request = Outgoing {
             parts,
             body: body.clone(),
@@ -138,8 +144,8 @@ pub async fn forward(
         let timeout = up.config.timeouts.first_byte();
         let own = OWN_CONNECTIONS.with(|own| own.get().cloned());
         let connections = own.as_deref().unwrap_or(&up.connections);
-        let sent = tokio::time::timeout(timeout, connections.send(&worker, &request)).await;
-        match settle(up, &worker, tracker, sent, route, timeout) {
+        let sent = tokio::time::timeout(timeout, connections.send(worker, &request)).await;
+        match settle(up, worker, tracker, sent, route, timeout) {
             Settled::Answered(resp) => return Ok(resp),
             Settled::Failed(e) => return Err(e),
             Settled::Refused(e) => {
@@ -154,22 +160,23 @@ pub async fn forward(
 }
 
 /// A worker chosen for a request, with its in-flight slot taken.
-struct Choice {
-    worker: Arc<Worker>,
-    slot: InflightGuard,
+struct Choice<'w> {
+    /// The workers the policy chose among; `selection.index` is into these.
+    open: Cow<'w, [Arc<Worker>]>,
     selection: Selection,
+    slot: InflightGuard,
 }
 
 /// Chooses a worker for the request and takes one of its in-flight slots: through admission
 /// control when there is a per-worker cap, then the arm's policy among the workers under it.
 /// `None` when the policy finds no worker to choose.
-async fn choose(
+async fn choose<'w>(
     up: &Upstreams,
     arm: &Arm,
-    workers: &[Arc<Worker>],
+    workers: &'w [Arc<Worker>],
     info: &RequestInfo,
     lost: &mut usize,
-) -> Result<Option<Choice>, ApiError> {
+) -> Result<Option<Choice<'w>>, ApiError> {
     let cap = up.config.max_inflight_per_worker;
     loop {
         if cap > 0 {
@@ -190,13 +197,12 @@ async fn choose(
         let Some(selection) = arm.policy.select(&open, info) else {
             return Ok(None);
         };
-        let worker = &open[selection.index];
         // Taken before anything else is counted, so the cap holds under concurrent choices.
-        if let Some(slot) = worker.try_acquire(cap) {
+        if let Some(slot) = open[selection.index].try_acquire(cap) {
             return Ok(Some(Choice {
-                worker: Arc::clone(worker),
-                slot,
+                open,
                 selection,
+                slot,
             }));
         }
         // Another request took the last slot between the choice and here: go back through
@@ -210,45 +216,39 @@ async fn choose(
     }
 }
 
-impl Choice {
-    /// The worker, and the request's accounting on it with what the policy learns from when
-    /// the request ends.
-    fn into_tracker(
-        self,
-        up: &Upstreams,
-        arm: &Arm,
-        info: &Arc<RequestInfo>,
-        started: Instant,
-    ) -> (Arc<Worker>, Tracker) {
-        let Choice {
+/// The request's accounting on the chosen worker, with what the policy learns from when the
+/// request ends.
+fn tracker(
+    up: &Upstreams,
+    arm: &Arm,
+    worker: &Arc<Worker>,
+    slot: InflightGuard,
+    selection: Selection,
+    info: &Arc<RequestInfo>,
+    started: Instant,
+) -> Tracker {
+    let policy = arm.policy.as_ref();
+    let feedback = policy.learns().then(|| Feedback {
+        policy: Arc::clone(&arm.policy),
+        info: Arc::clone(info),
+        selection,
+        load: RequestLoad::new(
             worker,
-            slot,
-            selection,
-        } = self;
-        let policy = arm.policy.as_ref();
-        let feedback = policy.learns().then(|| Feedback {
-            policy: Arc::clone(&arm.policy),
-            info: Arc::clone(info),
-            selection,
-            load: RequestLoad::new(
-                &worker,
-                selection.prediction.map_or(0, |p| u64::from(p.uncached())),
-                selection
-                    .prediction
-                    .map_or(0, |p| u64::from(p.prompt_tokens)),
-            ),
-            usage: None,
-            failed: false,
-        });
-        let tracker = Tracker {
-            series: worker.series(policy.name(), &arm.name),
-            slot,
-            metrics: up.metrics.clone(),
-            started,
-            phase: Phase::Waiting,
-            feedback,
-        };
-        (worker, tracker)
+            selection.prediction.map_or(0, |p| u64::from(p.uncached())),
+            selection
+                .prediction
+                .map_or(0, |p| u64::from(p.prompt_tokens)),
+        ),
+        usage: None,
+        failed: false,
+    });
+    Tracker {
+        series: worker.series(policy.name(), &arm.name),
+        slot,
+        metrics: up.metrics.clone(),
+        started,
+        phase: Phase::Waiting,
+        feedback,
     }
 }
 
