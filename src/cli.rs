@@ -168,107 +168,17 @@ pub fn main() -> ExitCode {
             listen,
             workers,
             policy,
-        } => {
-            let overrides = Overrides {
+        } => serve(
+            config,
+            Overrides {
                 listen,
                 workers,
                 policy,
-            };
-            let path = config;
-            let config = match Config::load(path.as_deref(), overrides.clone()) {
-                Ok(c) => c,
-                Err(e) => return usage_error(e),
-            };
-            // Taken right after loading, so an edit made from now on is picked up.
-            let poll = std::time::Duration::from_secs(2);
-            let source = path.map(|p| crate::reload::Source::new(p, overrides, poll));
-            if check {
-                // With an `ab` section the arms decide, not `policy`.
-                let routing = match &config.ab {
-                    None => format!("policy {}", config.policy.name()),
-                    Some(_) => format!(
-                        "ab arms {}",
-                        crate::policy::arms::Arms::new(&config.policy, config.ab.as_ref())
-                            .describe()
-                    ),
-                };
-                println!("config ok: {routing}, {} worker(s)", config.workers.len());
-                return ExitCode::SUCCESS;
-            }
-            let loops = match config.threads {
-                0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
-                n => n,
-            };
-            // The calling thread is the first event loop: a single-threaded runtime, like the others.
-            let rt = match tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-            {
-                Ok(rt) => rt,
-                Err(e) => {
-                    eprintln!("kvroute: cannot start the runtime: {e}");
-                    return ExitCode::FAILURE;
-                }
-            };
-            finish(rt.block_on(async move {
-                let listener = crate::listener::bind(config.listen, config.limits.listen_backlog)?;
-                let hup = source
-                    .as_ref()
-                    .and_then(|_| crate::reload::install_hangup());
-                let shutdown = shutdown_token();
-                // One line on stdout once the socket accepts connections and the signal handlers
-                // are in place (useful with port 0).
-                println!("kvroute listening on http://{}", listener.local_addr()?);
-                crate::server::serve_reloading(listener, loops, config, source, hup, shutdown).await
-            }))
-        }
-        Command::Sim(args) => {
-            if args.list_presets {
-                list_presets();
-                return ExitCode::SUCCESS;
-            }
-            let cfg = match args.resolve(false) {
-                Ok(c) => c,
-                Err(e) => return usage_error(e),
-            };
-            run(async move {
-                let shutdown = shutdown_token();
-                let mut tasks = JoinSet::new();
-                let workers =
-                    sim::start(&cfg, cfg.bind().await.map_err(io)?, &shutdown, &mut tasks)
-                        .await
-                        .map_err(io)?;
-                for w in &workers {
-                    match &w.kv_events {
-                        Some(ev) => println!(
-                            "http://{} {} {}",
-                            w.addr,
-                            ev.endpoint,
-                            ev.replay.as_deref().unwrap_or("")
-                        ),
-                        None => println!("http://{}", w.addr),
-                    }
-                }
-                tasks.join_all().await;
-                Ok(())
-            })
-        }
-        Command::Healthcheck { url } => run(async move {
-            let client = crate::proxy::http_client(&Config::default());
-            let uri: http::Uri = url.parse().map_err(io)?;
-            let req = http::Request::get(uri)
-                .body(http_body_util::Full::new(bytes::Bytes::new()))
-                .map_err(io)?;
-            let resp = tokio::time::timeout(std::time::Duration::from_secs(3), client.request(req))
-                .await
-                .map_err(io)?
-                .map_err(io)?;
-            if resp.status().is_success() {
-                Ok(())
-            } else {
-                Err(io(format!("{url}: HTTP {}", resp.status())))
-            }
-        }),
+            },
+            check,
+        ),
+        Command::Sim(args) => sim_workers(args),
+        Command::Healthcheck { url } => run(healthcheck(url)),
         Command::Bench(cmd) => run(async move { crate::bench::cli::run(cmd).await.map_err(io) }),
         Command::Demo {
             sim: args,
@@ -281,6 +191,107 @@ pub fn main() -> ExitCode {
             };
             run(demo(cfg, listen, policy))
         }
+    }
+}
+
+/// `kvroute serve`: loads the config (with the command line's overrides), and either checks it
+/// (`--check`) or serves it on one event loop per thread, reloading on change.
+fn serve(path: Option<PathBuf>, overrides: Overrides, check: bool) -> ExitCode {
+    let config = match Config::load(path.as_deref(), overrides.clone()) {
+        Ok(c) => c,
+        Err(e) => return usage_error(e),
+    };
+    // Taken right after loading, so an edit made from now on is picked up.
+    let poll = std::time::Duration::from_secs(2);
+    let source = path.map(|p| crate::reload::Source::new(p, overrides, poll));
+    if check {
+        // With an `ab` section the arms decide, not `policy`.
+        let routing = match &config.ab {
+            None => format!("policy {}", config.policy.name()),
+            Some(_) => format!(
+                "ab arms {}",
+                crate::policy::arms::Arms::new(&config.policy, config.ab.as_ref()).describe()
+            ),
+        };
+        println!("config ok: {routing}, {} worker(s)", config.workers.len());
+        return ExitCode::SUCCESS;
+    }
+    let loops = match config.threads {
+        0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
+        n => n,
+    };
+    // The calling thread is the first event loop: a single-threaded runtime, like the others.
+    let rt = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("kvroute: cannot start the runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    finish(rt.block_on(async move {
+        let listener = crate::listener::bind(config.listen, config.limits.listen_backlog)?;
+        let hup = source
+            .as_ref()
+            .and_then(|_| crate::reload::install_hangup());
+        let shutdown = shutdown_token();
+        // One line on stdout once the socket accepts connections and the signal handlers are in
+        // place (useful with port 0).
+        println!("kvroute listening on http://{}", listener.local_addr()?);
+        crate::server::serve_reloading(listener, loops, config, source, hup, shutdown).await
+    }))
+}
+
+/// `kvroute sim`: simulated workers until a signal, each announced on a line of stdout (its
+/// URL, and its KV-event endpoints when it publishes them).
+fn sim_workers(args: SimArgs) -> ExitCode {
+    if args.list_presets {
+        list_presets();
+        return ExitCode::SUCCESS;
+    }
+    let cfg = match args.resolve(false) {
+        Ok(c) => c,
+        Err(e) => return usage_error(e),
+    };
+    run(async move {
+        let shutdown = shutdown_token();
+        let mut tasks = JoinSet::new();
+        let workers = sim::start(&cfg, cfg.bind().await.map_err(io)?, &shutdown, &mut tasks)
+            .await
+            .map_err(io)?;
+        for w in &workers {
+            match &w.kv_events {
+                Some(ev) => println!(
+                    "http://{} {} {}",
+                    w.addr,
+                    ev.endpoint,
+                    ev.replay.as_deref().unwrap_or("")
+                ),
+                None => println!("http://{}", w.addr),
+            }
+        }
+        tasks.join_all().await;
+        Ok(())
+    })
+}
+
+/// `kvroute healthcheck`: succeeds when `url` answers 2xx within 3 s (for container probes).
+async fn healthcheck(url: String) -> std::io::Result<()> {
+    let client = crate::proxy::http_client(&Config::default());
+    let uri: http::Uri = url.parse().map_err(io)?;
+    let req = http::Request::get(uri)
+        .body(http_body_util::Full::new(bytes::Bytes::new()))
+        .map_err(io)?;
+    let resp = tokio::time::timeout(std::time::Duration::from_secs(3), client.request(req))
+        .await
+        .map_err(io)?
+        .map_err(io)?;
+    if resp.status().is_success() {
+        Ok(())
+    } else {
+        Err(io(format!("{url}: HTTP {}", resp.status())))
     }
 }
 
