@@ -312,20 +312,8 @@ impl Config {
                 "routing_key.block_bytes and routing_key.max_blocks must be at least 1".into(),
             );
         }
-        if let PolicyConfig::CacheAware(p) = &self.policy {
-            p.validate().map_err(ConfigError::Invalid)?;
-        }
-        if let PolicyConfig::Prefix(p) = &self.policy {
-            if p.key_blocks == 0 || p.key_blocks > self.routing_key.max_blocks {
-                return bad(format!(
-                    "policy.key_blocks must be between 1 and routing_key.max_blocks ({})",
-                    self.routing_key.max_blocks
-                ));
-            }
-            if !(p.load_factor.is_finite() && p.load_factor >= 1.0) {
-                return bad("policy.load_factor must be a number >= 1.0".into());
-            }
-        }
+        self.validate_policy(&self.policy)
+            .map_err(ConfigError::Invalid)?;
         let t = &self.timeouts;
         for (name, v) in [
             ("timeouts.connect_seconds", t.connect_seconds),
@@ -388,45 +376,70 @@ impl Config {
             );
         }
         if let Some(ab) = &self.ab {
-            if ab.arms.len() < 2 {
-                return bad("ab.arms needs at least two arms".into());
-            }
-            let mut seen = std::collections::HashSet::new();
-            for a in &ab.arms {
-                let ok_name = !a.name.is_empty()
-                    && a.name.len() <= 32
-                    && a.name
-                        .chars()
-                        .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_');
-                if !ok_name || !seen.insert(a.name.as_str()) {
-                    return bad(format!(
-                        "ab arm name {:?} must be unique, [A-Za-z0-9_-], at most 32 characters",
-                        a.name
+            self.validate_ab(ab).map_err(ConfigError::Invalid)?;
+        }
+        self.discovery.validate().map_err(ConfigError::Invalid)?;
+        Ok(())
+    }
+
+    /// A policy's own parameters, and those that depend on the routing key.
+    fn validate_policy(&self, policy: &PolicyConfig) -> Result<(), String> {
+        match policy {
+            PolicyConfig::CacheAware(p) => p.validate(),
+            PolicyConfig::Prefix(p) => {
+                if p.key_blocks == 0 || p.key_blocks > self.routing_key.max_blocks {
+                    return Err(format!(
+                        "policy.key_blocks must be between 1 and routing_key.max_blocks ({})",
+                        self.routing_key.max_blocks
                     ));
                 }
-                if !(a.weight.is_finite() && a.weight > 0.0) {
-                    return bad(format!("ab arm {:?}: weight must be positive", a.name));
+                if !(p.load_factor.is_finite() && p.load_factor >= 1.0) {
+                    return Err("policy.load_factor must be a number >= 1.0".into());
                 }
-                if let PolicyConfig::CacheAware(p) = &a.policy {
-                    p.validate()
-                        .map_err(|e| ConfigError::Invalid(format!("ab arm {:?}: {e}", a.name)))?;
-                }
-                if let PolicyConfig::Prefix(p) = &a.policy {
-                    if p.key_blocks == 0
-                        || p.key_blocks > self.routing_key.max_blocks
-                        || !(p.load_factor.is_finite() && p.load_factor >= 1.0)
-                    {
-                        return bad(format!("ab arm {:?}: invalid prefix parameters", a.name));
-                    }
-                }
+                Ok(())
             }
-            if let Some(h) = &ab.sticky_header {
-                if http::HeaderName::try_from(h.as_str()).is_err() {
-                    return bad(format!("ab.sticky_header {h:?} is not a header name"));
-                }
+            PolicyConfig::RoundRobin | PolicyConfig::LeastConn => Ok(()),
+        }
+    }
+
+    /// The A/B section: at least two uniquely and safely named arms with positive weights and
+    /// valid policies, and a valid sticky header.
+    fn validate_ab(&self, ab: &AbConfig) -> Result<(), String> {
+        if ab.arms.len() < 2 {
+            return Err("ab.arms needs at least two arms".into());
+        }
+        let mut seen = std::collections::HashSet::new();
+        for a in &ab.arms {
+            let ok_name = !a.name.is_empty()
+                && a.name.len() <= 32
+                && a.name
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_');
+            if !ok_name || !seen.insert(a.name.as_str()) {
+                return Err(format!(
+                    "ab arm name {:?} must be unique, [A-Za-z0-9_-], at most 32 characters",
+                    a.name
+                ));
+            }
+            if !(a.weight.is_finite() && a.weight > 0.0) {
+                return Err(format!("ab arm {:?}: weight must be positive", a.name));
+            }
+            self.validate_policy(&a.policy)
+                .map_err(|e| format!("ab arm {:?}: {e}", a.name))?;
+        }
+        if let Some(h) = &ab.sticky_header {
+            if http::HeaderName::try_from(h.as_str()).is_err() {
+                return Err(format!("ab.sticky_header {h:?} is not a header name"));
             }
         }
-        match &self.discovery {
+        Ok(())
+    }
+}
+
+impl DiscoveryConfig {
+    /// What each way of finding workers needs.
+    fn validate(&self) -> Result<(), String> {
+        match self {
             DiscoveryConfig::Static => {}
             DiscoveryConfig::Dns {
                 host,
@@ -434,7 +447,7 @@ impl Config {
                 ..
             } => {
                 if host.is_empty() || !(interval_seconds.is_finite() && *interval_seconds > 0.0) {
-                    return bad("discovery.dns needs a host and a positive interval_seconds".into());
+                    return Err("discovery.dns needs a host and a positive interval_seconds".into());
                 }
             }
             DiscoveryConfig::Kubernetes {
@@ -445,12 +458,12 @@ impl Config {
                 ..
             } => {
                 if service.is_empty() || (port_name.is_none() && port.is_none()) {
-                    return bad(
+                    return Err(
                         "discovery.kubernetes needs a service and a port_name or port".into(),
                     );
                 }
                 if !(*watch_timeout_seconds >= 1.0 && *watch_timeout_seconds < 1e6) {
-                    return bad("discovery.watch_timeout_seconds must be at least 1 second".into());
+                    return Err("discovery.watch_timeout_seconds must be at least 1 second".into());
                 }
             }
         }
@@ -527,6 +540,27 @@ mod tests {
         .is_err());
         assert!(
             Config::from_yaml("workers: [{url: 'http://a:1'}]\npolicy: {kind: fastest}").is_err()
+        );
+    }
+
+    #[test]
+    fn an_arms_policy_is_checked_as_the_top_level_one_and_the_error_names_the_arm() {
+        let arms = |second: &str| {
+            format!(
+                "workers: [{{url: 'http://a:1'}}]\nab: {{arms: [{{name: a, weight: 1, policy: {{kind: round_robin}}}}, {{name: b, weight: 1, policy: {second}}}]}}"
+            )
+        };
+        assert!(Config::from_yaml(&arms("{kind: prefix, key_blocks: 2}")).is_ok());
+        let e = Config::from_yaml(&arms("{kind: prefix, load_factor: 0.5}")).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("ab arm \"b\": policy.load_factor must be a number >= 1.0"),
+            "{e}"
+        );
+        let e = Config::from_yaml(&arms("{kind: prefix, key_blocks: 0}")).unwrap_err();
+        assert!(
+            e.to_string().contains("ab arm \"b\": policy.key_blocks"),
+            "{e}"
         );
     }
 
