@@ -122,17 +122,17 @@ pub async fn forward(
     // Refused connections retried so far, and choices lost to a concurrent request.
     let (mut refused, mut lost) = (0, 0);
     loop {
-        let Some(choice) = choose(up, arm, &workers, &info, &mut lost).await? else {
-            return Err(last_error);
-        };
-        if route != Route::Passthrough {
-            arm.count_decision(&up.metrics, choice.selection.outcome);
-        }
-        let Choice {
+        let Some(Choice {
             open,
             selection,
             slot,
-        } = choice;
+        }) = choose(up, arm, &workers, &info, &mut lost).await?
+        else {
+            return Err(last_error);
+        };
+        if route != Route::Passthrough {
+            arm.count_decision(&up.metrics, selection.outcome);
+        }
         let worker = &open[selection.index];
         let tracker = tracker(up, arm, worker, slot, selection, &info, started);
         let request = Outgoing {
