@@ -221,17 +221,10 @@ fn serve(path: Option<PathBuf>, overrides: Overrides, check: bool) -> ExitCode {
         n => n,
     };
     // The calling thread is the first event loop: a single-threaded runtime, like the others.
-    let rt = match tokio::runtime::Builder::new_current_thread()
+    let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
-        .build()
-    {
-        Ok(rt) => rt,
-        Err(e) => {
-            eprintln!("kvroute: cannot start the runtime: {e}");
-            return ExitCode::FAILURE;
-        }
-    };
-    finish(rt.block_on(async move {
+        .build();
+    run_on(rt, async move {
         let listener = crate::listener::bind(config.listen, config.limits.listen_backlog)?;
         let hup = source
             .as_ref()
@@ -241,7 +234,7 @@ fn serve(path: Option<PathBuf>, overrides: Overrides, check: bool) -> ExitCode {
         // place (useful with port 0).
         println!("kvroute listening on http://{}", listener.local_addr()?);
         crate::server::serve_reloading(listener, loops, config, source, hup, shutdown).await
-    }))
+    })
 }
 
 /// `kvroute sim`: simulated workers until a signal, each announced on a line of stdout (its
@@ -374,7 +367,15 @@ fn shutdown_token() -> CancellationToken {
 }
 
 fn run(fut: impl std::future::Future<Output = std::io::Result<()>>) -> ExitCode {
-    let rt = match tokio::runtime::Runtime::new() {
+    run_on(tokio::runtime::Runtime::new(), fut)
+}
+
+/// Runs `fut` to its end on `rt`, or says why the runtime could not start.
+fn run_on(
+    rt: std::io::Result<tokio::runtime::Runtime>,
+    fut: impl std::future::Future<Output = std::io::Result<()>>,
+) -> ExitCode {
+    let rt = match rt {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("kvroute: cannot start the runtime: {e}");
