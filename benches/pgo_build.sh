@@ -13,7 +13,7 @@
 # 3. merges the profile with rustup's `llvm-profdata` (component llvm-tools, added when missing)
 #    and builds again with `-Cprofile-use`, in target/pgo-use, and copies the binary to OUT.
 #
-# Takes about 15 minutes on 2 cores (three release builds with fat LTO). Everything runs on
+# Takes about 17 minutes on 2 cores (three release builds with fat LTO). Everything runs on
 # loopback. Measured against the plain build in the README ("Proxy overhead against nginx").
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -47,6 +47,7 @@ workers=()
 while read -r url _; do workers+=(--worker "$url"); done < "$work/sim.out"
 LLVM_PROFILE_FILE="$data/kvroute-%p.profraw" target/pgo-gen/release/kvroute serve --listen 127.0.0.1:0 "${workers[@]}" > "$work/gw.out" 2>/dev/null &
 gw=$!
+pids+=("$gw")
 for _ in $(seq 100); do grep -q listening "$work/gw.out" && break; sleep 0.1; done
 url=$(grep -o 'http://[0-9.:]*' "$work/gw.out")
 "$plain" bench run --url "$url" --workload chat --concurrency 64 --warmup 2 --duration 20 --time-scale 100 >/dev/null
