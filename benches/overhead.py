@@ -21,7 +21,8 @@ side, and holds its 5,000 streams too.
 
 Reports req/s and p50/p99 latency per target and shape (median over rounds, and each round),
 the proxies' CPU seconds per 10k requests (from /proc), and each proxy's resident memory per
-open stream with 5,000 streams held open, with /health (kvroute) latency meanwhile.
+open stream with 5,000 streams held open, with /health latency meanwhile (200 probes 50 ms apart,
+each on a new connection: kvroute's own route, and a `return 200` location in the nginx proxy).
 
 Needs `wrk` and `nginx` (Debian: `apt-get install wrk nginx-light`); installs them when missing
 and it may (root). Takes about 3 minutes with the defaults.
@@ -161,8 +162,27 @@ def wrk(url, seconds, lua):
     return {"rps": rps, "p50": lat["50"], "p99": lat["99"], "requests": reqs, "non2xx": int(non2xx.group(1)) if non2xx else 0}
 
 
-async def hold_streams(port, n, path, health_port):
-    """Opens n streams through the proxy on `port`, reads their first bytes, keeps them open."""
+HEALTH_PROBES = 200
+HEALTH_EVERY = 0.05  # seconds between probes
+# Prints the milliseconds each GET /health took, each on a new connection.
+HEALTH_PROBE = """
+import socket, sys, time
+port, n, every = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
+for _ in range(n):
+    time.sleep(every)
+    t0 = time.perf_counter()
+    s = socket.create_connection(("127.0.0.1", port))
+    s.sendall(b"GET /health HTTP/1.1\\r\\nhost: x\\r\\nconnection: close\\r\\n\\r\\n")
+    while s.recv(4096):
+        pass
+    s.close()
+    print((time.perf_counter() - t0) * 1000)
+"""
+
+
+async def hold_streams(port, n, path, health_ports):
+    """Opens n streams through the proxy on `port`, reads their first bytes, keeps them open, and
+    probes `/health` on each of `health_ports` (label, port) meanwhile."""
     conns = []
     req = (
         f"POST {path} HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
@@ -179,17 +199,20 @@ async def hold_streams(port, n, path, health_port):
             conns.append((r, w))
 
     await asyncio.gather(*[one() for _ in range(n)])
-    lat = []
-    if health_port:
-        for _ in range(50):
-            t0 = time.perf_counter()
-            r, w = await asyncio.open_connection("127.0.0.1", health_port)
-            w.write(b"GET /health HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
-            await w.drain()
-            await r.read()
-            w.close()
-            lat.append((time.perf_counter() - t0) * 1000)
-    return conns, lat
+    lats = await asyncio.gather(*[probe_health(port) for _, port in health_ports])
+    return conns, {label: lat for (label, _), lat in zip(health_ports, lats)}
+
+
+async def probe_health(health_port):
+    """Milliseconds per GET /health, from a process of its own: this one's event loop is busy
+    with the held streams' bytes (the upstream releases them once a second), and a probe here
+    would wait for that too. Spread over 10 s, so the probes meet whatever the streams do then."""
+    probe = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", HEALTH_PROBE, str(health_port), str(HEALTH_PROBES), str(HEALTH_EVERY),
+        stdout=subprocess.PIPE,
+    )
+    out, _ = await probe.communicate()
+    return [float(x) for x in out.split()]
 
 
 def main():
@@ -240,6 +263,7 @@ def main():
   upstream workers {{ server 127.0.0.1:{up_port}; keepalive 64; }}
   server {{
     listen 127.0.0.1:{ngx_port} backlog=4096;
+    location = /health {{ return 200; }}
     location / {{
       proxy_pass http://workers;
       proxy_http_version 1.1;
@@ -249,14 +273,18 @@ def main():
   }}
 """, cores)
     def start_kvroute(binary):
+        """The process, its port, and its admin listener's port (None for a build without one)."""
+        admin = "--admin-listen" in subprocess.run([binary, "serve", "--help"], capture_output=True, text=True).stdout
         p = subprocess.Popen(
-            [binary, "serve", "--listen", "127.0.0.1:0", "--worker", f"http://127.0.0.1:{up_port}"],
+            [binary, "serve", "--listen", "127.0.0.1:0", "--worker", f"http://127.0.0.1:{up_port}"]
+            + (["--admin-listen", "127.0.0.1:0"] if admin else []),
             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env={**os.environ, "RUST_LOG": "error"},
         )
-        return p, int(p.stdout.readline().strip().rsplit(":", 1)[1])
+        port = int(p.stdout.readline().strip().rsplit(":", 1)[1])
+        return p, port, int(p.stdout.readline().strip().rsplit(":", 1)[1]) if admin else None
 
-    kv, kv_port = start_kvroute(a.bin)
-    base, base_port = start_kvroute(a.baseline) if a.baseline else (None, None)
+    kv, kv_port, kv_admin = start_kvroute(a.bin)
+    base, base_port, base_admin = start_kvroute(a.baseline) if a.baseline else (None, None, None)
     for p in (up_port, ngx_port, kv_port, base_port):
         if p:
             wait_port(p)
@@ -308,14 +336,17 @@ def main():
                 print(f"{shape}: kvroute / baseline req/s {k / b:.2f}x, p99 {kp / bp:.2f}x, CPU per request {kc / bc:.2f}x")
         # Memory per open stream.
         print()
-        held = [("kvroute", kv_port, [kv.pid], kv_port)]
+        # /health on the proxy's own port, and on kvroute's admin port where the build has one.
+        def probes(port, admin):
+            return [("", port)] + ([(" (admin port)", admin)] if admin else [])
+        held = [("kvroute", kv_port, [kv.pid], probes(kv_port, kv_admin))]
         if base:
-            held.append(("kvroute-baseline", base_port, [base.pid], base_port))
-        held.append(("nginx", ngx_port, pids_of(proxy), None))
+            held.append(("kvroute-baseline", base_port, [base.pid], probes(base_port, base_admin)))
+        held.append(("nginx", ngx_port, pids_of(proxy), probes(ngx_port, None)))
         for name, port, pids, health in held:
             before = rss_bytes(pids)
             print(f"holding {a.streams} streams through {name}...", file=sys.stderr, flush=True)
-            conns, lat = asyncio.run(_hold(port, a.streams, health, pids, before, name))
+            asyncio.run(_hold(port, a.streams, health, pids, before, name))
     finally:
         # SIGTERM: nginx's master stops its workers (SIGKILL would orphan them).
         procs = [p for p in (kv, base, proxy, upstream) if p]
@@ -331,17 +362,18 @@ def main():
 
 
 async def _hold(port, n, health, pids, before, name):
-    conns, lat = await hold_streams(port, n, "/v1/completions?sse=1&hold=1", health)
+    conns, lats = await hold_streams(port, n, "/v1/completions?sse=1&hold=1", health)
     after = rss_bytes(pids)
     per = (after - before) / n
-    line = f"{name}: {n} open streams: resident {before / 2**20:.1f} -> {after / 2**20:.1f} MiB, {per / 1024:.1f} KiB per stream"
-    if lat:
+    print(f"{name}: {n} open streams: resident {before / 2**20:.1f} -> {after / 2**20:.1f} MiB, {per / 1024:.1f} KiB per stream")
+    for label, lat in lats.items():
         lat.sort()
-        line += f"; /health meanwhile p50 {lat[len(lat) // 2]:.2f} ms, max {lat[-1]:.2f} ms"
-    print(line)
+        print(
+            f"{name}: /health{label} meanwhile ({len(lat)} probes over {len(lat) * HEALTH_EVERY:.0f} s) p50 {lat[len(lat) // 2]:.2f} ms,"
+            f" p99 {lat[int(len(lat) * 0.99)]:.2f} ms, max {lat[-1]:.2f} ms, over 10 ms: {sum(x > 10 for x in lat)}"
+        )
     for r, w in conns:
         w.close()
-    return conns, lat
 
 
 if __name__ == "__main__":
