@@ -45,6 +45,10 @@ enum Command {
         /// Listen address (overrides the file).
         #[arg(long)]
         listen: Option<SocketAddr>,
+        /// Admin listen address: `/health`, `/ready` and `/metrics` on a thread of their own
+        /// (overrides the file's `admin_listen`).
+        #[arg(long)]
+        admin_listen: Option<SocketAddr>,
         /// Worker base URLs, repeatable or several after one flag (replace the file's list).
         #[arg(long = "worker", num_args = 1..)]
         workers: Vec<String>,
@@ -166,12 +170,14 @@ pub fn main() -> ExitCode {
             config,
             check,
             listen,
+            admin_listen,
             workers,
             policy,
         } => serve(
             config,
             Overrides {
                 listen,
+                admin_listen,
                 workers,
                 policy,
             },
@@ -232,8 +238,15 @@ fn serve(path: Option<PathBuf>, overrides: Overrides, check: bool) -> ExitCode {
         let shutdown = shutdown_token();
         // One line on stdout once the socket accepts connections and the signal handlers are in
         // place (useful with port 0).
+        let admin = match config.admin_listen {
+            Some(addr) => Some(std::net::TcpListener::bind(addr)?),
+            None => None,
+        };
         println!("kvroute listening on http://{}", listener.local_addr()?);
-        crate::server::serve_reloading(listener, loops, config, source, hup, shutdown).await
+        if let Some(admin) = &admin {
+            println!("kvroute admin on http://{}", admin.local_addr()?);
+        }
+        crate::server::serve_reloading(listener, admin, loops, config, source, hup, shutdown).await
     })
 }
 
@@ -299,6 +312,7 @@ async fn demo(cfg: SimConfig, listen: SocketAddr, policy: String) -> std::io::Re
         listen: Some(listen),
         workers: addrs.iter().map(|a| format!("http://{a}")).collect(),
         policy: Some(policy),
+        ..Overrides::default()
     };
     let config = Config::default().with_overrides(overrides).map_err(io)?;
     let listener = tokio::net::TcpListener::bind(config.listen).await?;

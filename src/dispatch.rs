@@ -39,6 +39,14 @@ impl Gateway {
         let direct = (!state.upstreams.auth.enabled()).then_some(state);
         Self { router, direct }
     }
+
+    /// `router` for every request (a router without the completion routes).
+    pub fn router_only(router: Router) -> Self {
+        Self {
+            router,
+            direct: None,
+        }
+    }
 }
 
 type Answer = Pin<Box<dyn Future<Output = Result<Response, Infallible>> + Send>>;

@@ -114,9 +114,11 @@ pub async fn serve(
 }
 
 /// Like [`serve`] on one event loop per listener (see [`serve_state_on`]), and also reloads
-/// `source`, when given, when the file changes or `hup` fires.
+/// `source`, when given, when the file changes or `hup` fires, and serves the admin routes on
+/// `admin`, when given (see [`spawn_admin`]).
 pub async fn serve_reloading(
     listener: TcpListener,
+    admin: Option<std::net::TcpListener>,
     loops: usize,
     config: Config,
     source: Option<crate::reload::Source>,
@@ -128,9 +130,60 @@ pub async fn serve_reloading(
     let reloads = shutdown.child_token();
     let _stop = reloads.clone().drop_guard();
     if let Some(source) = source {
-        tokio::spawn(crate::reload::run(state.clone(), source, hup, reloads));
+        tokio::spawn(crate::reload::run(
+            state.clone(),
+            source,
+            hup,
+            reloads.clone(),
+        ));
+    }
+    if let Some(admin) = admin {
+        spawn_admin(admin, state.clone(), reloads)?;
     }
     serve_state_on(listener, loops, state, drain, shutdown).await
+}
+
+/// The admin routes: `/health`, `/ready` and `/metrics`, as the gateway's own listener serves
+/// them, and nothing else.
+pub fn admin_app(state: AppState) -> Router {
+    Router::new()
+        .route("/health", get(routes::health))
+        .route("/ready", get(routes::ready))
+        .route("/metrics", get(routes::metrics))
+        .fallback(routes::not_found)
+        .method_not_allowed_fallback(routes::method_not_allowed)
+        .layer(axum::middleware::from_fn(routes::guard))
+        .with_state(state)
+}
+
+/// Serves [`admin_app`] on `listener` from a thread of its own, with a single-threaded runtime,
+/// until `shutdown`. The event loops run each ready connection's task in turn, so a probe that
+/// arrives while thousands of streams have bytes to relay waits for all of them there; here it
+/// waits for nothing (linkerd2-proxy runs its admin server on its own thread for this reason).
+pub fn spawn_admin(
+    listener: std::net::TcpListener,
+    state: AppState,
+    shutdown: CancellationToken,
+) -> std::io::Result<std::thread::JoinHandle<()>> {
+    listener.set_nonblocking(true)?;
+    let limits = state.upstreams.config.limits.clone();
+    std::thread::Builder::new()
+        .name("kvroute-admin".into())
+        .spawn(move || {
+            let served = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .and_then(|rt| {
+                    rt.block_on(async move {
+                        let listener = TcpListener::from_std(listener)?;
+                        let app = crate::dispatch::Gateway::router_only(admin_app(state));
+                        crate::listener::serve(listener, app, &limits, shutdown).await
+                    })
+                });
+            if let Err(e) = served {
+                tracing::error!(error = %e, "the admin listener failed");
+            }
+        })
 }
 
 pub async fn serve_state(

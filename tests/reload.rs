@@ -68,6 +68,7 @@ async fn setup(tag: &str) -> Setup {
     let source = kvroute::reload::Source::new(path.clone(), Overrides::default(), poll);
     tokio::spawn(kvroute::server::serve_reloading(
         listener,
+        None,
         1,
         config,
         Some(source),

@@ -301,6 +301,7 @@ async fn start_gateway(
                 listen: None,
                 workers: workers.clone(),
                 policy: (!is_file).then(|| arm.to_string()),
+                ..Overrides::default()
             })
         })
         .map_err(|e| BenchError::Setup(e.to_string()))?;

@@ -41,6 +41,10 @@ pub enum ConfigError {
 pub struct Config {
     /// Address the gateway listens on.
     pub listen: SocketAddr,
+    /// A second address serving only `/health`, `/ready` and `/metrics`, on a thread of its own:
+    /// probes and scrapes are answered while the event loops work through a burst of traffic.
+    /// The same routes stay on `listen` too. None: no admin listener.
+    pub admin_listen: Option<SocketAddr>,
     /// The vLLM workers behind the gateway.
     pub workers: Vec<WorkerConfig>,
     /// Which routing policy picks a worker, and its parameters.
@@ -85,6 +89,7 @@ impl Default for Config {
     fn default() -> Self {
         Self {
             listen: SocketAddr::from(([127, 0, 0, 1], 8080)),
+            admin_listen: None,
             workers: Vec::new(),
             policy: PolicyConfig::default(),
             routing_key: RoutingKeyConfig::default(),
@@ -112,6 +117,7 @@ impl Default for Config {
 #[derive(Clone, Debug, Default)]
 pub struct Overrides {
     pub listen: Option<SocketAddr>,
+    pub admin_listen: Option<SocketAddr>,
     /// Replaces the file's worker list when not empty.
     pub workers: Vec<String>,
     pub policy: Option<String>,
@@ -269,6 +275,9 @@ impl Config {
         if let Some(listen) = o.listen {
             self.listen = listen;
         }
+        if let Some(admin) = o.admin_listen {
+            self.admin_listen = Some(admin);
+        }
         if !o.workers.is_empty() {
             self.workers = o.workers.into_iter().map(WorkerConfig::from_url).collect();
         }
@@ -283,6 +292,12 @@ impl Config {
     /// Checks what serde cannot: ranges, URLs, duplicate names.
     pub fn validate(&self) -> Result<(), ConfigError> {
         let bad = |m: String| Err(ConfigError::Invalid(m));
+        if self.admin_listen == Some(self.listen) && self.listen.port() != 0 {
+            return bad(format!(
+                "admin_listen must be another address than listen ({})",
+                self.listen
+            ));
+        }
         if self.workers.is_empty() && self.discovery == DiscoveryConfig::Static {
             return bad(
                 "at least one worker is required (workers: [{url: ...}] or --worker URL)".into(),
@@ -512,6 +527,20 @@ mod tests {
     }
 
     #[test]
+    fn admin_listen_must_be_another_address_than_listen() {
+        let e = Config::from_yaml(
+            "workers: [{url: 'http://a:1'}]\nlisten: 0.0.0.0:9\nadmin_listen: 0.0.0.0:9",
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("admin_listen"), "{e}");
+        let ok = Config::from_yaml(
+            "workers: [{url: 'http://a:1'}]\nlisten: 0.0.0.0:9\nadmin_listen: 0.0.0.0:10",
+        )
+        .unwrap();
+        assert_eq!(ok.admin_listen, Some("0.0.0.0:10".parse().unwrap()));
+    }
+
+    #[test]
     fn unknown_keys_are_rejected() {
         let e = Config::from_yaml("workers: [{url: 'http://a:1'}]\nlisten_port: 3").unwrap_err();
         assert!(e.to_string().contains("listen_port"), "{e}");
@@ -583,6 +612,7 @@ mod tests {
                 listen: Some("0.0.0.0:9".parse().unwrap()),
                 workers: vec!["http://b:2".into(), "http://c:3".into()],
                 policy: Some("round_robin".into()),
+                ..Overrides::default()
             })
             .unwrap();
         assert_eq!(c.listen.port(), 9);
