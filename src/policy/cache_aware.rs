@@ -398,9 +398,11 @@ impl CacheAware {
             .map(|(_, i)| Selection::new(i, Outcome::Fallback))
     }
 
-    /// What the index and the workers' events say of `req`'s prompt, before any worker is
-    /// priced. `last`: the prompt's last block hash (it has at least one).
-    fn survey(&self, workers: &[Arc<Worker>], req: &RequestInfo, last: u64, bpt: f64) -> Survey {
+    /// The choice for `req` and what it expects there; changes no routing state.
+    fn decide(&self, workers: &[Arc<Worker>], req: &RequestInfo) -> Option<Selection> {
+        let Some(&last) = req.block_hashes.last() else {
+            return self.least_work(workers, req);
+        };
         // A prefix one of the last `workers` requests went through counts as hot below; only
         // the idle credit asks (a window of 0 makes the walk skip the sample).
         let window = if self.params.amortize_hot_copies {
@@ -410,6 +412,7 @@ impl CacheAware {
         };
         let matches = self.index.matches(&req.block_hashes, window);
         let deepest = matches.deepest();
+        let bpt = self.bytes_per_token();
         let prompt = match &req.tokens {
             Some(t) => t.len() as f64 + f64::from(req.tokens_after),
             None => req.prompt_bytes as f64 / bpt,
@@ -466,67 +469,60 @@ impl CacheAware {
                 key = chain[past.min(chain.len() - 1)];
             }
         }
-        Survey {
-            matches,
-            deepest,
-            prompt,
-            exacts,
-            all_exact,
-            exact_deepest,
-            unknown,
-            shared_depth,
-            most,
-            key_depth,
-            key,
-        }
-    }
 
-    /// Tokens of the hot part of the prompt: what at least two workers hold, or what one of the
-    /// last `workers` requests went through (about a worker's share of the traffic or more),
-    /// which the one worker holding it cannot keep to itself without leaving others idle. 0
-    /// without `amortize_hot_copies`.
-    fn hot_tokens(&self, s: &Survey, req: &RequestInfo, bpt: f64) -> f64 {
-        if !self.params.amortize_hot_copies {
-            return 0.0;
-        }
-        let by_events = second_largest(s.exacts.iter().flatten().copied());
-        let depth = s.shared_depth.max(s.matches.recent);
-        (req.bytes_at_depth(depth) as f64 / bpt).max(by_events as f64)
-    }
-
-    /// How far this gateway decides alone where a prompt known no further than a prefix most
-    /// workers hold goes (`hot_pending_weight`): 1 spreads it by pending prefill, 0 leaves it to
-    /// the home's hash. `others`: how far other replicas decide, asked only when it matters.
-    /// On events, replicas need no home to agree on: each sees where the others' requests went,
-    /// so the spread holds whatever their share of the traffic.
-    fn alone(&self, s: &Survey, others: impl FnOnce() -> f64) -> f64 {
-        if self.params.hot_pending_weight <= 0.0 || !self.params.shared_home {
-            0.0
-        } else if s.all_exact {
-            let holding = s.exacts.iter().flatten().filter(|&&e| e == s.exact_deepest);
-            if s.exact_deepest > 0 && holding.count() >= s.most {
-                1.0
-            } else {
-                0.0
+        // One bit per holder (by the low bits of its id): most workers hold nothing, and this
+        // answers that without searching the holders. Only holders of more than the blocks
+        // presumed on every worker: the pass prices the others at those blocks without asking,
+        // and a full holder list would otherwise send an eighth of the workers down the search
+        // at random (a mispredicted branch each; 6.2 against 5.5 us a decision at 1,024 workers).
+        let holders = matches
+            .depths
+            .iter()
+            .filter(|&&(_, d)| d > matches.everyone)
+            .fold(0u64, |m, &(id, _)| m | 1 << (id & 63));
+        // Every usable worker is priced; this loop is the decision's cost at scale, so it keeps
+        // its state in registers: no Option, constants hoisted, the index consulted only for
+        // workers whose bit says they may hold something.
+        let miss = self.params.miss_weight;
+        let full_price = miss * prompt;
+        // Prompt tokens a worker is priced as holding: what its own events say, which beats what
+        // this gateway has routed there (the index's match, times the worker's trust). Kept out
+        // of `Candidate`, which the pass copies per worker, and recomputed for the two it keeps.
+        let any_exact = exacts.iter().any(Option::is_some);
+        let held_by = |index: usize, w: &Worker, depth: usize| -> f64 {
+            match exacts.get(index).copied().flatten() {
+                Some(held) => held as f64,
+                None if depth > 0 => req.bytes_at_depth(depth) as f64 / bpt * w.load.cache_trust(),
+                None => 0.0,
             }
-        } else if s.key_depth > 0 && s.key_depth == s.deepest {
-            1.0 - others()
+        };
+        // The hot part of the prompt: what at least two workers hold, or what one of the last
+        // `workers` requests went through (about a worker's share of the traffic or more), which
+        // the one worker holding it cannot keep to itself without leaving others idle.
+        let hot = if self.params.amortize_hot_copies {
+            let by_events = second_largest(exacts.iter().flatten().copied());
+            let depth = shared_depth.max(matches.recent);
+            (req.bytes_at_depth(depth) as f64 / bpt).max(by_events as f64)
         } else {
             0.0
-        }
-    }
-
-    /// The choice for `req` and what it expects there; changes no routing state.
-    fn decide(&self, workers: &[Arc<Worker>], req: &RequestInfo) -> Option<Selection> {
-        let Some(&last) = req.block_hashes.last() else {
-            return self.least_work(workers, req);
         };
-        let bpt = self.bytes_per_token();
-        let s = self.survey(workers, req, last, bpt);
-        let hot = self.hot_tokens(&s, req, bpt);
+        // Usable workers and their requests in flight, for bounded loads.
+        let cap = if self.params.load_bound > 0.0 {
+            self.load_cap(PoolLoad::of(workers.iter()))
+        } else {
+            usize::MAX
+        };
         // The pool's load from a sample: the mean that an idle worker short of the hot prefix is
         // measured against, read when the prefix is hot.
         let sampled = (hot > 0.0).then(|| PoolLoad::sampled(workers));
+        // The pass is compiled once for each combination of what is known before it (any events
+        // at all; an idle worker's credit for a hot prefix), so the common pool, which has
+        // neither, runs no per-worker code for them: this loop is the decision's cost at scale.
+        let idle_credit = if sampled.is_some_and(|l| l.mean() > 1.0) {
+            miss * hot
+        } else {
+            0.0
+        };
         // How far other replicas decide where this prompt goes: `min(1, 2f)` for their share `f`
         // of the requests in flight. From the same sample, taken now if it was not above, at most
         // once, and only for the prompts that need it, rather than in the pass: two more running
@@ -538,23 +534,59 @@ impl CacheAware {
                 (2.0 * load.foreign_share()).min(1.0)
             })
         };
-        let alone = self.alone(&s, others);
-        let idle_credit = if sampled.is_some_and(|l| l.mean() > 1.0) {
-            self.params.miss_weight * hot
+        // Nothing is known past a prefix most workers hold: spread by pending prefill, not by the
+        // home's hash, as far as this gateway decides alone (`hot_pending_weight`).
+        // On events, replicas need no home to agree on: each sees where the others' requests
+        // went, so the spread holds whatever their share of the traffic.
+        let alone = if self.params.hot_pending_weight <= 0.0 || !self.params.shared_home {
+            0.0
+        } else if all_exact {
+            let holding = exacts.iter().flatten().filter(|&&e| e == exact_deepest);
+            if exact_deepest > 0 && holding.count() >= most {
+                1.0
+            } else {
+                0.0
+            }
+        } else if key_depth > 0 && key_depth == deepest {
+            1.0 - others()
         } else {
             0.0
         };
-        let Priced { best, home } = self.price(workers, req, &s, bpt, idle_credit, alone);
+        let mut weights = self.queue_weights();
+        weights.pending += self.params.hot_pending_weight * alone;
+        let pass = Pass {
+            workers,
+            key,
+            cap,
+            holders,
+            matches: &matches,
+            everyone_held: req.bytes_at_depth(matches.everyone) as f64 / bpt / 1000.0,
+            full_price,
+            prompt,
+            miss,
+            idle_credit,
+            weights,
+        };
+        let held_by = &held_by;
+        // With blocks presumed on every worker, no worker holds none of the prompt: no idle credit.
+        let Priced { best, home } = match (any_exact, idle_credit > 0.0, matches.everyone > 0) {
+            (false, _, true) => pass.run::<false, false, true>(held_by),
+            (false, false, false) => pass.run::<false, false, false>(held_by),
+            (false, true, false) => pass.run::<false, true, false>(held_by),
+            (true, false, _) => pass.run::<true, false, false>(held_by),
+            (true, true, _) => pass.run::<true, true, false>(held_by),
+        };
         if best.index == NONE {
             return None;
         }
+        let mut chosen = best;
         // Other replicas send this prompt's conversation to its home too: presume the home holds
         // as much of it as any worker is known to, in proportion to the share of the pool's
         // requests this gateway does not see (`shared_home`). Events are everyone's knowledge
         // already, so not with them.
-        let presumed = if self.params.shared_home && !s.all_exact && home.depth < s.deepest {
-            let known = req.bytes_at_depth(s.deepest) as f64 / bpt;
-            let home_held = s.held(home.index, &workers[home.index], home.depth, req, bpt);
+        let presumed = if self.params.shared_home && !all_exact && home.depth < deepest {
+            let known = req.bytes_at_depth(deepest) as f64 / bpt;
+            let home_held = held_by(home.index, &workers[home.index], home.depth);
             (others() * known - home_held).max(0.0)
         } else {
             0.0
@@ -563,150 +595,36 @@ impl CacheAware {
             cost: home.cost
                 - (1.0 - alone)
                     * self.params.miss_weight
-                    * (self.params.home_affinity * s.unknown + presumed),
+                    * (self.params.home_affinity * unknown + presumed),
             ..home
         };
-        let chosen = if credited.beats(&best) { home } else { best };
-        Some(label(&s, req, bpt, chosen, home.index, presumed))
-    }
-
-    /// One pass over the workers: the cheapest and the prompt's home. `idle_credit`: prompt
-    /// tokens' price taken off an idle worker holding none of the prompt; `alone`: see
-    /// [`Self::alone`].
-    fn price(
-        &self,
-        workers: &[Arc<Worker>],
-        req: &RequestInfo,
-        s: &Survey,
-        bpt: f64,
-        idle_credit: f64,
-        alone: f64,
-    ) -> Priced {
-        // One bit per holder (by the low bits of its id): most workers hold nothing, and this
-        // answers that without searching the holders. Only holders of more than the blocks
-        // presumed on every worker: the pass prices the others at those blocks without asking,
-        // and a full holder list would otherwise send an eighth of the workers down the search
-        // at random (a mispredicted branch each; 6.2 against 5.5 us a decision at 1,024 workers).
-        let holders = s
-            .matches
-            .depths
-            .iter()
-            .filter(|&&(_, d)| d > s.matches.everyone)
-            .fold(0u64, |m, &(id, _)| m | 1 << (id & 63));
-        // Usable workers and their requests in flight, for bounded loads.
-        let cap = if self.params.load_bound > 0.0 {
-            self.load_cap(PoolLoad::of(workers.iter()))
-        } else {
-            usize::MAX
-        };
-        let mut weights = self.queue_weights();
-        weights.pending += self.params.hot_pending_weight * alone;
-        // Every usable worker is priced; this loop is the decision's cost at scale, so it keeps
-        // its state in registers: no Option, constants hoisted, the index consulted only for
-        // workers whose bit says they may hold something.
-        let miss = self.params.miss_weight;
-        let pass = Pass {
-            workers,
-            key: s.key,
-            cap,
-            holders,
-            matches: &s.matches,
-            everyone_held: req.bytes_at_depth(s.matches.everyone) as f64 / bpt / 1000.0,
-            full_price: miss * s.prompt,
-            prompt: s.prompt,
-            miss,
-            idle_credit,
-            weights,
-        };
-        let held_by = &|index: usize, w: &Worker, depth: usize| s.held(index, w, depth, req, bpt);
-        // The pass is compiled once for each combination of what is known before it (any events
-        // at all; an idle worker's credit for a hot prefix; blocks presumed on every worker), so
-        // the common pool, which has none, runs no per-worker code for them. With blocks presumed
-        // on every worker, no worker holds none of the prompt: no idle credit.
-        let any_exact = s.exacts.iter().any(Option::is_some);
-        match (any_exact, idle_credit > 0.0, s.matches.everyone > 0) {
-            (false, _, true) => pass.run::<false, false, true>(held_by),
-            (false, false, false) => pass.run::<false, false, false>(held_by),
-            (false, true, false) => pass.run::<false, true, false>(held_by),
-            (true, false, _) => pass.run::<true, false, false>(held_by),
-            (true, true, _) => pass.run::<true, true, false>(held_by),
+        if credited.beats(&chosen) {
+            chosen = home;
         }
-    }
-}
 
-/// What a decision knows of the prompt before pricing any worker ([`CacheAware::survey`]).
-struct Survey {
-    matches: crate::index::Matches,
-    /// Blocks of the prompt the deepest holder has, by the index.
-    deepest: usize,
-    /// The prompt's length in tokens.
-    prompt: f64,
-    /// Per worker, the prompt tokens its own events hold; empty when the request has no tokens.
-    exacts: Vec<Option<u64>>,
-    /// Every usable worker publishes events.
-    all_exact: bool,
-    /// The most of the prompt any worker's events hold, in tokens (0 without events).
-    exact_deepest: u64,
-    /// Tokens of the prompt no worker is known to hold.
-    unknown: f64,
-    /// Blocks of the prompt at least two workers hold, by the index.
-    shared_depth: usize,
-    /// Holders that make a prefix held by most workers.
-    most: usize,
-    /// Blocks before the home's key.
-    key_depth: usize,
-    /// The rendezvous key of the prompt's home.
-    key: u64,
-}
-
-impl Survey {
-    /// Prompt tokens worker `w` (at `index`) is priced as holding: what its own events say, which
-    /// beats what this gateway has routed there (the index's `depth`, times the worker's trust).
-    /// Kept out of `Candidate`, which the pass copies per worker, and recomputed for the two it
-    /// keeps.
-    #[inline(always)]
-    fn held(&self, index: usize, w: &Worker, depth: usize, req: &RequestInfo, bpt: f64) -> f64 {
-        match self.exacts.get(index).copied().flatten() {
-            Some(held) => held as f64,
-            None if depth > 0 => req.bytes_at_depth(depth) as f64 / bpt * w.load.cache_trust(),
-            None => 0.0,
-        }
-    }
-}
-
-/// The selection of `chosen`, labelled with why it was chosen and what it is expected to hold.
-/// `home`: the index of the prompt's home; `presumed`: tokens the home was presumed to hold for
-/// other replicas' sake.
-fn label(
-    s: &Survey,
-    req: &RequestInfo,
-    bpt: f64,
-    chosen: Candidate,
-    home: usize,
-    presumed: f64,
-) -> Selection {
-    let exact = s.exacts.get(chosen.index).copied().flatten();
-    let outcome = match (s.deepest, chosen.depth) {
-        _ if exact.is_some_and(|t| t > 0) => Outcome::ExactMatch,
-        (0, _) if chosen.index == home => Outcome::HashHome,
-        (d, c) if c < d && presumed > 0.0 && chosen.index == home => Outcome::HashHome,
-        (0, _) => Outcome::Spilled,
-        (d, c) if c == d => Outcome::LongestMatch,
-        (_, 0) => Outcome::Replicated,
-        _ => Outcome::Spilled,
-    };
-    let prediction = Prediction {
-        prompt_tokens: s.prompt.round() as u32,
-        cached_tokens: match exact {
-            Some(held) => held.min(u64::from(u32::MAX)) as u32,
-            None => (req.bytes_at_depth(chosen.depth) as f64 / bpt).round() as u32,
-        },
-        matched_blocks: chosen.depth as u32,
-    };
-    Selection {
-        index: chosen.index,
-        outcome,
-        prediction: Some(prediction),
+        let exact = exacts.get(chosen.index).copied().flatten();
+        let outcome = match (deepest, chosen.depth) {
+            _ if exact.is_some_and(|t| t > 0) => Outcome::ExactMatch,
+            (0, _) if chosen.index == home.index => Outcome::HashHome,
+            (d, c) if c < d && presumed > 0.0 && chosen.index == home.index => Outcome::HashHome,
+            (0, _) => Outcome::Spilled,
+            (d, c) if c == d => Outcome::LongestMatch,
+            (_, 0) => Outcome::Replicated,
+            _ => Outcome::Spilled,
+        };
+        let prediction = Prediction {
+            prompt_tokens: prompt.round() as u32,
+            cached_tokens: match exact {
+                Some(held) => held.min(u64::from(u32::MAX)) as u32,
+                None => (req.bytes_at_depth(chosen.depth) as f64 / bpt).round() as u32,
+            },
+            matched_blocks: chosen.depth as u32,
+        };
+        Some(Selection {
+            index: chosen.index,
+            outcome,
+            prediction: Some(prediction),
+        })
     }
 }
 
