@@ -236,12 +236,15 @@ fn serve(path: Option<PathBuf>, overrides: Overrides, check: bool) -> ExitCode {
             .as_ref()
             .and_then(|_| crate::reload::install_hangup());
         let shutdown = shutdown_token();
-        // One line on stdout once the socket accepts connections and the signal handlers are in
-        // place (useful with port 0).
+        // Handed to a runtime of its own, so as a std socket.
         let admin = match config.admin_listen {
-            Some(addr) => Some(std::net::TcpListener::bind(addr)?),
+            Some(addr) => {
+                Some(crate::listener::bind(addr, config.limits.listen_backlog)?.into_std()?)
+            }
             None => None,
         };
+        // One line on stdout once the socket accepts connections and the signal handlers are in
+        // place (useful with port 0).
         println!("kvroute listening on http://{}", listener.local_addr()?);
         if let Some(admin) = &admin {
             println!("kvroute admin on http://{}", admin.local_addr()?);

@@ -75,9 +75,7 @@ pub fn app(state: AppState) -> Router {
             "/debug/route/v1/chat/completions",
             post(routes::debug_route_chat),
         )
-        .route("/health", get(routes::health))
-        .route("/ready", get(routes::ready))
-        .route("/metrics", get(routes::metrics))
+        .merge(probe_routes())
         .fallback(routes::not_found)
         .method_not_allowed_fallback(routes::method_not_allowed);
     // Client keys cost a layer per request only where they are configured.
@@ -143,13 +141,17 @@ pub async fn serve_reloading(
     serve_state_on(listener, loops, state, drain, shutdown).await
 }
 
-/// The admin routes: `/health`, `/ready` and `/metrics`, as the gateway's own listener serves
-/// them, and nothing else.
-pub fn admin_app(state: AppState) -> Router {
+/// `/health`, `/ready` and `/metrics`: on the gateway's listener and on the admin listener.
+fn probe_routes() -> Router<AppState> {
     Router::new()
         .route("/health", get(routes::health))
         .route("/ready", get(routes::ready))
         .route("/metrics", get(routes::metrics))
+}
+
+/// The admin routes: [`probe_routes`] and nothing else.
+pub fn admin_app(state: AppState) -> Router {
+    probe_routes()
         .fallback(routes::not_found)
         .method_not_allowed_fallback(routes::method_not_allowed)
         .layer(axum::middleware::from_fn(routes::guard))
@@ -164,7 +166,7 @@ pub fn spawn_admin(
     listener: std::net::TcpListener,
     state: AppState,
     shutdown: CancellationToken,
-) -> std::io::Result<std::thread::JoinHandle<()>> {
+) -> std::io::Result<()> {
     listener.set_nonblocking(true)?;
     let limits = state.upstreams.config.limits.clone();
     std::thread::Builder::new()
@@ -183,7 +185,8 @@ pub fn spawn_admin(
             if let Err(e) = served {
                 tracing::error!(error = %e, "the admin listener failed");
             }
-        })
+        })?;
+    Ok(())
 }
 
 pub async fn serve_state(
