@@ -21,7 +21,7 @@ side, and holds its 5,000 streams too.
 
 Reports req/s and p50/p99 latency per target and shape (median over rounds, and each round),
 the proxies' CPU seconds per 10k requests (from /proc), and each proxy's resident memory per
-open stream with 5,000 streams held open, with /health latency meanwhile (200 probes 50 ms apart,
+open stream with 5,000 streams held open, with /health latency meanwhile (by default 200 probes 50 ms apart,
 each on a new connection: kvroute's own route, and a `return 200` location in the nginx proxy).
 
 Needs `wrk` and `nginx` (Debian: `apt-get install wrk nginx-light`); installs them when missing
@@ -162,8 +162,6 @@ def wrk(url, seconds, lua):
     return {"rps": rps, "p50": lat["50"], "p99": lat["99"], "requests": reqs, "non2xx": int(non2xx.group(1)) if non2xx else 0}
 
 
-HEALTH_PROBES = 200
-HEALTH_EVERY = 0.05  # seconds between probes
 # Prints the milliseconds each GET /health took, each on a new connection.
 HEALTH_PROBE = """
 import socket, sys, time
@@ -180,9 +178,10 @@ for _ in range(n):
 """
 
 
-async def hold_streams(port, n, path, health_ports):
+async def hold_streams(port, n, path, health_ports, probes, every):
     """Opens n streams through the proxy on `port`, reads their first bytes, keeps them open, and
-    probes `/health` on each of `health_ports` (label, port) meanwhile."""
+    probes `/health` on each of `health_ports` (label, port) meanwhile: `probes` probes, `every`
+    seconds apart."""
     conns = []
     req = (
         f"POST {path} HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
@@ -199,16 +198,16 @@ async def hold_streams(port, n, path, health_ports):
             conns.append((r, w))
 
     await asyncio.gather(*[one() for _ in range(n)])
-    lats = await asyncio.gather(*[probe_health(port) for _, port in health_ports])
+    lats = await asyncio.gather(*[probe_health(port, probes, every) for _, port in health_ports])
     return conns, {label: lat for (label, _), lat in zip(health_ports, lats)}
 
 
-async def probe_health(health_port):
+async def probe_health(health_port, probes, every):
     """Milliseconds per GET /health, from a process of its own: this one's event loop is busy
     with the held streams' bytes (the upstream releases them once a second), and a probe here
-    would wait for that too. Spread over 10 s, so the probes meet whatever the streams do then."""
+    would wait for that too. Spread out in time, so the probes meet whatever the streams do."""
     probe = await asyncio.create_subprocess_exec(
-        sys.executable, "-c", HEALTH_PROBE, str(health_port), str(HEALTH_PROBES), str(HEALTH_EVERY),
+        sys.executable, "-c", HEALTH_PROBE, str(health_port), str(probes), str(every),
         stdout=subprocess.PIPE,
     )
     out, _ = await probe.communicate()
@@ -222,6 +221,8 @@ def main():
     ap.add_argument("--seconds", type=int, default=5)
     ap.add_argument("--streams", type=int, default=5000)
     ap.add_argument("--memory-only", action="store_true", help="skip the wrk rounds")
+    ap.add_argument("--health-probes", type=int, default=200, help="/health probes per port while streams are held")
+    ap.add_argument("--health-every", type=float, default=0.05, help="seconds between /health probes")
     ap.add_argument("--baseline", help="another kvroute binary, measured beside --bin")
     a = ap.parse_args()
     ensure_tools()
@@ -346,7 +347,7 @@ def main():
         for name, port, pids, health in held:
             before = rss_bytes(pids)
             print(f"holding {a.streams} streams through {name}...", file=sys.stderr, flush=True)
-            asyncio.run(_hold(port, a.streams, health, pids, before, name))
+            asyncio.run(_hold(port, a.streams, health, pids, before, name, a.health_probes, a.health_every))
     finally:
         # SIGTERM: nginx's master stops its workers (SIGKILL would orphan them).
         procs = [p for p in (kv, base, proxy, upstream) if p]
@@ -361,15 +362,15 @@ def main():
         shutil.rmtree(d, ignore_errors=True)
 
 
-async def _hold(port, n, health, pids, before, name):
-    conns, lats = await hold_streams(port, n, "/v1/completions?sse=1&hold=1", health)
+async def _hold(port, n, health, pids, before, name, probes, every):
+    conns, lats = await hold_streams(port, n, "/v1/completions?sse=1&hold=1", health, probes, every)
     after = rss_bytes(pids)
     per = (after - before) / n
     print(f"{name}: {n} open streams: resident {before / 2**20:.1f} -> {after / 2**20:.1f} MiB, {per / 1024:.1f} KiB per stream")
     for label, lat in lats.items():
         lat.sort()
         print(
-            f"{name}: /health{label} meanwhile ({len(lat)} probes over {len(lat) * HEALTH_EVERY:.0f} s) p50 {lat[len(lat) // 2]:.2f} ms,"
+            f"{name}: /health{label} meanwhile ({len(lat)} probes {every * 1000:.0f} ms apart) p50 {lat[len(lat) // 2]:.2f} ms,"
             f" p99 {lat[int(len(lat) * 0.99)]:.2f} ms, max {lat[-1]:.2f} ms, over 10 ms: {sum(x > 10 for x in lat)}"
         )
     for r, w in conns:
