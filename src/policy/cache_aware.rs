@@ -40,8 +40,10 @@
 //! the conversation would bounce between two workers, each missing the other's turns. So when the
 //! workers' polled load shows requests beyond this gateway's own (a share `f` of the pool's), the
 //! home is presumed to hold as much of the prompt as any worker is known to, times `min(1, 2f)`:
-//! the other replicas send the conversation there. A lone gateway sees `f = 0` and follows what
-//! it knows.
+//! the other replicas send the conversation there. For the same reason the home's credit for the
+//! part no worker is known to hold rises from `home_affinity` by `min(1, 2f)` of the rest: the
+//! turns this replica has not seen went there. A lone gateway sees `f = 0` and follows what it
+//! knows.
 //!
 //! What follows from the cost: a conversation stays with its deepest blocks until the load gap
 //! exceeds what moving would cost in prefill; a prefix shared by everyone (a system prompt)
@@ -591,11 +593,19 @@ impl CacheAware {
         } else {
             0.0
         };
+        // The part of the prompt no worker is known to hold. Alone, no one has sent it anywhere,
+        // and the home's credit for it (`home_affinity`) only places new prompts by hash. Other
+        // replicas send a conversation's turns that this gateway has not seen to its home, so
+        // as their share of the traffic grows, the credit grows to the whole part (`shared_home`).
+        let affinity = if self.params.shared_home && !all_exact && unknown > 0.0 {
+            let alone_affinity = self.params.home_affinity;
+            alone_affinity + (1.0 - alone_affinity) * others()
+        } else {
+            self.params.home_affinity
+        };
         let credited = Candidate {
             cost: home.cost
-                - (1.0 - alone)
-                    * self.params.miss_weight
-                    * (self.params.home_affinity * unknown + presumed),
+                - (1.0 - alone) * self.params.miss_weight * (affinity * unknown + presumed),
             ..home
         };
         if credited.beats(&chosen) {
@@ -955,6 +965,32 @@ mod tests {
             w.load.store(Some(polled), 4);
         }
         mine
+    }
+
+    #[test]
+    fn with_another_replica_the_home_is_credited_with_all_of_an_unseen_turn() {
+        let ws = test_workers(8);
+        // A conversation this replica has not seen: the system prompt (on every worker), then
+        // three blocks of its own, 192 tokens.
+        let r = convo(9, 4, 3);
+        let home = (0..ws.len())
+            .max_by_key(|&i| mix(r.block_hashes[4], ws[i].id_hash))
+            .unwrap();
+        let p = knowing_the_system_prompt(
+            &ws,
+            CacheAwareParams {
+                miss_weight: 1.0,
+                request_cost_tokens: 64.0,
+                context_weight: 0.0,
+                ..CacheAwareParams::default()
+            },
+        );
+        // Another replica as busy as this one, and two more requests on the home: 128 tokens of
+        // queue, more than half the unseen turn (`home_affinity`) but less than all of it. The
+        // other replica sends the turns this one has not seen to the home, so all of it counts.
+        let _mine = another_replica_as_busy(&ws);
+        let _extra: Vec<_> = (0..2).map(|_| ws[home].acquire()).collect();
+        assert_eq!(p.peek(&ws, &r).unwrap().index, home);
     }
 
     #[test]
