@@ -585,23 +585,25 @@ impl CacheAware {
         // Other replicas send this prompt's conversation to its home too: presume the home holds
         // as much of it as any worker is known to, in proportion to the share of the pool's
         // requests this gateway does not see (`shared_home`). Events are everyone's knowledge
-        // already, so not with them.
-        let presumed = if self.params.shared_home && !all_exact && home.depth < deepest {
-            let known = req.bytes_at_depth(deepest) as f64 / bpt;
-            let home_held = held_by(home.index, &workers[home.index], home.depth);
-            (others() * known - home_held).max(0.0)
-        } else {
-            0.0
-        };
-        // The part of the prompt no worker is known to hold. Alone, no one has sent it anywhere,
-        // and the home's credit for it (`home_affinity`) only places new prompts by hash. Other
-        // replicas send a conversation's turns that this gateway has not seen to its home, so
-        // as their share of the traffic grows, the credit grows to the whole part (`shared_home`).
-        let affinity = if self.params.shared_home && !all_exact && unknown > 0.0 {
-            let alone_affinity = self.params.home_affinity;
-            alone_affinity + (1.0 - alone_affinity) * others()
-        } else {
-            self.params.home_affinity
+        // already, so not with them. The part no worker is known to hold is credited to the home
+        // by `home_affinity` alone, where it only places new prompts by hash, and by more of it
+        // as other replicas' share grows: they send the turns this gateway has not seen there.
+        let (presumed, affinity) = match self.params.home_affinity {
+            h if self.params.shared_home
+                && !all_exact
+                && (home.depth < deepest || unknown > 0.0) =>
+            {
+                let others = others();
+                let presumed = if home.depth < deepest {
+                    let known = req.bytes_at_depth(deepest) as f64 / bpt;
+                    let home_held = held_by(home.index, &workers[home.index], home.depth);
+                    (others * known - home_held).max(0.0)
+                } else {
+                    0.0
+                };
+                (presumed, h + (1.0 - h) * others)
+            }
+            h => (0.0, h),
         };
         let credited = Candidate {
             cost: home.cost
