@@ -588,22 +588,21 @@ impl CacheAware {
         // already, so not with them. The part no worker is known to hold is credited to the home
         // by `home_affinity` alone, where it only places new prompts by hash, and by more of it
         // as other replicas' share grows: they send the turns this gateway has not seen there.
-        let (presumed, affinity) = match self.params.home_affinity {
-            h if self.params.shared_home
-                && !all_exact
-                && (home.depth < deepest || unknown > 0.0) =>
-            {
-                let others = others();
-                let presumed = if home.depth < deepest {
-                    let known = req.bytes_at_depth(deepest) as f64 / bpt;
-                    let home_held = held_by(home.index, &workers[home.index], home.depth);
-                    (others * known - home_held).max(0.0)
-                } else {
-                    0.0
-                };
-                (presumed, h + (1.0 - h) * others)
-            }
-            h => (0.0, h),
+        let h = self.params.home_affinity;
+        let replicas_matter =
+            self.params.shared_home && !all_exact && (home.depth < deepest || unknown > 0.0);
+        let (presumed, affinity) = if replicas_matter {
+            let others = others();
+            let presumed = if home.depth < deepest {
+                let known = req.bytes_at_depth(deepest) as f64 / bpt;
+                let home_held = held_by(home.index, &workers[home.index], home.depth);
+                (others * known - home_held).max(0.0)
+            } else {
+                0.0
+            };
+            (presumed, h + (1.0 - h) * others)
+        } else {
+            (0.0, h)
         };
         let credited = Candidate {
             cost: home.cost
@@ -982,17 +981,23 @@ mod tests {
             &ws,
             CacheAwareParams {
                 miss_weight: 1.0,
-                request_cost_tokens: 64.0,
+                request_cost_tokens: 80.0,
                 context_weight: 0.0,
                 ..CacheAwareParams::default()
             },
         );
-        // Another replica as busy as this one, and two more requests on the home: 128 tokens of
-        // queue, more than half the unseen turn (`home_affinity`) but less than all of it. The
-        // other replica sends the turns this one has not seen to the home, so all of it counts.
+        // Another replica as busy as this one: it sends the turns this one has not seen to the
+        // home, so nearly all of the 192 tokens are credited there (`min(1, 2f)` of the rest
+        // above `home_affinity`, with `f` just under a half), where alone it would be half.
         let _mine = another_replica_as_busy(&ws);
-        let _extra: Vec<_> = (0..2).map(|_| ws[home].acquire()).collect();
+        // Two more requests on the home, 160 tokens of queue: more than half of the unseen turn,
+        // less than all of it. The home keeps the conversation.
+        let mut extra: Vec<_> = (0..2).map(|_| ws[home].acquire()).collect();
         assert_eq!(p.peek(&ws, &r).unwrap().index, home);
+        // A third, 240 tokens: more than all of it. The conversation goes elsewhere, so the
+        // credit is the unseen turn's, not more.
+        extra.push(ws[home].acquire());
+        assert_ne!(p.peek(&ws, &r).unwrap().index, home);
     }
 
     #[test]
