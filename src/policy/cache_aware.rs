@@ -79,8 +79,16 @@
 //! takes back what it added to the index; an answer's usage updates bytes per token and the
 //! worker's trust.
 //!
-//! Cost: one index walk and one index write per request (one mutex each), plus O(workers)
-//! arithmetic on relaxed atomics. Parameters: see [`CacheAwareParams`].
+//! Cost: one index walk and one index write per request (one mutex each), plus pricing the
+//! workers from relaxed atomics. A pool of up to [`PRICE_ALL_UP_TO`] workers is priced whole. A
+//! larger one is priced on a sample: the workers the index lists as holding more of the prompt
+//! than everyone, the home (found by one light pass of a hash and a compare per worker), and
+//! [`SAMPLED`] others evenly spread from an offset that rotates with each decision. So a
+//! conversation still finds its holder and a new prompt its home on every replica, and a spill
+//! for load takes the least loaded of the sample rather than of the pool (the power of many
+//! choices: among 64 random workers, the least loaded is in the pool's lightest 2% or so). Not
+//! with KV events, whose per-worker blocks are read for every worker anyway, nor with
+//! `load_bound`. Parameters: see [`CacheAwareParams`].
 
 use std::sync::{
     atomic::{AtomicU64, AtomicUsize, Ordering},
@@ -257,17 +265,18 @@ struct Priced {
 const NONE: usize = usize::MAX;
 
 impl Pass<'_> {
-    /// Prices every usable worker. `EXACT`: some worker publishes events, so `held_by` is asked of
+    /// Prices the usable workers among `priced` (all of them, or [`Self::candidates`]). `EXACT`: some worker publishes events, so `held_by` is asked of
     /// every worker; `IDLE`: an idle worker holding nothing is credited `idle_credit`; `EVERYONE`:
     /// the prompt begins with blocks presumed on every worker (`everyone_held`).
     #[inline(always)]
-    fn run<const EXACT: bool, const IDLE: bool, const EVERYONE: bool>(
+    fn run<'w, const EXACT: bool, const IDLE: bool, const EVERYONE: bool>(
         &self,
+        priced: impl Iterator<Item = (usize, &'w Arc<Worker>)>,
         held_by: &impl Fn(usize, &Worker, usize) -> f64,
     ) -> Priced {
         // Everything the loop reads besides the workers, in locals.
         let Pass {
-            workers,
+            workers: _,
             key,
             cap,
             holders,
@@ -287,7 +296,7 @@ impl Pass<'_> {
             depth: 0,
         };
         let mut home = best;
-        for (index, w) in workers.iter().enumerate() {
+        for (index, w) in priced {
             if !w.is_usable() {
                 continue;
             }
@@ -334,7 +343,64 @@ impl Pass<'_> {
         }
         Priced { best, home }
     }
+
+    /// [`Self::run`] compiled for what is known before it (see [`CacheAware::decide`]).
+    fn price<'w>(
+        &self,
+        priced: impl Iterator<Item = (usize, &'w Arc<Worker>)>,
+        (exact, idle, everyone): (bool, bool, bool),
+        held_by: &impl Fn(usize, &Worker, usize) -> f64,
+    ) -> Priced {
+        // With blocks presumed on every worker, no worker holds none of the prompt: no idle credit.
+        match (exact, idle, everyone) {
+            (false, _, true) => self.run::<false, false, true>(priced, held_by),
+            (false, false, false) => self.run::<false, false, false>(priced, held_by),
+            (false, true, false) => self.run::<false, true, false>(priced, held_by),
+            (true, false, _) => self.run::<true, false, false>(priced, held_by),
+            (true, true, _) => self.run::<true, true, false>(priced, held_by),
+        }
+    }
+
+    /// The workers a decision prices in a pool of more than [`PRICE_ALL_UP_TO`]: every worker
+    /// the index lists as holding more of the prompt than the blocks presumed on all, the key's
+    /// home (the usable worker with the highest score), and [`SAMPLED`] others evenly spread
+    /// from an offset that `turn` rotates, so that every worker is among them once in
+    /// `workers / SAMPLED` decisions. Finding the first two is one light pass (a hash and a
+    /// compare per worker); pricing a worker reads its load and costs several times that.
+    fn candidates(&self, turn: usize) -> Vec<usize> {
+        let Pass {
+            workers,
+            key,
+            holders,
+            matches,
+            ..
+        } = *self;
+        let stride = workers.len().div_ceil(SAMPLED);
+        let mut priced = Vec::with_capacity(SAMPLED + matches.depths.len() + 1);
+        priced.extend((turn % stride..workers.len()).step_by(stride));
+        let (mut home, mut top) = (NONE, 0);
+        for (index, w) in workers.iter().enumerate() {
+            let score = mix(key, w.id_hash);
+            if (home == NONE || score > top) && w.is_usable() {
+                (home, top) = (index, score);
+            }
+            if holders & (1 << (w.id_hash & 63)) != 0
+                && matches.depth_of(w.id_hash) > matches.everyone
+            {
+                priced.push(index);
+            }
+        }
+        if home != NONE {
+            priced.push(home);
+        }
+        priced
+    }
 }
+
+/// Pools up to this size have every usable worker priced by each decision.
+pub const PRICE_ALL_UP_TO: usize = 128;
+/// Workers priced for load in a larger pool, besides the prompt's holders and its home.
+pub const SAMPLED: usize = 64;
 
 impl CacheAware {
     pub fn new(params: CacheAwareParams) -> Self {
@@ -482,7 +548,7 @@ impl CacheAware {
             .iter()
             .filter(|&&(_, d)| d > matches.everyone)
             .fold(0u64, |m, &(id, _)| m | 1 << (id & 63));
-        // Every usable worker is priced; this loop is the decision's cost at scale, so it keeps
+        // Every usable worker priced (up to `PRICE_ALL_UP_TO`); this loop is the decision's cost at scale, so it keeps
         // its state in registers: no Option, constants hoisted, the index consulted only for
         // workers whose bit says they may hold something.
         let miss = self.params.miss_weight;
@@ -569,15 +635,20 @@ impl CacheAware {
             idle_credit,
             weights,
         };
-        let held_by = &held_by;
-        // With blocks presumed on every worker, no worker holds none of the prompt: no idle credit.
-        let Priced { best, home } = match (any_exact, idle_credit > 0.0, matches.everyone > 0) {
-            (false, _, true) => pass.run::<false, false, true>(held_by),
-            (false, false, false) => pass.run::<false, false, false>(held_by),
-            (false, true, false) => pass.run::<false, true, false>(held_by),
-            (true, false, _) => pass.run::<true, false, false>(held_by),
-            (true, true, _) => pass.run::<true, true, false>(held_by),
-        };
+        let known = (any_exact, idle_credit > 0.0, matches.everyone > 0);
+        // A large pool is priced on a sample for load (`candidates`), which keeps every worker
+        // that may hold more of the prompt and the home, so the choice differs from pricing all
+        // only where a sampled worker's queue stands in for the least loaded one's. Not with
+        // events (every worker's own blocks are already read) nor with a load bound (the home
+        // must be under it, which the light pass does not read).
+        let Priced { best, home } =
+            if workers.len() > PRICE_ALL_UP_TO && !any_exact && cap == usize::MAX {
+                let turn = self.tie_break.fetch_add(1, Ordering::Relaxed);
+                let priced = pass.candidates(turn);
+                pass.price(priced.iter().map(|&i| (i, &workers[i])), known, &held_by)
+            } else {
+                pass.price(workers.iter().enumerate(), known, &held_by)
+            };
         if best.index == NONE {
             return None;
         }
@@ -1323,6 +1394,78 @@ mod tests {
         held.extend((0..5).map(|_| hold(&ws[holder], 0, 2048)));
         assert_ne!(pick(&p, &ws, &convo(8, 8, 1)).index, holder);
         drop(held);
+    }
+
+    /// A pool larger than [`PRICE_ALL_UP_TO`]: a decision prices a sample for load, but always
+    /// the workers holding the prompt, wherever the sample falls.
+    #[test]
+    fn in_a_large_pool_a_conversation_follows_its_holder_whatever_the_sample() {
+        let ws = test_workers(1024);
+        let p = unit();
+        let home = pick(&p, &ws, &convo(1, 0, 1)).index;
+        p.index
+            .remove(&convo(1, 0, 1).block_hashes, ws[home].id_hash);
+        // The home busy (20 × 64 tokens against half its 256 unknown tokens of credit): the first
+        // turn goes to some idle worker, not the home.
+        let _busy: Vec<_> = (0..20).map(|_| ws[home].acquire()).collect();
+        let holder = pick(&p, &ws, &convo(1, 0, 4)).index;
+        assert_ne!(holder, home);
+        // Each later turn is cheapest on the holder (it misses only the new turn); the sample
+        // rotates through all 1,024 workers over these 16 decisions, and holds it in one.
+        for turn in 2..=17 {
+            let s = pick(&p, &ws, &convo(1, 0, 4 * turn));
+            assert_eq!(s.index, holder, "turn {turn}: {s:?}");
+            assert_eq!(s.outcome, Outcome::LongestMatch);
+        }
+    }
+
+    /// In a large idle pool every new prompt goes to its rendezvous home among all the workers,
+    /// as it does in a small pool where all are priced: replicas agree on it.
+    #[test]
+    fn in_a_large_pool_a_new_prompt_goes_to_its_home_among_all_workers() {
+        let ws = test_workers(1024);
+        let p = policy();
+        for c in 0..32 {
+            let r = convo(500 + c, 0, 2);
+            let key = r.block_hashes[0];
+            let home = (0..ws.len())
+                .max_by_key(|&i| mix(key, ws[i].id_hash))
+                .unwrap();
+            let s = p.peek(&ws, &r).unwrap();
+            assert_eq!(
+                (s.index, s.outcome),
+                (home, Outcome::HashHome),
+                "prompt {c}"
+            );
+        }
+    }
+
+    /// What sampling gives up, stated: in a large pool a lone idle worker is found when the
+    /// rotating sample holds it (one decision in 16 at 1,024 workers), and otherwise the home
+    /// takes the request at one request in flight, like every other sampled worker.
+    #[test]
+    fn in_a_large_pool_load_is_read_from_a_sample_that_rotates_through_every_worker() {
+        let ws = test_workers(1024);
+        let p = unit();
+        let r = convo(9, 0, 1);
+        let home = p.peek(&ws, &r).unwrap().index;
+        let idle = if home == 5 { 6 } else { 5 };
+        let _busy: Vec<_> = (0..ws.len())
+            .filter(|&i| i != idle)
+            .map(|i| ws[i].acquire())
+            .collect();
+        // The home costs 64 + 64 - 32 (half its unknown 64 tokens credited), the idle worker
+        // 64, every other 128.
+        let choices: Vec<usize> = (0..32).map(|_| p.peek(&ws, &r).unwrap().index).collect();
+        let found = choices.iter().filter(|&&i| i == idle).count();
+        assert_eq!(found, 2, "{choices:?}");
+        assert!(
+            choices.iter().all(|&i| i == idle || i == home),
+            "{choices:?}"
+        );
+        // In a pool small enough to price every worker, it is found every time.
+        let small = &ws[..PRICE_ALL_UP_TO];
+        assert!((0..4).all(|_| p.peek(small, &r).unwrap().index == idle));
     }
 
     #[test]
