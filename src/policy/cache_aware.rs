@@ -86,7 +86,8 @@
 //! [`SAMPLED`] others evenly spread from an offset that rotates with each decision. So a
 //! conversation still finds its holder and a new prompt its home on every replica, and a spill
 //! for load takes the least loaded of the sample rather than of the pool (the power of many
-//! choices: among 64 random workers, the least loaded is in the pool's lightest 2% or so). Not
+//! choices: the least loaded of 64 workers picked without regard to load is, on average, among
+//! the lightest 1/65). Not
 //! with KV events, whose per-worker blocks are read for every worker anyway, nor with
 //! `load_bound`. Parameters: see [`CacheAwareParams`].
 
