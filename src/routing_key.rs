@@ -29,8 +29,12 @@ pub struct RequestInfo {
     pub block_hashes: Vec<u64>,
     /// For each block, the canonical byte offset where it ends (same length as `block_hashes`).
     pub block_ends: Vec<u32>,
-    /// Length of the whole canonical prompt in bytes, including what was past the hashing cap.
+    /// Length of the whole canonical prompt in bytes, including what was past the hashing cap
+    /// (of a chat, past the cap only its messages' text: other parts are not written out to be
+    /// counted).
     pub prompt_bytes: u64,
+    /// Canonical bytes before the last message of a chat (its earlier turns); 0 for a `prompt`.
+    pub history_bytes: u64,
     /// The prompt's token ids as the worker will see them, when a tokenizer is configured for
     /// the model (exact routing on the workers' KV cache events): the whole prompt's, or only
     /// its head when no worker can hold anything past it (see [`crate::tokenize`]).
@@ -52,6 +56,7 @@ impl RequestInfo {
             model: None,
             block_ends: (1..=n).map(|i| i * block_bytes).collect(),
             prompt_bytes: u64::from(n * block_bytes),
+            history_bytes: 0,
             block_hashes: hashes,
             tokens: None,
             tokens_after: 0,
@@ -243,6 +248,10 @@ impl Capped {
         }
     }
 
+    fn full(&self) -> bool {
+        self.buf.len() >= self.cap
+    }
+
     fn push(&mut self, bytes: &[u8]) -> bool {
         self.total += bytes.len() as u64;
         let room = self.cap - self.buf.len();
@@ -272,6 +281,7 @@ pub fn extract(
     })?;
     let cap = cfg.block_bytes.saturating_mul(cfg.max_blocks);
     let mut out = Capped::new(cap, body.len() + 64);
+    let mut history_bytes = 0;
     match field {
         PromptField::Prompt => {
             let prompt = view
@@ -288,7 +298,7 @@ pub fn extract(
                     "`messages` must not be empty".into(),
                 ));
             }
-            write_messages(&messages, &mut out);
+            history_bytes = write_messages(&messages, &mut out);
         }
     }
     let model = view.model.map(Cow::into_owned);
@@ -300,6 +310,7 @@ pub fn extract(
         block_hashes,
         block_ends,
         prompt_bytes: out.total,
+        history_bytes,
         tokens: None,
         tokens_after: 0,
     })
@@ -329,11 +340,14 @@ fn write_tokens(ids: &[u32], out: &mut Capped) {
     }
 }
 
-fn write_messages(messages: &[MessageView], out: &mut Capped) {
+/// Writes the messages, cut after each; returns the canonical bytes before the last one. Past
+/// the cap, text is only counted and other parts are skipped.
+fn write_messages(messages: &[MessageView], out: &mut Capped) -> u64 {
+    let mut history = 0;
     for m in messages {
-        if !(out.push(m.role.as_bytes()) && out.push(b"\x1f")) {
-            return;
-        }
+        history = out.total;
+        out.push(m.role.as_bytes());
+        out.push(b"\x1f");
         match &m.content {
             None => {}
             Some(ContentView::Text(t)) => {
@@ -341,28 +355,24 @@ fn write_messages(messages: &[MessageView], out: &mut Capped) {
             }
             Some(ContentView::Parts(parts)) => {
                 for p in parts {
-                    let more = match p.get("text").and_then(|t| t.as_str()) {
+                    match p.get("text").and_then(|t| t.as_str()) {
                         Some(text) if p.get("type").and_then(|t| t.as_str()) == Some("text") => {
-                            out.push(text.as_bytes())
+                            out.push(text.as_bytes());
                         }
+                        _ if out.full() => {}
                         _ => {
                             let mut canonical = Vec::new();
                             write_sorted(p, &mut canonical);
-                            out.push(&canonical)
+                            out.push(&canonical);
                         }
-                    };
-                    if !more {
-                        return;
                     }
                 }
             }
         }
-        let more = out.push(b"\x1e");
+        out.push(b"\x1e");
         out.cut();
-        if !more {
-            return;
-        }
     }
+    history
 }
 
 /// `v` as JSON with every object's keys sorted, so the client's key order does not change the key.
@@ -511,6 +521,35 @@ mod tests {
         assert_eq!(k.block_hashes.len(), 5);
         assert_eq!(k.bytes_at_depth(3), 20);
         assert_eq!(k.bytes_at_depth(0), 0);
+    }
+
+    #[test]
+    fn a_chats_history_is_what_comes_before_its_last_message() {
+        // "system\x1f" + 12 bytes + "\x1e" = 20 bytes, then "user\x1f" + 3 + "\x1e" = 9 bytes.
+        let k = chat_key(serde_json::json!({"messages":[
+            {"role":"system","content":"abcdefghijkl"},
+            {"role":"user","content":"xyz"}]}));
+        assert_eq!((k.history_bytes, k.prompt_bytes), (20, 29));
+        let one = chat_key(serde_json::json!({"messages":[{"role":"user","content":"xyz"}]}));
+        assert_eq!((one.history_bytes, one.prompt_bytes), (0, 9));
+        let body = serde_json::json!({"prompt": "abc"}).to_string();
+        let k = extract(body.as_bytes(), PromptField::Prompt, &cfg(8, 2)).unwrap();
+        assert_eq!(k.history_bytes, 0);
+    }
+
+    /// A chat longer than the hashing cap is as long as its messages, not as the cap: its length
+    /// prices its prefill and teaches bytes per token from the worker's token count.
+    #[test]
+    fn a_chats_length_counts_text_past_the_hashing_cap() {
+        let body = serde_json::json!({"messages":[
+            {"role":"system","content":"x".repeat(100)},
+            {"role":"user","content":[{"type":"text","text":"y".repeat(50)}]},
+            {"role":"user","content":"z".repeat(30)}]})
+        .to_string();
+        let k = extract(body.as_bytes(), PromptField::Messages, &cfg(8, 2)).unwrap();
+        assert_eq!(k.block_ends, [8, 16]);
+        // 6 + 1 + 100 + 1, 4 + 1 + 50 + 1, 4 + 1 + 30 + 1.
+        assert_eq!((k.history_bytes, k.prompt_bytes), (164, 200));
     }
 
     #[test]
