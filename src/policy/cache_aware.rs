@@ -643,14 +643,17 @@ impl CacheAware {
         // only where a sampled worker's queue stands in for the least loaded one's. Not with
         // events (every worker's own blocks are already read) nor with a load bound (the home
         // must be under it, which the light pass does not read).
-        let Priced { best, home } =
-            if workers.len() > PRICE_ALL_UP_TO && !any_exact && cap == usize::MAX {
+        let sampled =
+            (workers.len() > PRICE_ALL_UP_TO && !any_exact && cap == usize::MAX).then(|| {
                 let turn = self.tie_break.fetch_add(1, Ordering::Relaxed);
                 let priced = pass.candidates(turn);
                 pass.price(priced.iter().map(|&i| (i, &workers[i])), known, &held_by)
-            } else {
-                pass.price(workers.iter().enumerate(), known, &held_by)
-            };
+            });
+        let Priced { best, home } = match sampled {
+            Some(priced) if priced.best.index != NONE => priced,
+            // None usable among them (the home was ejected since the light pass): price all.
+            _ => pass.price(workers.iter().enumerate(), known, &held_by),
+        };
         if best.index == NONE {
             return None;
         }
