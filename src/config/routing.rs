@@ -126,10 +126,9 @@ pub struct CacheAwareParams {
     /// Canonical prompt bytes per token until the workers' `usage` reports teach the real ratio.
     pub bytes_per_token: f64,
     /// Share of the prompt that no worker is known to hold that the request's rendezvous home is
-    /// credited with: another replica may have sent that prefix there. With `shared_home`, for a
-    /// chat's earlier turns (not its last message) it rises towards 1 by `min(1, 2f)` of the rest
-    /// while the polled load shows other replicas' share `f` of the traffic: they send the turns
-    /// this gateway has not seen to the home.
+    /// credited with: another replica may have sent that prefix there. With `shared_home`, it
+    /// rises towards 1 by `min(1, 2f)` of the rest while the polled load shows other replicas'
+    /// share `f` of the traffic: they send the turns this gateway has not seen to the home.
     pub home_affinity: f64,
     /// Weight of the prefill a worker would have to do (the tokens it does not hold). Above 1
     /// because a miss costs more than the request's own wait: its prefill stalls every sequence
@@ -160,8 +159,8 @@ pub struct CacheAwareParams {
     /// workers' polled load shows traffic beyond this gateway's own (other replicas), the home is
     /// presumed to hold as much of the prompt as any worker is known to, in proportion to that
     /// traffic's share (fully from one half on), since the other replicas send it there too; for
-    /// the same reason the home's credit for a chat's earlier turns that no worker is known to
-    /// hold rises from `home_affinity` towards all of them.
+    /// the same reason the home's credit for the part no worker is known to hold rises from
+    /// `home_affinity` towards all of it.
     /// Off: the key is the first block past this gateway's longest known match.
     pub shared_home: bool,
     /// For a request whose known prefix most workers hold and of which nothing deeper is known

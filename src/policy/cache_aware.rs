@@ -40,11 +40,10 @@
 //! the conversation would bounce between two workers, each missing the other's turns. So when the
 //! workers' polled load shows requests beyond this gateway's own (a share `f` of the pool's), the
 //! home is presumed to hold as much of the prompt as any worker is known to, times `min(1, 2f)`:
-//! the other replicas send the conversation there. For the same reason the home's credit for a
-//! chat's earlier turns that no worker is known to hold rises from `home_affinity` by `min(1, 2f)`
-//! of the rest: the turns this replica has not seen went there. Its last message, and a `prompt`
-//! (which has no turns to tell apart), keep `home_affinity`: that text is new to every worker.
-//! A lone gateway sees `f = 0` and follows what it knows.
+//! the other replicas send the conversation there. For the same reason the home's credit for the
+//! part no worker is known to hold rises from `home_affinity` by `min(1, 2f)` of the rest: the
+//! turns this replica has not seen went there. A lone gateway sees `f = 0` and follows what it
+//! knows.
 //!
 //! What follows from the cost: a conversation stays with its deepest blocks until the load gap
 //! exceeds what moving would cost in prefill; a prefix shared by everyone (a system prompt)
@@ -662,13 +661,12 @@ impl CacheAware {
         // as much of it as any worker is known to, in proportion to the share of the pool's
         // requests this gateway does not see (`shared_home`). Events are everyone's knowledge
         // already, so not with them. The part no worker is known to hold is credited to the home
-        // by `home_affinity` alone, where it only places new prompts by hash, and a chat's
-        // earlier turns among it by more as other replicas' share grows: they send the turns
-        // this gateway has not seen there. Its last message is new text that no worker holds.
+        // by `home_affinity` alone, where it only places new prompts by hash, and by more of it
+        // as other replicas' share grows: they send the turns this gateway has not seen there.
         let h = self.params.home_affinity;
         let replicas_matter =
             self.params.shared_home && !all_exact && (home.depth < deepest || unknown > 0.0);
-        let (presumed, unknown_credit) = if replicas_matter {
+        let (presumed, affinity) = if replicas_matter {
             let others = others();
             let presumed = if home.depth < deepest {
                 let known = req.bytes_at_depth(deepest) as f64 / bpt;
@@ -677,17 +675,13 @@ impl CacheAware {
             } else {
                 0.0
             };
-            // A chat's unknown earlier turns, before its last message (new text no one holds).
-            let unseen_turns = req
-                .history_bytes
-                .saturating_sub(req.bytes_at_depth(deepest));
-            let unseen_turns = (unseen_turns as f64 / bpt).min(unknown);
-            (presumed, h * unknown + (1.0 - h) * others * unseen_turns)
+            (presumed, h + (1.0 - h) * others)
         } else {
-            (0.0, h * unknown)
+            (0.0, h)
         };
         let credited = Candidate {
-            cost: home.cost - (1.0 - alone) * self.params.miss_weight * (unknown_credit + presumed),
+            cost: home.cost
+                - (1.0 - alone) * self.params.miss_weight * (affinity * unknown + presumed),
             ..home
         };
         if credited.beats(&chosen) {
@@ -1049,61 +1043,34 @@ mod tests {
         mine
     }
 
-    /// The home of `r` among `ws`, and a gateway that knows the system prompt on every worker,
-    /// with costs in plain tokens and 75 tokens per queued request.
-    fn home_and_gateway(ws: &[Arc<Worker>], r: &RequestInfo) -> (usize, CacheAware) {
+    #[test]
+    fn with_another_replica_the_home_is_credited_with_all_of_an_unseen_turn() {
+        let ws = test_workers(8);
+        // A conversation this replica has not seen: the system prompt (on every worker), then
+        // three blocks of its own, 192 tokens.
+        let r = convo(9, 4, 3);
         let home = (0..ws.len())
             .max_by_key(|&i| mix(r.block_hashes[4], ws[i].id_hash))
             .unwrap();
         let p = knowing_the_system_prompt(
-            ws,
+            &ws,
             CacheAwareParams {
                 miss_weight: 1.0,
-                request_cost_tokens: 75.0,
+                request_cost_tokens: 80.0,
                 context_weight: 0.0,
                 ..CacheAwareParams::default()
             },
         );
-        (home, p)
-    }
-
-    #[test]
-    fn with_another_replica_the_home_is_credited_with_all_of_an_unseen_turn() {
-        let ws = test_workers(8);
-        // A conversation this replica has not seen: the system prompt (on every worker), an
-        // earlier turn of three blocks (192 tokens), then its last message, one block (64).
-        let mut r = convo(9, 4, 4);
-        r.history_bytes = r.bytes_at_depth(7);
-        let (home, p) = home_and_gateway(&ws, &r);
-        // Another replica as busy as this one (`f` just under a half, `min(1, 2f)` about 0.96):
-        // it sends the turns this one has not seen to the home, so nearly all of the earlier
-        // turn's 192 tokens are credited there, where alone it would be half; the last message,
-        // new to every worker, half. All of it times 0.96 again (the part of the spread by
-        // pending prefill that fades with other replicas: nothing past the system prompt is
-        // known): about 210 tokens. Credited all 256 unknown tokens, it would be about 239; half
-        // of them, 122.
+        // Another replica as busy as this one: it sends the turns this one has not seen to the
+        // home, so nearly all of the 192 tokens are credited there (`min(1, 2f)` of the rest
+        // above `home_affinity`, with `f` just under a half), where alone it would be half.
         let _mine = another_replica_as_busy(&ws);
-        // Two more requests on the home, 150 tokens of queue: the home keeps the conversation.
+        // Two more requests on the home, 160 tokens of queue: more than half of the unseen turn,
+        // less than all of it. The home keeps the conversation.
         let mut extra: Vec<_> = (0..2).map(|_| ws[home].acquire()).collect();
         assert_eq!(p.peek(&ws, &r).unwrap().index, home);
-        // A third, 225 tokens: the conversation goes elsewhere.
-        extra.push(ws[home].acquire());
-        assert_ne!(p.peek(&ws, &r).unwrap().index, home);
-    }
-
-    /// A `prompt` has no turns to tell apart: all of what no worker is known to hold is treated
-    /// as new text, credited `home_affinity` however many replicas there are.
-    #[test]
-    fn with_another_replica_a_prompts_unknown_text_keeps_the_home_affinity() {
-        let ws = test_workers(8);
-        let r = convo(9, 4, 3);
-        assert_eq!(r.history_bytes, 0);
-        let (home, p) = home_and_gateway(&ws, &r);
-        let _mine = another_replica_as_busy(&ws);
-        // 192 unknown tokens, half credited, times 0.96 as above: about 92 (all of them, about
-        // 179). One more request (75) keeps it home, two (150) send it elsewhere.
-        let mut extra = vec![ws[home].acquire()];
-        assert_eq!(p.peek(&ws, &r).unwrap().index, home);
+        // A third, 240 tokens: more than all of it. The conversation goes elsewhere, so the
+        // credit is the unseen turn's, not more.
         extra.push(ws[home].acquire());
         assert_ne!(p.peek(&ws, &r).unwrap().index, home);
     }
