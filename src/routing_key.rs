@@ -33,8 +33,6 @@ pub struct RequestInfo {
     /// (of a chat, past the cap only its messages' text: other parts are not written out to be
     /// counted).
     pub prompt_bytes: u64,
-    /// Canonical bytes before the last message of a chat (its earlier turns); 0 for a `prompt`.
-    pub history_bytes: u64,
     /// The prompt's token ids as the worker will see them, when a tokenizer is configured for
     /// the model (exact routing on the workers' KV cache events): the whole prompt's, or only
     /// its head when no worker can hold anything past it (see [`crate::tokenize`]).
@@ -56,7 +54,6 @@ impl RequestInfo {
             model: None,
             block_ends: (1..=n).map(|i| i * block_bytes).collect(),
             prompt_bytes: u64::from(n * block_bytes),
-            history_bytes: 0,
             block_hashes: hashes,
             tokens: None,
             tokens_after: 0,
@@ -281,7 +278,6 @@ pub fn extract(
     })?;
     let cap = cfg.block_bytes.saturating_mul(cfg.max_blocks);
     let mut out = Capped::new(cap, body.len() + 64);
-    let mut history_bytes = 0;
     match field {
         PromptField::Prompt => {
             let prompt = view
@@ -298,7 +294,7 @@ pub fn extract(
                     "`messages` must not be empty".into(),
                 ));
             }
-            history_bytes = write_messages(&messages, &mut out);
+            write_messages(&messages, &mut out);
         }
     }
     let model = view.model.map(Cow::into_owned);
@@ -310,7 +306,6 @@ pub fn extract(
         block_hashes,
         block_ends,
         prompt_bytes: out.total,
-        history_bytes,
         tokens: None,
         tokens_after: 0,
     })
@@ -340,12 +335,10 @@ fn write_tokens(ids: &[u32], out: &mut Capped) {
     }
 }
 
-/// Writes the messages, cut after each; returns the canonical bytes before the last one. Past
-/// the cap, text is only counted and other parts are skipped.
-fn write_messages(messages: &[MessageView], out: &mut Capped) -> u64 {
-    let mut history = 0;
+/// Writes the messages, cut after each. Past the cap, text is only counted and other parts are
+/// skipped.
+fn write_messages(messages: &[MessageView], out: &mut Capped) {
     for m in messages {
-        history = out.total;
         out.push(m.role.as_bytes());
         out.push(b"\x1f");
         match &m.content {
@@ -372,7 +365,6 @@ fn write_messages(messages: &[MessageView], out: &mut Capped) -> u64 {
         out.push(b"\x1e");
         out.cut();
     }
-    history
 }
 
 /// `v` as JSON with every object's keys sorted, so the client's key order does not change the key.
@@ -523,20 +515,6 @@ mod tests {
         assert_eq!(k.bytes_at_depth(0), 0);
     }
 
-    #[test]
-    fn a_chats_history_is_what_comes_before_its_last_message() {
-        // "system\x1f" + 12 bytes + "\x1e" = 20 bytes, then "user\x1f" + 3 + "\x1e" = 9 bytes.
-        let k = chat_key(serde_json::json!({"messages":[
-            {"role":"system","content":"abcdefghijkl"},
-            {"role":"user","content":"xyz"}]}));
-        assert_eq!((k.history_bytes, k.prompt_bytes), (20, 29));
-        let one = chat_key(serde_json::json!({"messages":[{"role":"user","content":"xyz"}]}));
-        assert_eq!((one.history_bytes, one.prompt_bytes), (0, 9));
-        let body = serde_json::json!({"prompt": "abc"}).to_string();
-        let k = extract(body.as_bytes(), PromptField::Prompt, &cfg(8, 2)).unwrap();
-        assert_eq!(k.history_bytes, 0);
-    }
-
     /// A chat longer than the hashing cap is as long as its messages, not as the cap: its length
     /// prices its prefill and teaches bytes per token from the worker's token count.
     #[test]
@@ -549,7 +527,7 @@ mod tests {
         let k = extract(body.as_bytes(), PromptField::Messages, &cfg(8, 2)).unwrap();
         assert_eq!(k.block_ends, [8, 16]);
         // 6 + 1 + 100 + 1, 4 + 1 + 50 + 1, 4 + 1 + 30 + 1.
-        assert_eq!((k.history_bytes, k.prompt_bytes), (164, 200));
+        assert_eq!(k.prompt_bytes, 200);
     }
 
     #[test]
