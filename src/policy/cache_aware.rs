@@ -87,9 +87,8 @@
 //! conversation still finds its holder and a new prompt its home on every replica, and a spill
 //! for load takes the least loaded of the sample rather than of the pool (the power of many
 //! choices: the least loaded of 64 workers picked without regard to load is, on average, among
-//! the lightest 1/65). Not
-//! with KV events, whose per-worker blocks are read for every worker anyway, nor with
-//! `load_bound`. Parameters: see [`CacheAwareParams`].
+//! the lightest 1/65). Not with KV events, whose per-worker blocks are read for every worker
+//! anyway, nor with `load_bound`. Parameters: see [`CacheAwareParams`].
 
 use std::sync::{
     atomic::{AtomicU64, AtomicUsize, Ordering},
@@ -145,11 +144,15 @@ impl PoolLoad {
             })
     }
 
-    /// At most 64 of `workers`, evenly spread (all of them in a pool of up to 64): what a
-    /// decision needs of the whole pool's load (its mean, other replicas' share) is an average,
-    /// and a full sum is about 1.3 us of a decision at 1,024 workers (criterion).
+    /// At most [`SAMPLED`] of `workers`, evenly spread (all of them in a pool of up to that
+    /// many): what a decision needs of the whole pool's load (its mean, other replicas' share) is
+    /// an average, and a full sum is about 1.3 us of a decision at 1,024 workers (criterion).
     fn sampled(workers: &[Arc<Worker>]) -> Self {
-        Self::of(workers.iter().step_by(workers.len().div_ceil(64).max(1)))
+        Self::of(
+            workers
+                .iter()
+                .step_by(workers.len().div_ceil(SAMPLED).max(1)),
+        )
     }
 
     /// The mean requests in flight per usable worker.
@@ -266,9 +269,10 @@ struct Priced {
 const NONE: usize = usize::MAX;
 
 impl Pass<'_> {
-    /// Prices the usable workers among `priced` (all of them, or [`Self::candidates`]). `EXACT`: some worker publishes events, so `held_by` is asked of
-    /// every worker; `IDLE`: an idle worker holding nothing is credited `idle_credit`; `EVERYONE`:
-    /// the prompt begins with blocks presumed on every worker (`everyone_held`).
+    /// Prices the usable workers among `priced` (all of them, or [`Self::candidates`]). `EXACT`:
+    /// some worker publishes events, so `held_by` is asked of every worker; `IDLE`: an idle worker
+    /// holding nothing is credited `idle_credit`; `EVERYONE`: the prompt begins with blocks
+    /// presumed on every worker (`everyone_held`).
     #[inline(always)]
     fn run<'w, const EXACT: bool, const IDLE: bool, const EVERYONE: bool>(
         &self,
@@ -400,7 +404,8 @@ impl Pass<'_> {
 
 /// Pools up to this size have every usable worker priced by each decision.
 pub const PRICE_ALL_UP_TO: usize = 128;
-/// Workers priced for load in a larger pool, besides the prompt's holders and its home.
+/// Workers priced for load in a larger pool, besides the prompt's holders and its home; also the
+/// sample the pool's mean load is read from ([`PoolLoad::sampled`]).
 pub const SAMPLED: usize = 64;
 
 impl CacheAware {
@@ -549,9 +554,9 @@ impl CacheAware {
             .iter()
             .filter(|&&(_, d)| d > matches.everyone)
             .fold(0u64, |m, &(id, _)| m | 1 << (id & 63));
-        // Every usable worker priced (up to `PRICE_ALL_UP_TO`); this loop is the decision's cost at scale, so it keeps
-        // its state in registers: no Option, constants hoisted, the index consulted only for
-        // workers whose bit says they may hold something.
+        // Each usable worker priced (all of them up to `PRICE_ALL_UP_TO`) is the decision's cost at
+        // scale, so the pass keeps its state in registers: no Option, constants hoisted, the index
+        // consulted only for workers whose bit says they may hold something.
         let miss = self.params.miss_weight;
         let full_price = miss * prompt;
         // Prompt tokens a worker is priced as holding: what its own events say, which beats what
@@ -1445,10 +1450,10 @@ mod tests {
     }
 
     /// What sampling gives up, stated: in a large pool a lone idle worker is found when the
-    /// rotating sample holds it (one decision in 16 at 1,024 workers), and otherwise the home
-    /// takes the request at one request in flight, like every other sampled worker.
+    /// rotating sample holds it (one decision in 16 at 1,024 workers: twice in 32), and otherwise
+    /// the home takes the request at one request in flight, like every other sampled worker.
     #[test]
-    fn in_a_large_pool_load_is_read_from_a_sample_that_rotates_through_every_worker() {
+    fn in_a_large_pool_a_lone_idle_worker_is_found_once_per_turn_of_the_sample() {
         let ws = test_workers(1024);
         let p = unit();
         let r = convo(9, 0, 1);
