@@ -71,6 +71,33 @@ fn xorshift(mut x: u64) -> impl FnMut() -> u64 {
     }
 }
 
+/// Times `decide` as criterion's bench `name`, or, with `KVROUTE_BENCH_COUNT=<name>:<n>` set, runs
+/// it exactly `n` times in [`counted`] instead, for an instruction count that the machine's noise
+/// does not move: `valgrind --tool=callgrind --toggle-collect='*counted*'`, then the collected
+/// total over `n`.
+fn decision<R>(c: &mut Criterion, name: &str, mut decide: impl FnMut() -> R) {
+    match std::env::var("KVROUTE_BENCH_COUNT") {
+        Ok(v) => {
+            if let Some(n) = v.strip_prefix(name).and_then(|n| n.strip_prefix(':')) {
+                counted(
+                    n.parse().expect("KVROUTE_BENCH_COUNT=<bench>:<n>"),
+                    &mut decide,
+                );
+            }
+        }
+        Err(_) => {
+            c.bench_function(name, |b| b.iter(&mut decide));
+        }
+    }
+}
+
+#[inline(never)]
+fn counted<R>(n: usize, decide: &mut impl FnMut() -> R) {
+    for _ in 0..n {
+        std::hint::black_box(decide());
+    }
+}
+
 /// Routes 12,500 unrelated 8-block prompts through `p`: 100k blocks in its index.
 fn index_100k_blocks(
     p: &dyn policy::Policy,
@@ -111,8 +138,8 @@ fn cache_aware_at_scale(c: &mut Criterion) {
     let info = RequestInfo::keyed(convo, 256);
     let stats = p.index_stats().expect("cache_aware keeps an index");
     assert!(stats.blocks >= 100_000, "{stats:?}");
-    c.bench_function("select/cache_aware_1024_workers_100k_blocks", |b| {
-        b.iter(|| p.select(&workers, &info).expect("a worker"))
+    decision(c, "select/cache_aware_1024_workers_100k_blocks", || {
+        p.select(&workers, &info).expect("a worker")
     });
     // A new question under the system prompt, which one worker holds. Timed with `peek`, the
     // decision without its index write: written, the question itself would be known on one
@@ -120,9 +147,10 @@ fn cache_aware_at_scale(c: &mut Criterion) {
     let mut question = system;
     question.extend((0..8).map(|_| next()));
     let question = RequestInfo::keyed(question, 256);
-    c.bench_function(
+    decision(
+        c,
         "select/cache_aware_1024_workers_question_under_hot_prefix",
-        |b| b.iter(|| p.peek(&workers, &question).expect("a worker")),
+        || p.peek(&workers, &question).expect("a worker"),
     );
 
     // A second system prompt, copied to as many workers as a block can list: each conversation
@@ -155,9 +183,10 @@ fn cache_aware_at_scale(c: &mut Criterion) {
     // Whichever worker it goes to is priced as holding the 16 blocks.
     let to = p.peek(&workers, &question).expect("a worker");
     assert_eq!(to.prediction.map(|p| p.matched_blocks), Some(16), "{to:?}");
-    c.bench_function(
+    decision(
+        c,
         "select/cache_aware_1024_workers_question_under_prefix_on_full_holder_list",
-        |b| b.iter(|| p.peek(&workers, &question).expect("a worker")),
+        || p.peek(&workers, &question).expect("a worker"),
     );
 }
 
@@ -193,12 +222,13 @@ fn cache_aware_busy_pool(c: &mut Criterion) {
     let _busy: Vec<_> = (0..64).map(|_| workers[holder].acquire()).collect();
     let to = p.peek(&workers, &question).expect("a worker");
     assert!(to.index != holder && to.index % 3 == 0, "{to:?}");
-    c.bench_function(
+    decision(
+        c,
         "select/cache_aware_1024_workers_busy_question_under_hot_prefix",
-        |b| b.iter(|| p.peek(&workers, &question).expect("a worker")),
+        || p.peek(&workers, &question).expect("a worker"),
     );
-    c.bench_function("select/cache_aware_1024_workers_busy_next_turn", |b| {
-        b.iter(|| p.select(&workers, &turn).expect("a worker"))
+    decision(c, "select/cache_aware_1024_workers_busy_next_turn", || {
+        p.select(&workers, &turn).expect("a worker")
     });
 }
 
