@@ -372,6 +372,11 @@ impl Pass<'_> {
     /// from an offset that `turn` rotates, so that every worker is among them once in
     /// `workers / SAMPLED` decisions. Finding the first two is one light pass (a hash and a
     /// compare per worker); pricing a worker reads its load and costs several times that.
+    ///
+    /// Not inlined, and nothing in the scan calls out, so its state stays in registers (inlined
+    /// into `decide`, it spilled to the stack): the workers whose bit is among `holders` are noted
+    /// in a buffer and looked up after it, and usability is read only for the winner.
+    #[inline(never)]
     fn candidates(&self, turn: usize) -> Vec<usize> {
         let Pass {
             workers,
@@ -383,16 +388,41 @@ impl Pass<'_> {
         let stride = workers.len().div_ceil(SAMPLED);
         let mut priced = Vec::with_capacity(SAMPLED + matches.depths.len() + 1);
         priced.extend((turn % stride..workers.len()).step_by(stride));
+        let mut noted = [0u32; NOTED];
+        let mut hits = 0;
         let (mut home, mut top) = (NONE, 0);
         for (index, w) in workers.iter().enumerate() {
-            let score = mix(key, w.id_hash);
-            if (home == NONE || score > top) && w.is_usable() {
+            let id = w.id_hash;
+            let score = mix(key, id);
+            if score > top {
                 (home, top) = (index, score);
             }
-            if holders & (1 << (w.id_hash & 63)) != 0
-                && matches.depth_of(w.id_hash) > matches.everyone
-            {
-                priced.push(index);
+            if holders & (1 << (id & 63)) != 0 {
+                noted[hits % NOTED] = index as u32;
+                hits += 1;
+            }
+        }
+        let holds =
+            |id: u64| holders & (1 << (id & 63)) != 0 && matches.depth_of(id) > matches.everyone;
+        if hits <= NOTED {
+            for &index in &noted[..hits] {
+                if holds(workers[index as usize].id_hash) {
+                    priced.push(index as usize);
+                }
+            }
+        } else {
+            let held = workers.iter().enumerate().filter(|(_, w)| holds(w.id_hash));
+            priced.extend(held.map(|(index, _)| index));
+        }
+        // The highest score is out of routing (down, draining, ejected): seldom, so only then is
+        // every worker's usability read.
+        if home == NONE || !workers[home].is_usable() {
+            home = NONE;
+            for (index, w) in workers.iter().enumerate() {
+                let score = mix(key, w.id_hash);
+                if (home == NONE || score > top) && w.is_usable() {
+                    (home, top) = (index, score);
+                }
             }
         }
         if home != NONE {
@@ -404,6 +434,10 @@ impl Pass<'_> {
 
 /// Pools up to this size have every usable worker priced by each decision.
 pub const PRICE_ALL_UP_TO: usize = 128;
+/// Workers whose bit is among a large pool's holders that the light pass notes to look up after
+/// it ([`Pass::candidates`]); past this many it searches the pool again. Eight holders set at most
+/// 8 of the 64 bits: about 128 workers of 1,024.
+const NOTED: usize = 256;
 /// Workers priced for load in a larger pool, besides the prompt's holders and its home; also the
 /// sample the pool's mean load is read from ([`PoolLoad::sampled`]).
 pub const SAMPLED: usize = 64;
@@ -1475,6 +1509,77 @@ mod tests {
         // In a pool small enough to price every worker, it is found every time.
         let small = &ws[..PRICE_ALL_UP_TO];
         assert!((0..4).all(|_| p.peek(small, &r).unwrap().index == idle));
+    }
+
+    /// The light pass notes the workers whose bit is among the holders' and looks them up after
+    /// it; past [`NOTED`] of them it searches the pool again. Either way every holder is priced:
+    /// a conversation whose prefix seven workers hold goes to the one of them that is idle.
+    #[test]
+    fn in_a_large_pool_every_holder_is_priced_however_many_workers_share_their_bits() {
+        for n in [1024, 4096] {
+            let ws = test_workers(n);
+            let p = unit();
+            let r = convo(3, 0, 8);
+            let holders: Vec<usize> = (0..7).map(|k| (k * 577 + 13) % n).collect();
+            for &h in &holders {
+                p.index.insert(&r.block_hashes[..4], ws[h].id_hash);
+            }
+            let bits = holders
+                .iter()
+                .fold(0u64, |m, &h| m | 1 << (ws[h].id_hash & 63));
+            let sharing = ws
+                .iter()
+                .filter(|w| bits & 1 << (w.id_hash & 63) != 0)
+                .count();
+            // 1,024 workers take the noted path, 4,096 the search.
+            assert_eq!(
+                sharing > NOTED,
+                n > 1024,
+                "{n} workers: {sharing} share a bit"
+            );
+            let idle = holders[4];
+            let _busy: Vec<_> = holders
+                .iter()
+                .filter(|&&h| h != idle)
+                .flat_map(|&h| (0..30).map(move |_| h))
+                .map(|h| ws[h].acquire())
+                .collect();
+            // The idle holder misses 4 of 8 blocks; any other idle worker all 8, less the home's
+            // credit for half of the unknown 4.
+            for _ in 0..8 {
+                let s = p.peek(&ws, &r).unwrap();
+                assert_eq!(
+                    (s.index, s.outcome),
+                    (idle, Outcome::LongestMatch),
+                    "{n} workers"
+                );
+            }
+        }
+    }
+
+    /// The light pass reads usability only for the highest score: when that worker is down, a
+    /// new prompt goes to the usable worker with the next highest, as pricing all of them does.
+    #[test]
+    fn in_a_large_pool_a_new_prompt_whose_home_is_down_goes_to_the_next_highest_score() {
+        let ws = test_workers(1024);
+        let p = policy();
+        for c in 0..8 {
+            let r = convo(700 + c, 0, 2);
+            let score = |i: &usize| mix(r.block_hashes[0], ws[*i].id_hash);
+            let home = (0..ws.len()).max_by_key(score).unwrap();
+            ws[home].set_down(true);
+            let next = (0..ws.len())
+                .filter(|&i| i != home)
+                .max_by_key(score)
+                .unwrap();
+            let s = p.peek(&ws, &r).unwrap();
+            assert_eq!(
+                (s.index, s.outcome),
+                (next, Outcome::HashHome),
+                "prompt {c}"
+            );
+            ws[home].set_down(false);
+        }
     }
 
     #[test]
