@@ -2,7 +2,8 @@
 //! tokenizing a request to look it up in a worker's event-fed block set.
 //!
 //! `cargo bench --bench hot_path` measures; `cargo bench --bench hot_path -- --test` (CI) runs
-//! each once to prove they still work.
+//! each once to prove they still work. `KVROUTE_BENCH_COUNT=<bench name>:<n>` runs one of the
+//! 1,024-worker `cache_aware` cases exactly `n` times instead, for callgrind (see [`decision`]).
 
 use std::sync::Arc;
 
