@@ -236,9 +236,15 @@ impl QueueWeights {
         } else {
             own * queued_f / local as i64 as f64
         };
-        self.pending * w.load.pending_prefill() as i64 as f64
-            + self.request * queued_f
-            + self.context * context
+        // Prefill pending: this gateway's, and other replicas' requests there taken to be as far
+        // from starting as its own on average.
+        let own_pending = w.load.pending_prefill() as i64 as f64;
+        let pending = if queued == local || local == 0 {
+            own_pending
+        } else {
+            own_pending * queued_f / local as i64 as f64
+        };
+        self.pending * pending + self.request * queued_f + self.context * context
     }
 }
 
@@ -458,10 +464,11 @@ impl CacheAware {
     }
 
     /// The work queued on `w`, in prompt tokens: the one definition both paths price with. Each
-    /// queued request costs `request_cost_tokens` plus `context_weight` per token of its prompt;
-    /// requests the worker has beyond this gateway's (another replica's) are taken to be like
-    /// this gateway's there on average, or like `prompt` (the request being placed) when this
-    /// gateway has none there.
+    /// queued request costs `request_cost_tokens` plus `context_weight` per token of its prompt,
+    /// and the prefill not yet started costs `pending_weight` per token; requests the worker has
+    /// beyond this gateway's (another replica's) are taken to be like this gateway's there on
+    /// average (in context and in prefill pending), or, for context, like `prompt` (the request
+    /// being placed) when this gateway has none there.
     #[inline]
     fn queue_cost(&self, w: &Worker, prompt: f64) -> f64 {
         let local = w.inflight();
@@ -1579,6 +1586,29 @@ mod tests {
                 "prompt {c}"
             );
             ws[home].set_down(false);
+        }
+    }
+
+    /// Another replica's requests on a worker are taken to be as far from starting as this
+    /// gateway's there: four requests in all behind one of ours with 200 tokens to prefill are
+    /// priced as 800 pending, more than the 400 of a worker where all four are ours.
+    #[test]
+    fn another_replicas_requests_count_as_much_pending_prefill_as_ours_there() {
+        let ws = test_workers(2);
+        let p = unit();
+        let mut held: Vec<_> = (0..4).map(|_| hold(&ws[0], 100, 0)).collect();
+        held.push(hold(&ws[1], 200, 0));
+        let polled = crate::load::Polled {
+            running: 4.0,
+            ..Default::default()
+        };
+        ws[0].load.store(Some(polled), 4);
+        ws[1].load.store(Some(polled), 1);
+        // Both have four requests queued; a one-block prompt (64 tokens) is new to both, so at
+        // most the home's credit (half of 64) separates them besides the pending prefill.
+        for c in 0..8 {
+            let s = p.peek(&ws, &convo(900 + c, 0, 1)).unwrap();
+            assert_eq!(s.index, 0, "prompt {c}: {s:?}");
         }
     }
 
