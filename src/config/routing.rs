@@ -135,7 +135,8 @@ pub struct CacheAwareParams {
     /// decoding on that worker, and the copy it makes evicts other prefixes.
     pub miss_weight: f64,
     /// Weight of the prefill this gateway has queued on a worker that it has not started
-    /// (chunked prefill overlaps part of it with decoding).
+    /// (chunked prefill overlaps part of it with decoding). Other replicas' requests there (from
+    /// the polled load) are counted as having as much of it as this gateway's, on average.
     pub pending_weight: f64,
     /// Bounded loads: a worker is chosen only while its requests in flight are under this many
     /// times the mean over the usable workers (counting the new request), rounded up, as in

@@ -227,22 +227,19 @@ impl QueueWeights {
         // Counts go through `i64`: one instruction to a float on x86-64, where `u64` takes
         // several, and this runs for every worker of every decision (all are far below 2^63).
         let own = w.load.context_tokens() as i64 as f64;
-        let queued_f = queued as i64 as f64;
-        // Tokens read per decode step on behalf of the queue; no division with one gateway.
-        let context = if queued == local {
-            own
-        } else if local == 0 {
-            prompt * queued_f
-        } else {
-            own * queued_f / local as i64 as f64
-        };
-        // Prefill pending: this gateway's, and other replicas' requests there taken to be as far
-        // from starting as its own on average.
         let own_pending = w.load.pending_prefill() as i64 as f64;
-        let pending = if queued == local || local == 0 {
-            own_pending
+        let queued_f = queued as i64 as f64;
+        // Tokens read per decode step on behalf of the queue, and prefill not started. Other
+        // replicas' requests there are taken to be like this gateway's on average, or, with none
+        // of its own there, their prompts like this one (their prefill then unknown). No division
+        // with one gateway.
+        let (context, pending) = if queued == local {
+            (own, own_pending)
+        } else if local == 0 {
+            (prompt * queued_f, own_pending)
         } else {
-            own_pending * queued_f / local as i64 as f64
+            let per_own = queued_f / local as i64 as f64;
+            (own * per_own, own_pending * per_own)
         };
         self.pending * pending + self.request * queued_f + self.context * context
     }
@@ -423,13 +420,13 @@ impl Pass<'_> {
         // The highest score is out of routing (down, draining, ejected): seldom, so only then is
         // every worker's usability read.
         if home == NONE || !workers[home].is_usable() {
-            home = NONE;
-            for (index, w) in workers.iter().enumerate() {
-                let score = mix(key, w.id_hash);
-                if (home == NONE || score > top) && w.is_usable() {
-                    (home, top) = (index, score);
-                }
-            }
+            // The first of the highest, as the pricing pass breaks ties.
+            home = workers
+                .iter()
+                .enumerate()
+                .filter(|(_, w)| w.is_usable())
+                .min_by_key(|(_, w)| std::cmp::Reverse(mix(key, w.id_hash)))
+                .map_or(NONE, |(index, _)| index);
         }
         if home != NONE {
             priced.push(home);
@@ -1604,8 +1601,8 @@ mod tests {
         };
         ws[0].load.store(Some(polled), 4);
         ws[1].load.store(Some(polled), 1);
-        // Both have four requests queued; a one-block prompt (64 tokens) is new to both, so at
-        // most the home's credit (half of 64) separates them besides the pending prefill.
+        // Both have four requests queued; a one-block prompt (64 tokens) is new to both, so
+        // besides the pending prefill only the home's credit (under 64 tokens) separates them.
         for c in 0..8 {
             let s = p.peek(&ws, &convo(900 + c, 0, 1)).unwrap();
             assert_eq!(s.index, 0, "prompt {c}: {s:?}");
