@@ -158,8 +158,9 @@ pub struct CacheAwareParams {
     /// least two: a shared system prompt), the same for every turn of a conversation on every
     /// replica, even once a spill has put the conversation on a second worker; and when the
     /// workers' polled load shows traffic beyond this gateway's own (other replicas), the home is
-    /// presumed to hold as much of the prompt as any worker is known to, in proportion to that
-    /// traffic's share (fully from one half on), since the other replicas send it there too; for
+    /// presumed to hold, besides what it is known to, the rest of what any worker is known to
+    /// hold in proportion to that traffic's share (all of it from one half on), since the other
+    /// replicas send it there too; for
     /// the same reason the home's credit for the part no worker is known to hold rises from
     /// `home_affinity` towards all of it.
     /// Off: the key is the first block past this gateway's longest known match.

@@ -39,8 +39,8 @@
 //! a turn elsewhere for load, it would follow that copy while the others keep to the home, and
 //! the conversation would bounce between two workers, each missing the other's turns. So when the
 //! workers' polled load shows requests beyond this gateway's own (a share `f` of the pool's), the
-//! home is presumed to hold as much of the prompt as any worker is known to, times `min(1, 2f)`:
-//! the other replicas send the conversation there. For the same reason the home's credit for the
+//! home is presumed to hold, besides what it is known to, `min(1, 2f)` of the rest of what any
+//! worker is known to hold: the other replicas send the conversation there. For the same reason the home's credit for the
 //! part no worker is known to hold rises from `home_affinity` by `min(1, 2f)` of the rest: the
 //! turns this replica has not seen went there. A lone gateway sees `f = 0` and follows what it
 //! knows.
@@ -701,8 +701,11 @@ impl CacheAware {
         }
         let mut chosen = best;
         // Other replicas send this prompt's conversation to its home too: presume the home holds
-        // as much of it as any worker is known to, in proportion to the share of the pool's
-        // requests this gateway does not see (`shared_home`). Events are everyone's knowledge
+        // what it is known to, and the rest of what any worker is known to hold in proportion to
+        // the share of the pool's requests this gateway does not see (`shared_home`). The nearer
+        // the home is to holding it all, the cheaper the way back, so the credit is for the gap
+        // only: presuming `others × known` in all gave the home nothing once it held more than
+        // that, and a spilled conversation stayed split between two workers. Events are everyone's knowledge
         // already, so not with them. The part no worker is known to hold is credited to the home
         // by `home_affinity` alone, where it only places new prompts by hash, and by more of it
         // as other replicas' share grows: they send the turns this gateway has not seen there.
@@ -714,7 +717,7 @@ impl CacheAware {
             let presumed = if home.depth < deepest {
                 let known = req.bytes_at_depth(deepest) as f64 / bpt;
                 let home_held = held_by(home.index, &workers[home.index], home.depth);
-                (others * known - home_held).max(0.0)
+                others * (known - home_held).max(0.0)
             } else {
                 0.0
             };
@@ -1162,6 +1165,41 @@ mod tests {
         own.index
             .insert(&convo(3, 4, 3).block_hashes, ws[x].id_hash);
         assert_eq!(own.peek(&ws, &next).unwrap().index, x);
+    }
+
+    #[test]
+    fn a_spilled_conversation_returns_to_a_home_that_holds_most_of_it_whatever_the_others_share() {
+        // Replica `a` sent the first two turns of conversation 3 home, then one turn to `x` for
+        // load: the home lacks one block of what `x` holds.
+        let ws = test_workers(4);
+        let a = knowing_the_system_prompt(&ws, CacheAwareParams::default());
+        let next = convo(3, 4, 4);
+        let home = a.peek(&ws, &next).unwrap().index;
+        let x = (home + 1) % ws.len();
+        a.index
+            .insert(&convo(3, 4, 2).block_hashes, ws[home].id_hash);
+        a.index.insert(&convo(3, 4, 3).block_hashes, ws[x].id_hash);
+        // Other replicas route a third of the pool's requests (`min(1, 2f)` = 2/3): the home is
+        // presumed to hold two thirds of the block it lacks, and that, with its share of the new
+        // block, outweighs the one block `x` holds beyond it. A presumption of two thirds of
+        // everything `x` holds (299 tokens) would be less than the home holds already (384),
+        // crediting nothing, and the conversation would stay split.
+        let _mine: Vec<_> = ws
+            .iter()
+            .flat_map(|w| {
+                let mine: Vec<_> = (0..4).map(|_| w.acquire()).collect();
+                let polled = crate::load::Polled {
+                    running: 6.0,
+                    ..Default::default()
+                };
+                w.load.store(Some(polled), 4);
+                mine
+            })
+            .collect();
+        let back = a.peek(&ws, &next).unwrap();
+        assert_eq!((back.index, back.outcome), (home, Outcome::HashHome));
+        // What it predicts there is what it knows the home holds.
+        assert_eq!(back.prediction.unwrap().matched_blocks, 6);
     }
 
     #[test]
