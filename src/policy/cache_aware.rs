@@ -1077,11 +1077,20 @@ mod tests {
     /// Four requests of this gateway's in flight on every worker, and a poll that saw as many
     /// again from elsewhere (another replica's). The guards hold this gateway's requests.
     fn another_replica_as_busy(ws: &[Arc<Worker>]) -> Vec<crate::workers::InflightGuard> {
+        polled_beside_four_of_ours(ws, 8.0)
+    }
+
+    /// Four requests of this gateway's in flight on every worker, and a poll that saw `running`
+    /// there in all (the rest other replicas'). The guards hold this gateway's requests.
+    fn polled_beside_four_of_ours(
+        ws: &[Arc<Worker>],
+        running: f64,
+    ) -> Vec<crate::workers::InflightGuard> {
         let mut mine = Vec::new();
         for w in ws {
             mine.extend((0..4).map(|_| w.acquire()));
             let polled = crate::load::Polled {
-                running: 8.0,
+                running,
                 ..Default::default()
             };
             w.load.store(Some(polled), 4);
@@ -1184,18 +1193,7 @@ mod tests {
         // block, outweighs the one block `x` holds beyond it. A presumption of two thirds of
         // everything `x` holds (299 tokens) would be less than the home holds already (384),
         // crediting nothing, and the conversation would stay split.
-        let _mine: Vec<_> = ws
-            .iter()
-            .flat_map(|w| {
-                let mine: Vec<_> = (0..4).map(|_| w.acquire()).collect();
-                let polled = crate::load::Polled {
-                    running: 6.0,
-                    ..Default::default()
-                };
-                w.load.store(Some(polled), 4);
-                mine
-            })
-            .collect();
+        let _mine = polled_beside_four_of_ours(&ws, 6.0);
         let back = a.peek(&ws, &next).unwrap();
         assert_eq!((back.index, back.outcome), (home, Outcome::HashHome));
         // What it predicts there is what it knows the home holds.
