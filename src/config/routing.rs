@@ -160,9 +160,8 @@ pub struct CacheAwareParams {
     /// workers' polled load shows traffic beyond this gateway's own (other replicas), the home is
     /// presumed to hold, besides what it is known to, the rest of what any worker is known to
     /// hold in proportion to that traffic's share (all of it from one half on), since the other
-    /// replicas send it there too; for
-    /// the same reason the home's credit for the part no worker is known to hold rises from
-    /// `home_affinity` towards all of it.
+    /// replicas send it there too; for the same reason the home's credit for the part no worker
+    /// is known to hold rises from `home_affinity` towards all of it.
     /// Off: the key is the first block past this gateway's longest known match.
     pub shared_home: bool,
     /// For a request whose known prefix most workers hold and of which nothing deeper is known

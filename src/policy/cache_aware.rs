@@ -40,9 +40,9 @@
 //! the conversation would bounce between two workers, each missing the other's turns. So when the
 //! workers' polled load shows requests beyond this gateway's own (a share `f` of the pool's), the
 //! home is presumed to hold, besides what it is known to, `min(1, 2f)` of the rest of what any
-//! worker is known to hold: the other replicas send the conversation there. For the same reason the home's credit for the
-//! part no worker is known to hold rises from `home_affinity` by `min(1, 2f)` of the rest: the
-//! turns this replica has not seen went there. A lone gateway sees `f = 0` and follows what it
+//! worker is known to hold: the other replicas send the conversation there. For the same reason
+//! the home's credit for the part no worker is known to hold rises from `home_affinity` by
+//! `min(1, 2f)` of the rest: the turns this replica has not seen went there. A lone gateway sees `f = 0` and follows what it
 //! knows.
 //!
 //! What follows from the cost: a conversation stays with its deepest blocks until the load gap
@@ -701,12 +701,9 @@ impl CacheAware {
         }
         let mut chosen = best;
         // Other replicas send this prompt's conversation to its home too: presume the home holds
-        // what it is known to, and the rest of what any worker is known to hold in proportion to
-        // the share of the pool's requests this gateway does not see (`shared_home`). The nearer
-        // the home is to holding it all, the cheaper the way back, so the credit is for the gap
-        // only: presuming `others × known` in all gave the home nothing once it held more than
-        // that, and a spilled conversation stayed split between two workers. Events are everyone's knowledge
-        // already, so not with them. The part no worker is known to hold is credited to the home
+        // what it is known to, plus the gap to what any worker is known to hold in proportion to
+        // the share of the pool's requests this gateway does not see (`shared_home`). Events are
+        // everyone's knowledge already, so not with them. The part no worker is known to hold is credited to the home
         // by `home_affinity` alone, where it only places new prompts by hash, and by more of it
         // as other replicas' share grows: they send the turns this gateway has not seen there.
         let h = self.params.home_affinity;
@@ -1177,7 +1174,7 @@ mod tests {
     }
 
     #[test]
-    fn a_spilled_conversation_returns_to_a_home_that_holds_most_of_it_whatever_the_others_share() {
+    fn a_spilled_conversation_returns_to_a_home_that_holds_most_of_it_when_others_route_a_third() {
         // Replica `a` sent the first two turns of conversation 3 home, then one turn to `x` for
         // load: the home lacks one block of what `x` holds.
         let ws = test_workers(4);
