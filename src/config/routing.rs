@@ -130,6 +130,14 @@ pub struct CacheAwareParams {
     /// rises towards 1 by `min(1, 2f)` of the rest while the polled load shows other replicas'
     /// share `f` of the traffic: they send the turns this gateway has not seen to the home.
     pub home_affinity: f64,
+    /// `home_affinity` for a request that continues a prefix that one worker is known to hold
+    /// and that none of the last `n` requests (`n` workers) went through: a conversation's next
+    /// turn, whose new part the turns after it will carry too. With `shared_home` only (without
+    /// it the home's key moves with every turn). A question on a prefix that many requests share
+    /// keeps `home_affinity`: its own text comes once. Unset: `home_affinity`. At 1, a
+    /// conversation that load placed away from its home settles there: on the bench's chat
+    /// workload, a p95 TTFT steadier run to run at 0.6% less throughput (see the README).
+    pub reuse_affinity: Option<f64>,
     /// Weight of the prefill a worker would have to do (the tokens it does not hold). Above 1
     /// because a miss costs more than the request's own wait: its prefill stalls every sequence
     /// decoding on that worker, and the copy it makes evicts other prefixes.
@@ -186,6 +194,7 @@ impl Default for CacheAwareParams {
             context_weight: 0.04,
             bytes_per_token: 4.0,
             home_affinity: 0.5,
+            reuse_affinity: None,
             miss_weight: 3.0,
             pending_weight: 0.5,
             load_bound: 0.0,
@@ -208,6 +217,7 @@ impl CacheAwareParams {
             && self.context_weight >= 0.0
             && finite_pos(self.bytes_per_token)
             && (0.0..=1.0).contains(&self.home_affinity)
+            && self.reuse_affinity.is_none_or(|r| (0.0..=1.0).contains(&r))
             && finite_pos(self.miss_weight)
             && self.pending_weight.is_finite()
             && self.pending_weight >= 0.0
@@ -215,7 +225,7 @@ impl CacheAwareParams {
             && self.hot_pending_weight >= 0.0
             && (self.load_bound == 0.0 || (self.load_bound.is_finite() && self.load_bound >= 1.0));
         if !ok {
-            return Err("cache_aware: request_cost_tokens >= 0, context_weight >= 0, bytes_per_token > 0, home_affinity in [0, 1], miss_weight > 0, pending_weight >= 0, hot_pending_weight >= 0, load_bound 0 or >= 1".into());
+            return Err("cache_aware: request_cost_tokens >= 0, context_weight >= 0, bytes_per_token > 0, home_affinity and reuse_affinity in [0, 1], miss_weight > 0, pending_weight >= 0, hot_pending_weight >= 0, load_bound 0 or >= 1".into());
         }
         Ok(())
     }

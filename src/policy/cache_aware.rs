@@ -22,7 +22,11 @@
 //! past a shared system prompt, so the same for every turn of a conversation on every replica)
 //! is credited `home_affinity` × the tokens no worker is known to hold, and breaks ties.
 //! Replicas that have not seen a conversation thus agree on where its unknown part most likely
-//! is, and a new prefix starts on one worker, not on all.
+//! is, and a new prefix starts on one worker, not on all. With `reuse_affinity` set, a request
+//! that continues a prefix one worker holds and no other recent request went through (a
+//! conversation's next turn) is credited that share of the part instead: the turns after it
+//! carry it too, so at 1 a conversation that load placed away from its home settles there once
+//! its history elsewhere is worth less than its new text.
 //!
 //! Except for a request known no further than a prefix most workers hold (a new question under a
 //! shared system prompt; any request of a prefix hot enough to be everywhere): every holder
@@ -41,9 +45,9 @@
 //! workers' polled load shows requests beyond this gateway's own (a share `f` of the pool's), the
 //! home is presumed to hold, besides what it is known to, `min(1, 2f)` of the rest of what any
 //! worker is known to hold: the other replicas send the conversation there. For the same reason
-//! the home's credit for the part no worker is known to hold rises from `home_affinity` by
-//! `min(1, 2f)` of the rest: the turns this replica has not seen went there. A lone gateway sees `f = 0` and follows what it
-//! knows.
+//! the home's credit for the part no worker is known to hold rises from `home_affinity` (or
+//! `reuse_affinity`) by `min(1, 2f)` of the rest: the turns this replica has not seen went there.
+//! A lone gateway sees `f = 0` and follows what it knows.
 //!
 //! What follows from the cost: a conversation stays with its deepest blocks until the load gap
 //! exceeds what moving would cost in prefill; a prefix shared by everyone (a system prompt)
@@ -703,10 +707,16 @@ impl CacheAware {
         // Other replicas send this prompt's conversation to its home too: presume the home holds
         // what it is known to, plus the gap to what any worker is known to hold in proportion to
         // the share of the pool's requests this gateway does not see (`shared_home`). Events are
-        // everyone's knowledge already, so not with them. The part no worker is known to hold is credited to the home
-        // by `home_affinity` alone, where it only places new prompts by hash, and by more of it
-        // as other replicas' share grows: they send the turns this gateway has not seen there.
-        let h = self.params.home_affinity;
+        // everyone's knowledge already, so not with them. The part no worker is known to hold is
+        // credited to the home by `home_affinity`, and by more of it as other replicas' share
+        // grows: they send the turns this gateway has not seen there. By `reuse_affinity` for a
+        // request that continues a prefix one worker holds and no other recent request went
+        // through (a conversation's next turn): the turns after it carry its new part too. A
+        // question on a shared document is not followed by its own text.
+        let h = match self.params.reuse_affinity {
+            Some(r) if self.params.shared_home && deepest > shared_depth.max(matches.recent) => r,
+            _ => self.params.home_affinity,
+        };
         let replicas_matter =
             self.params.shared_home && !all_exact && (home.depth < deepest || unknown > 0.0);
         let (presumed, affinity) = if replicas_matter {
@@ -1044,6 +1054,54 @@ mod tests {
             (other.index, Outcome::LongestMatch)
         );
         assert_eq!(next2.prediction.unwrap().matched_blocks, 5);
+    }
+
+    /// On a lone gateway with `reuse_affinity: 1`, a conversation's next turn is credited at its
+    /// home with all of its new text, a new prompt with half of it (`home_affinity`): through the
+    /// same load gap the first stays where its next turns will look for it and the second goes to
+    /// an idle worker. Unset, the next turn is credited like a new prompt and moves too.
+    #[test]
+    fn with_reuse_affinity_a_next_turn_keeps_its_home_through_a_gap_that_moves_new_and_hot_prompts()
+    {
+        let ws = test_workers(4);
+        let half = unit();
+        let p = CacheAware::new(CacheAwareParams {
+            reuse_affinity: Some(1.0),
+            ..half.params.clone()
+        });
+        let first = pick(&p, &ws, &convo(1, 0, 1));
+        assert_eq!(first.outcome, Outcome::HashHome);
+        let home = first.index;
+        assert_eq!(pick(&half, &ws, &convo(1, 0, 1)).index, home);
+        // Other users' requests since (without them the conversation's own last turn would make
+        // its prefix look like one that everyone is using).
+        for c in 10..14 {
+            pick(&p, &ws, &convo(c, 0, 1));
+            pick(&half, &ws, &convo(c, 0, 1));
+        }
+        // Another 2-block prompt with the same home, found by a policy that has seen nothing.
+        let probe = unit();
+        let new = (2..)
+            .map(|c| convo(c, 0, 2))
+            .find(|r| pick(&probe, &ws, r).index == home)
+            .unwrap();
+        // One request with 40 tokens of prefill pending: 104 tokens of queue on the home.
+        let _busy = hold(&ws[home], 40, 0);
+        // Next turn, 128 tokens: 64 held at home, 64 new. Home 64 + 104 - 64 = 104; idle 128.
+        let next = pick(&p, &ws, &convo(1, 0, 2));
+        assert_eq!((next.index, next.outcome), (home, Outcome::LongestMatch));
+        // New, 128 tokens: home 128 + 104 - 64 = 168; idle 128.
+        let moved = pick(&p, &ws, &new);
+        assert_ne!(moved.index, home);
+        assert_eq!(moved.outcome, Outcome::Spilled);
+        // Unset, the next turn's new text is credited as a new prompt's and it moves: 136 > 128.
+        assert_ne!(pick(&half, &ws, &convo(1, 0, 2)).index, home);
+        // A prefix one of the last 4 requests went through may be a document many questions
+        // share, whose new text comes once: its turn 3, with one more request queued at home
+        // (168), is credited half: 64 + 168 - 32 = 200 against 192 on an idle worker.
+        let _more = hold(&ws[home], 0, 0);
+        let after = pick(&p, &ws, &convo(1, 0, 3));
+        assert_ne!(after.index, home);
     }
 
     #[test]
