@@ -128,7 +128,8 @@ pub struct CacheAwareParams {
     /// Share of the prompt that no worker is known to hold that the request's rendezvous home is
     /// credited with: another replica may have sent that prefix there. With `shared_home`, it
     /// rises towards 1 by `min(1, 2f)` of the rest while the polled load shows other replicas'
-    /// share `f` of the traffic: they send the turns this gateway has not seen to the home.
+    /// share `f` of the traffic: they send the turns this gateway has not seen to the home. Not
+    /// for a prompt of which nothing is known (no shared prefix, no earlier turn): a new one.
     pub home_affinity: f64,
     /// `home_affinity` for a request that continues a prefix that one worker is known to hold
     /// and that none of the last `n` requests (`n` workers) went through: a conversation's next

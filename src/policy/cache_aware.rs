@@ -47,7 +47,9 @@
 //! worker is known to hold: the other replicas send the conversation there. For the same reason
 //! the home's credit for the part no worker is known to hold rises from `home_affinity` (or
 //! `reuse_affinity`) by `min(1, 2f)` of the rest: the turns this replica has not seen went there.
-//! A lone gateway sees `f = 0` and follows what it knows.
+//! Not for a prompt of which nothing at all is known, which is as likely new: placed by its hash
+//! alone, new prompts would queue by chance. A lone gateway sees `f = 0` and follows what it
+//! knows.
 //!
 //! What follows from the cost: a conversation stays with its deepest blocks until the load gap
 //! exceeds what moving would cost in prefill; a prefix shared by everyone (a system prompt)
@@ -717,8 +719,14 @@ impl CacheAware {
             Some(r) if self.params.shared_home && deepest > shared_depth.max(matches.recent) => r,
             _ => self.params.home_affinity,
         };
-        let replicas_matter =
-            self.params.shared_home && !all_exact && (home.depth < deepest || unknown > 0.0);
+        // A prompt of which no worker is known to hold anything, not even a shared prefix, is as
+        // likely new as another replica's (a conversation's turns carry its system prompt or its
+        // own earlier turns): it keeps `home_affinity`, or replicas would place every new prompt
+        // by its hash alone.
+        let replicas_matter = self.params.shared_home
+            && !all_exact
+            && deepest > 0
+            && (home.depth < deepest || unknown > 0.0);
         let (presumed, affinity) = if replicas_matter {
             let others = others();
             let presumed = if home.depth < deepest {
@@ -1059,7 +1067,8 @@ mod tests {
     /// On a lone gateway with `reuse_affinity: 1`, a conversation's next turn is credited at its
     /// home with all of its new text, a new prompt with half of it (`home_affinity`): through the
     /// same load gap the first stays where its next turns will look for it and the second goes to
-    /// an idle worker. Unset, the next turn is credited like a new prompt and moves too.
+    /// an idle worker. Unset, the next turn is credited like a new prompt and moves too, and so
+    /// does a turn whose prefix one of the last few requests went through.
     #[test]
     fn with_reuse_affinity_a_next_turn_keeps_its_home_through_a_gap_that_moves_new_and_hot_prompts()
     {
@@ -1081,7 +1090,7 @@ mod tests {
         }
         // Another 2-block prompt with the same home, found by a policy that has seen nothing.
         let probe = unit();
-        let new = (2..)
+        let new = (100..)
             .map(|c| convo(c, 0, 2))
             .find(|r| pick(&probe, &ws, r).index == home)
             .unwrap();
@@ -1181,6 +1190,30 @@ mod tests {
         assert_eq!(p.peek(&ws, &r).unwrap().index, home);
         // A third, 240 tokens: more than all of it. The conversation goes elsewhere, so the
         // credit is the unseen turn's, not more.
+        extra.push(ws[home].acquire());
+        assert_ne!(p.peek(&ws, &r).unwrap().index, home);
+    }
+
+    /// Beside another replica, a prompt nothing of which is known (no shared prefix, no earlier
+    /// turn) is credited at its home as by one gateway, half of it: it may as well be new.
+    #[test]
+    fn with_another_replica_a_prompt_nothing_of_which_is_known_is_credited_half() {
+        let ws = test_workers(8);
+        let r = convo(9, 0, 3); // 192 tokens, none known
+        let home = (0..ws.len())
+            .max_by_key(|&i| mix(r.block_hashes[0], ws[i].id_hash))
+            .unwrap();
+        let p = CacheAware::new(CacheAwareParams {
+            miss_weight: 1.0,
+            request_cost_tokens: 80.0,
+            context_weight: 0.0,
+            ..CacheAwareParams::default()
+        });
+        let _mine = another_replica_as_busy(&ws);
+        // One more request on the home, 80 tokens of queue: less than half of the prompt.
+        let mut extra = vec![ws[home].acquire()];
+        assert_eq!(p.peek(&ws, &r).unwrap().index, home);
+        // Two, 160 tokens: more than half of it, less than all. Elsewhere.
         extra.push(ws[home].acquire());
         assert_ne!(p.peek(&ws, &r).unwrap().index, home);
     }
