@@ -523,7 +523,7 @@ impl CacheAware {
         };
         // A prefix one of the last `workers` requests went through counts as hot below; only
         // the idle credit asks (a window of 0 makes the walk skip the sample).
-        let window = if self.params.amortize_hot_copies {
+        let window = if self.params.amortize_hot_copies || self.params.reuse_affinity.is_some() {
             u32::try_from(workers.len()).unwrap_or(u32::MAX)
         } else {
             0
@@ -1068,12 +1068,22 @@ mod tests {
     /// home with all of its new text, a new prompt with half of it (`home_affinity`): through the
     /// same load gap the first stays where its next turns will look for it and the second goes to
     /// an idle worker. Unset, the next turn is credited like a new prompt and moves too, and so
-    /// does a turn whose prefix one of the last few requests went through.
+    /// does a turn whose prefix one of the last few requests went through, whether or not hot
+    /// copies are amortized (which also read the last few requests).
     #[test]
     fn with_reuse_affinity_a_next_turn_keeps_its_home_through_a_gap_that_moves_new_and_hot_prompts()
     {
+        for amortize_hot_copies in [true, false] {
+            reuse_affinity_through_a_gap(amortize_hot_copies);
+        }
+    }
+
+    fn reuse_affinity_through_a_gap(amortize_hot_copies: bool) {
         let ws = test_workers(4);
-        let half = unit();
+        let half = CacheAware::new(CacheAwareParams {
+            amortize_hot_copies,
+            ..unit().params
+        });
         let p = CacheAware::new(CacheAwareParams {
             reuse_affinity: Some(1.0),
             ..half.params.clone()
@@ -1110,7 +1120,10 @@ mod tests {
         // (168), is credited half: 64 + 168 - 32 = 200 against 192 on an idle worker.
         let _more = hold(&ws[home], 0, 0);
         let after = pick(&p, &ws, &convo(1, 0, 3));
-        assert_ne!(after.index, home);
+        assert_ne!(
+            after.index, home,
+            "amortize_hot_copies: {amortize_hot_copies}"
+        );
     }
 
     #[test]
