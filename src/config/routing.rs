@@ -136,8 +136,9 @@ pub struct CacheAwareParams {
     /// turn, whose new part the turns after it will carry too. With `shared_home` only (without
     /// it the home's key moves with every turn). A question on a prefix that many requests share
     /// keeps `home_affinity`: its own text comes once. Unset: `home_affinity`. At 1, a
-    /// conversation that load placed away from its home settles there: on the bench's chat
-    /// workload, a p95 TTFT steadier run to run at 0.6% less throughput (see the README).
+    /// conversation that load placed away from its home settles there. On the bench's chat
+    /// workload that cost 0.6-1% of throughput in two batches, and steadied the p95 TTFT in one
+    /// of them only (see the README).
     pub reuse_affinity: Option<f64>,
     /// Weight of the prefill a worker would have to do (the tokens it does not hold). Above 1
     /// because a miss costs more than the request's own wait: its prefill stalls every sequence
