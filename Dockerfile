@@ -6,8 +6,9 @@
 #
 # By default the binary is profile-guided (benches/pgo_build.sh: built instrumented, trained on
 # loopback inside the build stage against simulated workers, built again; about 17 minutes on 2
-# cores), about a tenth less CPU per request than the plain build (README, "Proxy overhead against
-# nginx"). `--build-arg PGO=0` builds the plain release binary instead (about 5 minutes).
+# cores), about a tenth less CPU per request than the plain build (docs/measurements.md, "Proxy
+# overhead against nginx"). `--build-arg PGO=0` builds the plain release binary instead (about 5
+# minutes).
 
 FROM rust:1.95-slim-bookworm AS build
 ARG PGO=1

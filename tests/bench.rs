@@ -583,7 +583,7 @@ async fn an_events_arm_predicts_the_workers_cache_and_its_replicas_agree() {
     // Within 10%: in this short closed loop each turn follows its predecessor's answer at once,
     // and the block that answer completed is published in the same engine step, so it races the
     // next turn's decision (one 16-token block of a ~400-token prompt; 0.95-0.97x here, 1.00x
-    // on the README's bench).
+    // on the bench in docs/measurements.md).
     assert!(
         (c.predicted / c.reported - 1.0).abs() <= 0.10,
         "predicted within 10% of reported: {c:?}"

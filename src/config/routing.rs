@@ -138,7 +138,7 @@ pub struct CacheAwareParams {
     /// keeps `home_affinity`: its own text comes once. Unset: `home_affinity`. At 1, a
     /// conversation that load placed away from its home settles there. On the bench's chat
     /// workload that cost 0.6-1% of throughput in two batches, and steadied the p95 TTFT in one
-    /// of them only (see the README).
+    /// of them only (see `docs/measurements.md`).
     pub reuse_affinity: Option<f64>,
     /// Weight of the prefill a worker would have to do (the tokens it does not hold). Above 1
     /// because a miss costs more than the request's own wait: its prefill stalls every sequence

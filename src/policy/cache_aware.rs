@@ -74,7 +74,7 @@
 //! fewer, and then, one request each at a time, the mean is at most 1: a conversation stays
 //! where its history is. Only idle
 //! workers: the same discount for any worker below the mean made copies where loads were merely
-//! uneven and cost p95 TTFT on three of five bench workloads (see the README).
+//! uneven and cost p95 TTFT on three of five bench workloads (see `docs/measurements.md`).
 //! With `load_bound` set, a worker at or over that many times the mean load is also left out
 //! first (bounded loads).
 //!
