@@ -14,7 +14,8 @@
 #    and builds again with `-Cprofile-use`, in target/pgo-use, and copies the binary to OUT.
 #
 # Takes about 17 minutes on 2 cores (three release builds with fat LTO). Everything runs on
-# loopback. Measured against the plain build in docs/measurements.md ("Proxy overhead against nginx").
+# loopback. Measured against the plain build in docs/measurements.md ("Proxy overhead against
+# nginx").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-target/pgo/kvroute}

@@ -522,7 +522,7 @@ impl CacheAware {
             return self.least_work(workers, req);
         };
         // A prefix one of the last `workers` requests went through counts as hot below; only
-        // the idle credit asks (a window of 0 makes the walk skip the sample).
+        // the idle credit and `reuse_affinity` ask (a window of 0 makes the walk skip the sample).
         let window = if self.params.amortize_hot_copies || self.params.reuse_affinity.is_some() {
             u32::try_from(workers.len()).unwrap_or(u32::MAX)
         } else {
