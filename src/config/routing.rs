@@ -140,6 +140,18 @@ pub struct CacheAwareParams {
     /// workload that cost 0.6-1% of throughput in two batches, and steadied the p95 TTFT in one
     /// of them only (see `docs/measurements.md`).
     pub reuse_affinity: Option<f64>,
+    /// Fade the home's credit for a prompt of which nothing at all is known (no worker holds
+    /// its first block) when fewer than half of this gateway's recent prompts (a moving share
+    /// over about the last 64) start with something known, by `min(1, 2 × share)`. Where prompts
+    /// are never reused (every one new, of any length), a hash places them at random and the long
+    /// ones pile up; such traffic is then placed by cost alone, while a pool whose prompts mostly
+    /// share system prompts or earlier turns keeps the whole credit for its new ones. Only as far
+    /// as this gateway sees the pool's traffic: with other replicas' share `f` (polled load), the
+    /// credit comes back by `min(1, 2f)`, since their conversations' turns reach this replica
+    /// unknown and must still meet at the home. Off by default: on the bench's multi-turn
+    /// workload, whose conversations start in bursts, it cost the p95 TTFT a quarter (see
+    /// `docs/measurements.md`).
+    pub new_prompt_by_reuse: bool,
     /// Weight of the prefill a worker would have to do (the tokens it does not hold). Above 1
     /// because a miss costs more than the request's own wait: its prefill stalls every sequence
     /// decoding on that worker, and the copy it makes evicts other prefixes.
@@ -197,6 +209,7 @@ impl Default for CacheAwareParams {
             bytes_per_token: 4.0,
             home_affinity: 0.5,
             reuse_affinity: None,
+            new_prompt_by_reuse: false,
             miss_weight: 3.0,
             pending_weight: 0.5,
             load_bound: 0.0,

@@ -49,7 +49,11 @@
 //! `reuse_affinity`) by `min(1, 2f)` of the rest: the turns this replica has not seen went there.
 //! Not for a prompt of which nothing at all is known, which is as likely new: placed by its hash
 //! alone, new prompts would queue by chance. A lone gateway sees `f = 0` and follows what it
-//! knows.
+//! knows. With `new_prompt_by_reuse`, even the half credit of such a prompt fades once fewer
+//! than half of recent prompts start with something known (by `min(1, 2 × share)`): where
+//! nothing is ever reused, the hash would place prompts at random and long ones would pile up.
+//! It comes back by `min(1, 2f)`, because other replicas' conversations reach this one with
+//! nothing known.
 //!
 //! What follows from the cost: a conversation stays with its deepest blocks until the load gap
 //! exceeds what moving would cost in prefill; a prefix shared by everyone (a system prompt)
@@ -118,7 +122,13 @@ pub struct CacheAware {
     /// Answers it was learnt from.
     learnt_from: AtomicU64,
     tie_break: AtomicUsize,
+    /// The moving share of recent prompts whose first block some worker was known to hold, as
+    /// `f64` bits (`new_prompt_by_reuse`); starts at 1.
+    reuse: AtomicU64,
 }
+
+/// Requests the reuse share averages over, about.
+const REUSE_WINDOW: f64 = 64.0;
 
 /// A rendezvous score of the key for the worker. Both are xxh3 outputs, so their xor is already
 /// uniform; one odd multiply and a fold decorrelate neighbouring keys, at a nanosecond per worker.
@@ -458,8 +468,23 @@ impl CacheAware {
             bytes_per_token: AtomicU64::new(params.bytes_per_token.to_bits()),
             learnt_from: AtomicU64::new(0),
             tie_break: AtomicUsize::new(0),
+            reuse: AtomicU64::new(1f64.to_bits()),
             params,
         }
+    }
+
+    /// The moving share of recent prompts that started with something known (see `reuse`).
+    fn reuse_share(&self) -> f64 {
+        f64::from_bits(self.reuse.load(Ordering::Relaxed))
+    }
+
+    /// Counts one more prompt into the reuse share. A plain load and store: two decisions at
+    /// once may lose one sample of a moving average, which is cheaper than a retry loop.
+    fn count_reuse(&self, known: bool) {
+        let share = self.reuse_share();
+        let sample = if known { 1.0 } else { 0.0 };
+        let next = share + (sample - share) / REUSE_WINDOW;
+        self.reuse.store(next.to_bits(), Ordering::Relaxed);
     }
 
     fn bytes_per_token(&self) -> f64 {
@@ -516,10 +541,11 @@ impl CacheAware {
             .map(|(_, i)| Selection::new(i, Outcome::Fallback))
     }
 
-    /// The choice for `req` and what it expects there; changes no routing state.
-    fn decide(&self, workers: &[Arc<Worker>], req: &RequestInfo) -> Option<Selection> {
+    /// The choice for `req` and what it expects there, and whether any worker was known to hold
+    /// the start of the prompt; changes no routing state.
+    fn decide(&self, workers: &[Arc<Worker>], req: &RequestInfo) -> Option<(Selection, bool)> {
         let Some(&last) = req.block_hashes.last() else {
-            return self.least_work(workers, req);
+            return self.least_work(workers, req).map(|s| (s, false));
         };
         // A prefix one of the last `workers` requests went through counts as hot below; only
         // the idle credit and `reuse_affinity` ask (a window of 0 makes the walk skip the sample).
@@ -727,6 +753,23 @@ impl CacheAware {
             && !all_exact
             && deepest > 0
             && (home.depth < deepest || unknown > 0.0);
+        // A prompt of which nothing at all is known, where fewer than half of this gateway's
+        // prompts start with anything known, is as likely never to come back: its credit fades
+        // by `min(1, 2 × share)`, except as far as other replicas' unseen traffic may send it home
+        // (`new_prompt_by_reuse`). Not in proportion to the share: a conversation's first turn is
+        // new, and where most turns are not, the credit was not what needed changing (scaled by
+        // the share alone, multi-turn's p95 was 1.29x the default's, median of three).
+        let known_any = deepest > 0 || exact_deepest > 0;
+        let h = if self.params.new_prompt_by_reuse && !known_any {
+            let gate = (2.0 * self.reuse_share()).min(1.0);
+            if gate < 1.0 {
+                h * (gate + (1.0 - gate) * others())
+            } else {
+                h
+            }
+        } else {
+            h
+        };
         let (presumed, affinity) = if replicas_matter {
             let others = others();
             let presumed = if home.depth < deepest {
@@ -767,11 +810,12 @@ impl CacheAware {
             },
             matched_blocks: chosen.depth as u32,
         };
-        Some(Selection {
+        let selection = Selection {
             index: chosen.index,
             outcome,
             prediction: Some(prediction),
-        })
+        };
+        Some((selection, known_any))
     }
 }
 
@@ -781,7 +825,10 @@ impl Policy for CacheAware {
     }
 
     fn select(&self, workers: &[Arc<Worker>], req: &RequestInfo) -> Option<Selection> {
-        let selection = self.decide(workers, req)?;
+        let (selection, known) = self.decide(workers, req)?;
+        if self.params.new_prompt_by_reuse && selection.prediction.is_some() {
+            self.count_reuse(known);
+        }
         let Some(prediction) = selection.prediction else {
             return Some(selection); // no key: nothing to learn
         };
@@ -800,7 +847,7 @@ impl Policy for CacheAware {
     }
 
     fn peek(&self, workers: &[Arc<Worker>], req: &RequestInfo) -> Option<Selection> {
-        self.decide(workers, req)
+        self.decide(workers, req).map(|(selection, _)| selection)
     }
 
     fn learns(&self) -> bool {
@@ -1229,6 +1276,78 @@ mod tests {
         // Two, 160 tokens: more than half of it, less than all. Elsewhere.
         extra.push(ws[home].acquire());
         assert_ne!(p.peek(&ws, &r).unwrap().index, home);
+    }
+
+    /// Gate on, weights as in the half-credit test above: a 192-token prompt nothing of which
+    /// is known, and its home (by rendezvous over its first block) among eight workers.
+    fn gated_new_prompt() -> (Vec<Arc<Worker>>, CacheAware, RequestInfo, usize) {
+        let ws = test_workers(8);
+        let r = convo(9, 0, 3);
+        let home = (0..ws.len())
+            .max_by_key(|&i| mix(r.block_hashes[0], ws[i].id_hash))
+            .unwrap();
+        let p = CacheAware::new(CacheAwareParams {
+            miss_weight: 1.0,
+            request_cost_tokens: 80.0,
+            context_weight: 0.0,
+            new_prompt_by_reuse: true,
+            ..CacheAwareParams::default()
+        });
+        (ws, p, r, home)
+    }
+
+    /// Routes `n` prompts that are each new (first blocks never seen) and end at once.
+    fn route_never_reused(p: &CacheAware, ws: &[Arc<Worker>], n: u64) {
+        for c in 0..n {
+            pick(p, ws, &convo(1_000 + c, 0, 2));
+        }
+    }
+
+    #[test]
+    fn where_prompts_are_never_reused_a_new_one_is_placed_by_cost_not_by_its_hash() {
+        let (ws, p, r, home) = gated_new_prompt();
+        // One request on the home (80 tokens of queue) against half of the prompt's 192: home.
+        let _extra = ws[home].acquire();
+        assert_eq!(p.peek(&ws, &r).unwrap().index, home);
+        // After 300 prompts none of which started with anything known, the share is about 1%
+        // (0.98^300), the credit about a token: the idle workers are cheaper.
+        route_never_reused(&p, &ws, 300);
+        assert!(p.reuse_share() < 0.02, "share {}", p.reuse_share());
+        assert_ne!(p.peek(&ws, &r).unwrap().index, home);
+    }
+
+    #[test]
+    fn where_prompts_start_with_something_known_a_new_one_keeps_its_home_credit() {
+        let (ws, p, r, home) = gated_new_prompt();
+        let _extra = ws[home].acquire();
+        // 300 questions under one system prompt: all but the first start with a known block.
+        for c in 0..300 {
+            pick(&p, &ws, &convo(1_000 + c, 2, 1));
+        }
+        assert!(p.reuse_share() > 0.9, "share {}", p.reuse_share());
+        assert_eq!(p.peek(&ws, &r).unwrap().index, home);
+    }
+
+    #[test]
+    fn beside_another_replica_a_new_prompt_keeps_its_home_credit_however_rare_reuse_is() {
+        // The other replica's conversations reach this one with nothing known: they still have
+        // to meet at the home, so its share of the traffic (a half here) restores the credit.
+        let (ws, p, r, home) = gated_new_prompt();
+        let _theirs = another_replica_as_busy(&ws);
+        route_never_reused(&p, &ws, 300);
+        assert!(p.reuse_share() < 0.02, "share {}", p.reuse_share());
+        let _extra = ws[home].acquire();
+        assert_eq!(p.peek(&ws, &r).unwrap().index, home);
+    }
+
+    #[test]
+    fn without_the_flag_the_reuse_share_is_not_kept_and_a_new_prompt_goes_home() {
+        let ws = test_workers(8);
+        let p = policy();
+        route_never_reused(&p, &ws, 300);
+        assert_eq!(p.reuse_share(), 1.0);
+        let r = convo(9, 0, 3);
+        assert_eq!(pick(&p, &ws, &r).outcome, Outcome::HashHome);
     }
 
     #[test]
