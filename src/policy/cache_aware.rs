@@ -1258,17 +1258,7 @@ mod tests {
     /// turn) is credited at its home as by one gateway, half of it: it may as well be new.
     #[test]
     fn with_another_replica_a_prompt_nothing_of_which_is_known_is_credited_half() {
-        let ws = test_workers(8);
-        let r = convo(9, 0, 3); // 192 tokens, none known
-        let home = (0..ws.len())
-            .max_by_key(|&i| mix(r.block_hashes[0], ws[i].id_hash))
-            .unwrap();
-        let p = CacheAware::new(CacheAwareParams {
-            miss_weight: 1.0,
-            request_cost_tokens: 80.0,
-            context_weight: 0.0,
-            ..CacheAwareParams::default()
-        });
+        let (ws, p, r, home) = new_prompt_and_its_home(false);
         let _mine = another_replica_as_busy(&ws);
         // One more request on the home, 80 tokens of queue: less than half of the prompt.
         let mut extra = vec![ws[home].acquire()];
@@ -1278,9 +1268,12 @@ mod tests {
         assert_ne!(p.peek(&ws, &r).unwrap().index, home);
     }
 
-    /// Gate on, weights as in the half-credit test above: a 192-token prompt nothing of which
-    /// is known, and its home (by rendezvous over its first block) among eight workers.
-    fn gated_new_prompt() -> (Vec<Arc<Worker>>, CacheAware, RequestInfo, usize) {
+    /// Eight workers, a policy whose queued request costs 80 tokens (`new_prompt_by_reuse` as
+    /// given), a 192-token prompt nothing of which is known, and its home (by rendezvous over its
+    /// first block).
+    fn new_prompt_and_its_home(
+        new_prompt_by_reuse: bool,
+    ) -> (Vec<Arc<Worker>>, CacheAware, RequestInfo, usize) {
         let ws = test_workers(8);
         let r = convo(9, 0, 3);
         let home = (0..ws.len())
@@ -1290,10 +1283,14 @@ mod tests {
             miss_weight: 1.0,
             request_cost_tokens: 80.0,
             context_weight: 0.0,
-            new_prompt_by_reuse: true,
+            new_prompt_by_reuse,
             ..CacheAwareParams::default()
         });
         (ws, p, r, home)
+    }
+
+    fn gated_new_prompt() -> (Vec<Arc<Worker>>, CacheAware, RequestInfo, usize) {
+        new_prompt_and_its_home(true)
     }
 
     /// Routes `n` prompts that are each new (first blocks never seen) and end at once.
