@@ -148,9 +148,9 @@ pub struct CacheAwareParams {
     /// share system prompts or earlier turns keeps the whole credit for its new ones. Only as far
     /// as this gateway sees the pool's traffic: with other replicas' share `f` (polled load), the
     /// credit comes back by `min(1, 2f)`, since their conversations' turns reach this replica
-    /// unknown and must still meet at the home. Off by default: on the bench's multi-turn
-    /// workload, whose conversations start in bursts, it cost the p95 TTFT a quarter (see
-    /// `docs/measurements.md`).
+    /// unknown and must still meet at the home. Off by default: in the bench's closed loop it
+    /// cost multi-turn's p95 TTFT 1.10-1.28x and random's 1.46x while fixing mixed's (0.47x);
+    /// in open loop it cost neither (see `docs/measurements.md`).
     pub new_prompt_by_reuse: bool,
     /// Weight of the prefill a worker would have to do (the tokens it does not hold). Above 1
     /// because a miss costs more than the request's own wait: its prefill stalls every sequence

@@ -479,12 +479,16 @@ impl CacheAware {
     }
 
     /// Counts one more prompt into the reuse share. A plain load and store: two decisions at
-    /// once may lose one sample of a moving average, which is cheaper than a retry loop.
+    /// once may lose one sample of a moving average, which is cheaper than a retry loop. No
+    /// store when the share does not move (at 1, where every prompt starts with something
+    /// known), so such traffic does not bounce the cache line every decision reads.
     fn count_reuse(&self, known: bool) {
         let share = self.reuse_share();
         let sample = if known { 1.0 } else { 0.0 };
         let next = share + (sample - share) / REUSE_WINDOW;
-        self.reuse.store(next.to_bits(), Ordering::Relaxed);
+        if next != share {
+            self.reuse.store(next.to_bits(), Ordering::Relaxed);
+        }
     }
 
     fn bytes_per_token(&self) -> f64 {
@@ -756,17 +760,18 @@ impl CacheAware {
         // A prompt of which nothing at all is known, where fewer than half of this gateway's
         // prompts start with anything known, is as likely never to come back: its credit fades
         // by `min(1, 2 × share)`, except as far as other replicas' unseen traffic may send it home
-        // (`new_prompt_by_reuse`). Not in proportion to the share: a conversation's first turn is
-        // new, and where most turns are not, the credit was not what needed changing (scaled by
-        // the share alone, multi-turn's p95 was 1.29x the default's, median of three).
+        // (`new_prompt_by_reuse`). The other replicas' share is sampled only when the credit
+        // fades. Meant to leave traffic whose prompts mostly continue something (a conversation's
+        // first turn is new, its later ones are not) alone; on the bench's closed-loop multi-turn
+        // it did not (see `docs/measurements.md`, "New prompts where nothing is reused").
         let known_any = deepest > 0 || exact_deepest > 0;
-        let h = if self.params.new_prompt_by_reuse && !known_any {
-            let gate = (2.0 * self.reuse_share()).min(1.0);
-            if gate < 1.0 {
-                h * (gate + (1.0 - gate) * others())
-            } else {
-                h
-            }
+        let gate = if self.params.new_prompt_by_reuse && !known_any {
+            (2.0 * self.reuse_share()).min(1.0)
+        } else {
+            1.0
+        };
+        let h = if gate < 1.0 {
+            h * (gate + (1.0 - gate) * others())
         } else {
             h
         };
@@ -1289,10 +1294,6 @@ mod tests {
         (ws, p, r, home)
     }
 
-    fn gated_new_prompt() -> (Vec<Arc<Worker>>, CacheAware, RequestInfo, usize) {
-        new_prompt_and_its_home(true)
-    }
-
     /// Routes `n` prompts that are each new (first blocks never seen) and end at once.
     fn route_never_reused(p: &CacheAware, ws: &[Arc<Worker>], n: u64) {
         for c in 0..n {
@@ -1302,7 +1303,7 @@ mod tests {
 
     #[test]
     fn where_prompts_are_never_reused_a_new_one_is_placed_by_cost_not_by_its_hash() {
-        let (ws, p, r, home) = gated_new_prompt();
+        let (ws, p, r, home) = new_prompt_and_its_home(true);
         // One request on the home (80 tokens of queue) against half of the prompt's 192: home.
         let _extra = ws[home].acquire();
         assert_eq!(p.peek(&ws, &r).unwrap().index, home);
@@ -1310,18 +1311,29 @@ mod tests {
         // (0.98^300), the credit about a token: the idle workers are cheaper.
         route_never_reused(&p, &ws, 300);
         assert!(p.reuse_share() < 0.02, "share {}", p.reuse_share());
-        assert_ne!(p.peek(&ws, &r).unwrap().index, home);
+        let chosen = p.peek(&ws, &r).unwrap().index;
+        assert_ne!(chosen, home);
+        assert_eq!(ws[chosen].inflight(), 0, "an idle worker is the cheapest");
     }
 
     #[test]
-    fn where_prompts_start_with_something_known_a_new_one_keeps_its_home_credit() {
-        let (ws, p, r, home) = gated_new_prompt();
+    fn where_most_prompts_start_with_something_known_a_new_one_keeps_all_of_its_home_credit() {
+        let (ws, p, r, home) = new_prompt_and_its_home(true);
         let _extra = ws[home].acquire();
-        // 300 questions under one system prompt: all but the first start with a known block.
+        // Three questions under one system prompt for every two new prompts: a share of about
+        // 0.6, enough for the whole credit (96 tokens against the home's 80 of queue). Scaled by
+        // the share itself, the credit would be about 58 and the prompt would go elsewhere.
         for c in 0..300 {
-            pick(&p, &ws, &convo(1_000 + c, 2, 1));
+            let own = convo(2_000 + c, 0, 2);
+            let request = if c % 5 < 3 {
+                convo(1_000 + c, 2, 1)
+            } else {
+                own
+            };
+            pick(&p, &ws, &request);
         }
-        assert!(p.reuse_share() > 0.9, "share {}", p.reuse_share());
+        let share = p.reuse_share();
+        assert!((0.5..0.75).contains(&share), "share {share}");
         assert_eq!(p.peek(&ws, &r).unwrap().index, home);
     }
 
@@ -1329,7 +1341,7 @@ mod tests {
     fn beside_another_replica_a_new_prompt_keeps_its_home_credit_however_rare_reuse_is() {
         // The other replica's conversations reach this one with nothing known: they still have
         // to meet at the home, so its share of the traffic (a half here) restores the credit.
-        let (ws, p, r, home) = gated_new_prompt();
+        let (ws, p, r, home) = new_prompt_and_its_home(true);
         let _theirs = another_replica_as_busy(&ws);
         route_never_reused(&p, &ws, 300);
         assert!(p.reuse_share() < 0.02, "share {}", p.reuse_share());
