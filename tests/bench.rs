@@ -34,6 +34,7 @@ fn spec(workload: Workload) -> LoadSpec {
         seed: 3,
         concurrency: 8,
         rate: None,
+        think: Duration::ZERO,
         warmup: Duration::from_millis(500),
         duration: Duration::from_millis(2000),
         cancel: None,
@@ -360,6 +361,104 @@ async fn conversation_turns_are_sent_in_order_each_after_the_previous_ended() {
     assert!(
         whole >= 6,
         "only {whole} conversations reached their 4th turn"
+    );
+}
+
+#[test]
+fn think_times_are_exponential_around_their_mean_and_the_same_for_every_target() {
+    let mean = Duration::from_millis(100);
+    let draws: Vec<f64> = (0..20_000)
+        .map(|i| bench::loadgen::think_time(7, i, mean).as_secs_f64())
+        .collect();
+    let avg = draws.iter().sum::<f64>() / draws.len() as f64;
+    assert!((avg - 0.1).abs() < 0.005, "mean {avg}");
+    // Exponential: about 1 - 1/e of the draws below the mean, about e^-3 above three means.
+    let below = draws.iter().filter(|&&d| d < 0.1).count() as f64 / draws.len() as f64;
+    let far = draws.iter().filter(|&&d| d > 0.3).count() as f64 / draws.len() as f64;
+    assert!((below - 0.632).abs() < 0.02, "share below the mean {below}");
+    assert!((far - 0.0498).abs() < 0.01, "share above three means {far}");
+    assert!(
+        draws.iter().all(|&d| d <= 2.0 + 1e-9),
+        "a draw beyond 20 means"
+    );
+    // Drawn from the seed and the index alone: the same pause for every target.
+    assert_eq!(
+        bench::loadgen::think_time(7, 11, mean),
+        bench::loadgen::think_time(7, 11, mean)
+    );
+    assert_ne!(
+        bench::loadgen::think_time(7, 11, mean),
+        bench::loadgen::think_time(8, 11, mean)
+    );
+    assert_eq!(
+        bench::loadgen::think_time(7, 11, Duration::ZERO),
+        Duration::ZERO
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn clients_think_before_each_request_so_they_do_not_start_in_step() {
+    let sim = SimConfig {
+        workers: 2,
+        engine: Some(small_engine(2048)),
+        time_scale: 4.0,
+        ..SimConfig::default()
+    };
+    let pool = bench::start_pool(&sim, "round_robin").await.unwrap();
+    let think = Duration::from_millis(150);
+    let load = LoadSpec {
+        url: pool.gateway.clone(),
+        concurrency: 4,
+        think,
+        warmup: Duration::ZERO,
+        max_requests: Some(24),
+        duration: Duration::from_secs(60),
+        ..spec(Workload::Chat {
+            turns: 3,
+            system_tokens: 64,
+            user_tokens: 8,
+            output_tokens: 4,
+        })
+    };
+    let samples = bench::loadgen::run(&load).await.unwrap();
+    assert_eq!(samples.len(), 24);
+    let by_index: std::collections::HashMap<u64, &bench::stats::Sample> =
+        samples.iter().map(|s| (s.index, s)).collect();
+    let mut waited = 0;
+    for s in &samples {
+        assert!(s.ok, "{:?}", s.error);
+        let pause = bench::loadgen::think_time(load.seed, s.index, think).as_secs_f64();
+        if s.index % 3 != 0 {
+            // A later turn: sent no sooner than its own think time after the turn before ended.
+            let prev = by_index[&(s.index - 1)];
+            assert!(
+                s.intended >= prev.done + pause,
+                "turn {} sent {:.3}s after turn {} ended, its think time is {pause:.3}s",
+                s.index,
+                s.intended - prev.done,
+                prev.index
+            );
+            waited += 1;
+        }
+    }
+    assert!(waited >= 12, "{waited} later turns");
+    // The four clients' first requests (conversations 0-3) each wait their own think time
+    // from the start, rather than all going out at once.
+    for conv in 0..4u64 {
+        let first = by_index[&(conv * 3)];
+        let pause = bench::loadgen::think_time(load.seed, conv * 3, think).as_secs_f64();
+        assert!(
+            first.intended >= pause,
+            "conversation {conv} began at {:.3}s, before its think time {pause:.3}s",
+            first.intended
+        );
+    }
+    let starts: Vec<f64> = (0..4u64).map(|c| by_index[&(c * 3)].intended).collect();
+    let spread = starts.iter().cloned().fold(f64::MIN, f64::max)
+        - starts.iter().cloned().fold(f64::MAX, f64::min);
+    assert!(
+        spread > 0.01,
+        "first requests within {spread:.4}s of each other"
     );
 }
 

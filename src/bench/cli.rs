@@ -117,6 +117,12 @@ pub struct LoadArgs {
     /// arrival starts a conversation, whose turns then follow one another.
     #[arg(long)]
     rate: Option<f64>,
+    /// Mean think time, wall-clock seconds: each client pauses this long on average
+    /// (exponentially distributed, the same pauses for every target) before its next request,
+    /// and in closed loop before its first, so clients do not move in step. In open loop, between
+    /// a conversation's turns. 0: none.
+    #[arg(long, default_value_t = 0.0)]
+    think_time: f64,
     /// Seconds before the measured window.
     #[arg(long, default_value_t = 10.0)]
     warmup: f64,
@@ -186,6 +192,7 @@ impl LoadArgs {
         let ok = seconds(self.duration)
             && self.duration > 0.0
             && seconds(self.warmup)
+            && seconds(self.think_time)
             && seconds(self.request_timeout)
             && self.request_timeout > 0.0
             && self.concurrency > 0
@@ -195,7 +202,7 @@ impl LoadArgs {
             && (0.0..=1.0).contains(&self.cancel_fraction);
         if !ok {
             return Err(BenchError::Setup(
-                "--duration, --request-timeout, --time-scale, --rate and --concurrency must be positive numbers, --warmup not negative, --cancel-fraction in [0, 1]".into(),
+                "--duration, --request-timeout, --time-scale, --rate and --concurrency must be positive numbers, --warmup and --think-time not negative, --cancel-fraction in [0, 1]".into(),
             ));
         }
         Ok(LoadSpec {
@@ -205,6 +212,7 @@ impl LoadArgs {
             seed: self.seed,
             concurrency: self.concurrency,
             rate: self.rate,
+            think: Duration::from_secs_f64(self.think_time),
             warmup: Duration::from_secs_f64(self.warmup),
             duration: Duration::from_secs_f64(self.duration),
             cancel: (self.cancel_fraction > 0.0).then_some(Cancel {
@@ -244,6 +252,11 @@ fn describe(spec: &LoadSpec) -> String {
             spec.concurrency
         ),
         None => format!("closed loop, concurrency {}", spec.concurrency),
+    };
+    let arrival = if spec.think.is_zero() {
+        arrival
+    } else {
+        format!("{arrival}, think time {:?} (mean)", spec.think)
     };
     format!(
         "workload {:?}\n{arrival}, seed {}, warm-up {:?}, window {:?}\n",

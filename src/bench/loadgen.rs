@@ -1,9 +1,12 @@
 //! The load generator: seeded requests against any OpenAI-compatible URL, streamed, timed per event.
 //!
 //! Closed loop: `concurrency` clients, each sending its next request the moment the last one ends
-//! (intended time = that moment). Open loop: Poisson arrivals at `rate`, at most `concurrency` in
-//! flight; a request that waits for a free slot is still timed from its scheduled arrival. New
-//! requests stop at the end of the window; those in flight are awaited (up to the request timeout).
+//! (intended time = that moment), or after a seeded, exponentially distributed think time when
+//! `think` is set (also before a client's first request, so clients do not start in step). Open
+//! loop: Poisson arrivals at `rate`, at most `concurrency` in flight; a request that waits for a
+//! free slot is still timed from its scheduled arrival, and a conversation's later turns follow
+//! the think time too. New requests stop at the end of the window; those in flight are awaited
+//! (up to the request timeout).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -45,6 +48,10 @@ pub struct LoadSpec {
     pub concurrency: usize,
     /// Open loop at this many requests/s; closed loop when unset.
     pub rate: Option<f64>,
+    /// Mean wall-clock pause before a client's next request (a user reading the answer and
+    /// typing): exponentially distributed, drawn from the seed and the request's index, so every
+    /// target sees the same pauses. Zero: none.
+    pub think: Duration,
     pub warmup: Duration,
     pub duration: Duration,
     pub cancel: Option<Cancel>,
@@ -187,6 +194,17 @@ pub(crate) async fn first_model(client: &HttpClient, base: &str) -> Result<Strin
         .ok_or_else(|| err("no model listed".into()))
 }
 
+/// The think time before request `i`: exponential with mean `mean`, from the seeded stream (a
+/// stream of its own, so think times do not move the workload's draws). At most 20 means: the
+/// tail of the exponential is cut where it would only idle a client for the rest of a window.
+pub fn think_time(seed: u64, i: u64, mean: Duration) -> Duration {
+    if mean.is_zero() {
+        return Duration::ZERO;
+    }
+    let draw = -(1.0 - unit(splitmix(seed ^ 0x7417_c0de ^ i))).ln();
+    mean.mul_f64(draw.min(20.0))
+}
+
 struct Shared {
     client: HttpClient,
     bases: Vec<String>,
@@ -214,7 +232,16 @@ impl Shared {
         for (t, i) in (conv * turns..(conv + 1) * turns).enumerate() {
             let intended = match first_intended {
                 Some(at) if t == 0 => at,
-                _ => self.now(),
+                _ => {
+                    let pause = think_time(self.spec.seed, i, self.spec.think);
+                    if !pause.is_zero() {
+                        if self.now() + pause.as_secs_f64() >= end.as_secs_f64() {
+                            return false;
+                        }
+                        tokio::time::sleep(pause).await;
+                    }
+                    self.now()
+                }
             };
             if intended >= end.as_secs_f64() {
                 return false;
