@@ -8,8 +8,8 @@ use std::sync::{Arc, OnceLock};
 use parking_lot::Mutex;
 
 use prometheus::{
-    Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGaugeVec, Opts,
-    Registry, TextEncoder,
+    Encoder, GaugeVec, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec,
+    IntGaugeVec, Opts, Registry, TextEncoder,
 };
 
 /// Latency buckets from 1 ms to 5 min: TTFT of a warm prefix is milliseconds, a cold long prompt seconds.
@@ -75,6 +75,9 @@ pub struct MetricSet {
     pub index_bytes: IntGaugeVec,
     /// `policy`, `arm`: blocks the prefix index dropped to stay within its cap.
     pub index_evictions: IntCounterVec,
+    /// `policy`, `arm`: the moving share of recent prompts that began with something the policy
+    /// knew, which `new_prompt_by_reuse` gates the home's credit on.
+    pub reuse_share: GaugeVec,
     /// `worker`: KV event batches applied (live and replayed).
     pub kv_event_batches: IntCounterVec,
     /// `worker`, `result` (replayed, dropped): sequence gaps in a worker's KV events.
@@ -270,6 +273,20 @@ impl Metrics {
                 "Blocks the prefix index dropped to stay within its memory cap.",
                 &["policy", "arm"],
             ),
+            reuse_share: {
+                let g = GaugeVec::new(
+                    Opts::new(
+                        "kvroute_routing_reuse_share",
+                        "Moving share (about the last 64 requests) of prompts that began with a prefix some worker was known to hold; below 0.5, new prompts lose the home's credit (new_prompt_by_reuse).",
+                    ),
+                    &["policy", "arm"],
+                )
+                .expect("static metric definition");
+                registry
+                    .register(Box::new(g.clone()))
+                    .expect("metric registered once");
+                g
+            },
             kv_event_batches: counter(
                 "kvroute_kv_event_batches_total",
                 "KV cache event batches applied from a worker's publisher (live and replayed).",

@@ -333,6 +333,12 @@ pub async fn metrics(State(s): State<AppState>) -> Response {
         if let Some(stats) = arm.policy.index_stats() {
             metrics.publish_index(arm.policy.name(), &arm.name, stats);
         }
+        if let Some(share) = arm.policy.reuse_share() {
+            metrics
+                .reuse_share
+                .with_label_values(&[arm.policy.name(), &arm.name])
+                .set(share);
+        }
     }
     for w in s.upstreams.pool.snapshot().iter() {
         if let Some(feed) = &w.events {

@@ -172,6 +172,60 @@ async fn a_small_index_cap_holds_under_many_prompts() {
     assert!(evicted > 0.0, "{text}");
 }
 
+/// With `new_prompt_by_reuse`, `/metrics` shows the share of recent prompts that began with
+/// something known: it falls while prompts are all new and rises when they continue earlier ones.
+/// Without the flag there is no such share, and no series.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_reuse_share_is_exported_while_new_prompt_by_reuse_is_on() {
+    let pool = sim(2).await;
+    let series = r#"kvroute_routing_reuse_share{arm="cache_aware",policy="cache_aware"}"#;
+    let mut cfg = config(&pool);
+    if let kvroute::config::PolicyConfig::CacheAware(p) = &mut cfg.policy {
+        p.new_prompt_by_reuse = false;
+    }
+    let off = gateway(cfg.clone()).await;
+    send(off.addr, &chat(0, 1)).await;
+    let text = metrics_text(off.addr).await;
+    assert_eq!(metric(&text, series), None, "{text}");
+
+    if let kvroute::config::PolicyConfig::CacheAware(p) = &mut cfg.policy {
+        p.new_prompt_by_reuse = true;
+    }
+    let on = gateway(cfg).await;
+    // Conversations whose prompts differ from their first byte: nothing shared between them.
+    let own = |c: usize, turns: usize| -> Vec<u8> {
+        let mut messages =
+            vec![json!({"role": "system", "content": format!("assistant {c}: {}", words(c, 300))})];
+        for t in 0..turns {
+            messages.push(json!({"role": "user", "content": words(c + t, 40)}));
+            if t + 1 < turns {
+                messages.push(json!({"role": "assistant", "content": words(c * t, 20)}));
+            }
+        }
+        json!({"model": "mistralai/Mistral-7B-Instruct-v0.3", "messages": messages, "max_tokens": 4})
+            .to_string()
+            .into_bytes()
+    };
+    // 40 first turns, nothing known of any: the share falls from 1 by 1/64 each, to about 0.53.
+    for c in 0..40 {
+        send(on.addr, &own(200 + c, 1)).await;
+    }
+    let fell = metric(&metrics_text(on.addr).await, series).unwrap();
+    assert!(
+        (0.45..0.6).contains(&fell),
+        "share after new prompts {fell}"
+    );
+    // Their second turns each begin with the first: the share climbs back, to about 0.75.
+    for c in 0..40 {
+        send(on.addr, &own(200 + c, 2)).await;
+    }
+    let rose = metric(&metrics_text(on.addr).await, series).unwrap();
+    assert!(
+        (0.7..0.8).contains(&rose),
+        "share after continued prompts {rose}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn load_signals_are_polled_from_the_workers_metrics() {
     let pool = sim(2).await;

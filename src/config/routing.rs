@@ -148,9 +148,11 @@ pub struct CacheAwareParams {
     /// share system prompts or earlier turns keeps the whole credit for its new ones. Only as far
     /// as this gateway sees the pool's traffic: with other replicas' share `f` (polled load), the
     /// credit comes back by `min(1, 2f)`, since their conversations' turns reach this replica
-    /// unknown and must still meet at the home. Off by default: in the bench's closed loop it
-    /// cost multi-turn's p95 TTFT 1.10-1.28x and random's 1.46x while fixing mixed's (0.47x);
-    /// in open loop it cost neither (see `docs/measurements.md`).
+    /// unknown and must still meet at the home. On by default: with clients that pause between
+    /// requests (`bench --think-time`) or arrive in open loop, it cut random's and mixed's p95
+    /// TTFT by a fifth to a quarter and left every other workload within noise; only a closed
+    /// loop without pauses, whose clients fall into step, made random's and multi-turn's tails
+    /// pay for it (see `docs/measurements.md`, "Clients that think").
     pub new_prompt_by_reuse: bool,
     /// Weight of the prefill a worker would have to do (the tokens it does not hold). Above 1
     /// because a miss costs more than the request's own wait: its prefill stalls every sequence
@@ -209,7 +211,7 @@ impl Default for CacheAwareParams {
             bytes_per_token: 4.0,
             home_affinity: 0.5,
             reuse_affinity: None,
-            new_prompt_by_reuse: false,
+            new_prompt_by_reuse: true,
             miss_weight: 3.0,
             pending_weight: 0.5,
             load_bound: 0.0,

@@ -474,7 +474,7 @@ impl CacheAware {
     }
 
     /// The moving share of recent prompts that started with something known (see `reuse`).
-    fn reuse_share(&self) -> f64 {
+    fn reuse_share_now(&self) -> f64 {
         f64::from_bits(self.reuse.load(Ordering::Relaxed))
     }
 
@@ -483,7 +483,7 @@ impl CacheAware {
     /// store when the share does not move (at 1, where every prompt starts with something
     /// known), so such traffic does not bounce the cache line every decision reads.
     fn count_reuse(&self, known: bool) {
-        let share = self.reuse_share();
+        let share = self.reuse_share_now();
         let sample = if known { 1.0 } else { 0.0 };
         let next = share + (sample - share) / REUSE_WINDOW;
         if next != share {
@@ -762,11 +762,12 @@ impl CacheAware {
         // by `min(1, 2 × share)`, except as far as other replicas' unseen traffic may send it home
         // (`new_prompt_by_reuse`). The other replicas' share is sampled only when the credit
         // fades. Meant to leave traffic whose prompts mostly continue something (a conversation's
-        // first turn is new, its later ones are not) alone; on the bench's closed-loop multi-turn
-        // it did not (see `docs/measurements.md`, "New prompts where nothing is reused").
+        // first turn is new, its later ones are not) alone: it does where clients pause between
+        // requests or arrive in open loop, not always in a closed loop without pauses, whose
+        // clients fall into step (see `docs/measurements.md`, "Clients that think").
         let known_any = deepest > 0 || exact_deepest > 0;
         let gate = if self.params.new_prompt_by_reuse && !known_any {
-            (2.0 * self.reuse_share()).min(1.0)
+            (2.0 * self.reuse_share_now()).min(1.0)
         } else {
             1.0
         };
@@ -861,6 +862,12 @@ impl Policy for CacheAware {
 
     fn index_stats(&self) -> Option<IndexStats> {
         Some(self.index.stats())
+    }
+
+    fn reuse_share(&self) -> Option<f64> {
+        self.params
+            .new_prompt_by_reuse
+            .then(|| self.reuse_share_now())
     }
 
     fn observe(&self, worker: &Worker, req: &RequestInfo, selection: &Selection, result: Observed) {
@@ -1310,7 +1317,7 @@ mod tests {
         // After 300 prompts none of which started with anything known, the share is about 1%
         // (0.98^300), the credit about a token: the idle workers are cheaper.
         route_never_reused(&p, &ws, 300);
-        assert!(p.reuse_share() < 0.02, "share {}", p.reuse_share());
+        assert!(p.reuse_share_now() < 0.02, "share {}", p.reuse_share_now());
         let chosen = p.peek(&ws, &r).unwrap().index;
         assert_ne!(chosen, home);
         assert_eq!(ws[chosen].inflight(), 0, "an idle worker is the cheapest");
@@ -1332,7 +1339,7 @@ mod tests {
             };
             pick(&p, &ws, &request);
         }
-        let share = p.reuse_share();
+        let share = p.reuse_share_now();
         assert!((0.5..0.75).contains(&share), "share {share}");
         assert_eq!(p.peek(&ws, &r).unwrap().index, home);
     }
@@ -1344,7 +1351,7 @@ mod tests {
         let (ws, p, r, home) = new_prompt_and_its_home(true);
         let _theirs = another_replica_as_busy(&ws);
         route_never_reused(&p, &ws, 300);
-        assert!(p.reuse_share() < 0.02, "share {}", p.reuse_share());
+        assert!(p.reuse_share_now() < 0.02, "share {}", p.reuse_share_now());
         let _extra = ws[home].acquire();
         assert_eq!(p.peek(&ws, &r).unwrap().index, home);
     }
@@ -1352,9 +1359,17 @@ mod tests {
     #[test]
     fn without_the_flag_the_reuse_share_is_not_kept_and_a_new_prompt_goes_home() {
         let ws = test_workers(8);
-        let p = policy();
+        let p = CacheAware::new(CacheAwareParams {
+            new_prompt_by_reuse: false,
+            ..CacheAwareParams::default()
+        });
         route_never_reused(&p, &ws, 300);
-        assert_eq!(p.reuse_share(), 1.0);
+        assert_eq!(p.reuse_share_now(), 1.0);
+        assert_eq!(
+            Policy::reuse_share(&p),
+            None,
+            "no share to export without the flag"
+        );
         let r = convo(9, 0, 3);
         assert_eq!(pick(&p, &ws, &r).outcome, Outcome::HashHome);
     }

@@ -136,6 +136,12 @@ pub trait Policy: Send + Sync + 'static {
         None
     }
 
+    /// The moving share of recent prompts that began with something the policy knew, if it
+    /// keeps one (`cache_aware` with `new_prompt_by_reuse`).
+    fn reuse_share(&self) -> Option<f64> {
+        None
+    }
+
     /// A request this policy sent to `worker` ended; called once, after the response.
     fn observe(
         &self,
