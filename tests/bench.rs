@@ -310,15 +310,26 @@ async fn reset_prefix_cache_is_refused_while_a_request_runs() {
 
 /// Multi-turn and chat: every conversation's turns go out in order, each after the previous one
 /// ended, so no conversation's turns are spread over clients in lockstep with the others.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn conversation_turns_are_sent_in_order_each_after_the_previous_ended() {
+/// Two small simulated workers behind a round-robin gateway, for conversations of a few turns.
+async fn conversation_pool() -> bench::Pool {
     let sim = SimConfig {
         workers: 2,
         engine: Some(small_engine(2048)),
         time_scale: 4.0,
         ..SimConfig::default()
     };
-    let pool = bench::start_pool(&sim, "round_robin").await.unwrap();
+    bench::start_pool(&sim, "round_robin").await.unwrap()
+}
+
+fn indexed(
+    samples: &[bench::stats::Sample],
+) -> std::collections::HashMap<u64, &bench::stats::Sample> {
+    samples.iter().map(|s| (s.index, s)).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn conversation_turns_are_sent_in_order_each_after_the_previous_ended() {
+    let pool = conversation_pool().await;
     let workload = Workload::Chat {
         turns: 4,
         system_tokens: 64,
@@ -335,8 +346,7 @@ async fn conversation_turns_are_sent_in_order_each_after_the_previous_ended() {
     };
     let samples = bench::loadgen::run(&load).await.unwrap();
     assert_eq!(samples.len(), 36);
-    let by_index: std::collections::HashMap<u64, &bench::stats::Sample> =
-        samples.iter().map(|s| (s.index, s)).collect();
+    let by_index = indexed(&samples);
     let (mut followed, mut firsts) = (0, 0);
     for s in &samples {
         assert!(s.ok, "{:?}", s.error);
@@ -398,13 +408,7 @@ fn think_times_are_exponential_around_their_mean_and_the_same_for_every_target()
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn clients_think_before_each_request_so_they_do_not_start_in_step() {
-    let sim = SimConfig {
-        workers: 2,
-        engine: Some(small_engine(2048)),
-        time_scale: 4.0,
-        ..SimConfig::default()
-    };
-    let pool = bench::start_pool(&sim, "round_robin").await.unwrap();
+    let pool = conversation_pool().await;
     let think = Duration::from_millis(150);
     let load = LoadSpec {
         url: pool.gateway.clone(),
@@ -422,8 +426,7 @@ async fn clients_think_before_each_request_so_they_do_not_start_in_step() {
     };
     let samples = bench::loadgen::run(&load).await.unwrap();
     assert_eq!(samples.len(), 24);
-    let by_index: std::collections::HashMap<u64, &bench::stats::Sample> =
-        samples.iter().map(|s| (s.index, s)).collect();
+    let by_index = indexed(&samples);
     let mut waited = 0;
     for s in &samples {
         assert!(s.ok, "{:?}", s.error);
