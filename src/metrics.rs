@@ -277,7 +277,7 @@ impl Metrics {
                 let g = GaugeVec::new(
                     Opts::new(
                         "kvroute_routing_reuse_share",
-                        "Moving share (about the last 64 requests) of prompts that began with a prefix some worker was known to hold; below 0.5, new prompts lose the home's credit (new_prompt_by_reuse).",
+                        "Moving share (about the last 64 requests) of prompts that began with a prefix some worker was known to hold; below 0.5, the home's credit for prompts of which nothing is known fades with it (new_prompt_by_reuse).",
                     ),
                     &["policy", "arm"],
                 )

@@ -150,9 +150,9 @@ pub struct CacheAwareParams {
     /// credit comes back by `min(1, 2f)`, since their conversations' turns reach this replica
     /// unknown and must still meet at the home. On by default: with clients that pause between
     /// requests (`bench --think-time`) or arrive in open loop, it cut random's and mixed's p95
-    /// TTFT by a fifth to a quarter and left every other workload within noise; only a closed
-    /// loop without pauses, whose clients fall into step, made random's and multi-turn's tails
-    /// pay for it (see `docs/measurements.md`, "Clients that think").
+    /// TTFT to 0.69-0.78x and left the other workloads at 0.98-1.07x; only in a closed loop
+    /// without pauses did random's and multi-turn's tails pay for it, 1.46x and 1.10-1.28x (see
+    /// `docs/measurements.md`, "Clients that think").
     pub new_prompt_by_reuse: bool,
     /// Weight of the prefill a worker would have to do (the tokens it does not hold). Above 1
     /// because a miss costs more than the request's own wait: its prefill stalls every sequence
