@@ -207,23 +207,17 @@ async fn the_reuse_share_is_exported_while_new_prompt_by_reuse_is_on() {
             .into_bytes()
     };
     // 40 first turns, nothing known of any: the share falls from 1 by 1/64 each, to about 0.53.
-    for c in 0..40 {
-        send(on.addr, &own(200 + c, 1)).await;
+    // Then their second turns, each beginning with its first: it climbs back, to about 0.75.
+    for (turns, expected) in [(1, 0.45..0.6), (2, 0.7..0.8)] {
+        for c in 0..40 {
+            send(on.addr, &own(200 + c, turns)).await;
+        }
+        let share = metric(&metrics_text(on.addr).await, series).unwrap();
+        assert!(
+            expected.contains(&share),
+            "share {share} after {turns}-turn prompts"
+        );
     }
-    let fell = metric(&metrics_text(on.addr).await, series).unwrap();
-    assert!(
-        (0.45..0.6).contains(&fell),
-        "share after new prompts {fell}"
-    );
-    // Their second turns each begin with the first: the share climbs back, to about 0.75.
-    for c in 0..40 {
-        send(on.addr, &own(200 + c, 2)).await;
-    }
-    let rose = metric(&metrics_text(on.addr).await, series).unwrap();
-    assert!(
-        (0.7..0.8).contains(&rose),
-        "share after continued prompts {rose}"
-    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
