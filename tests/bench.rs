@@ -308,8 +308,6 @@ async fn reset_prefix_cache_is_refused_while_a_request_runs() {
         .unwrap();
 }
 
-/// Multi-turn and chat: every conversation's turns go out in order, each after the previous one
-/// ended, so no conversation's turns are spread over clients in lockstep with the others.
 /// Two small simulated workers behind a round-robin gateway, for conversations of a few turns.
 async fn conversation_pool() -> bench::Pool {
     let sim = SimConfig {
@@ -321,12 +319,15 @@ async fn conversation_pool() -> bench::Pool {
     bench::start_pool(&sim, "round_robin").await.unwrap()
 }
 
+/// The samples by request index.
 fn indexed(
     samples: &[bench::stats::Sample],
 ) -> std::collections::HashMap<u64, &bench::stats::Sample> {
     samples.iter().map(|s| (s.index, s)).collect()
 }
 
+/// Multi-turn and chat: every conversation's turns go out in order, each after the previous one
+/// ended, so no conversation's turns are spread over clients in lockstep with the others.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn conversation_turns_are_sent_in_order_each_after_the_previous_ended() {
     let pool = conversation_pool().await;
