@@ -296,7 +296,7 @@ pub async fn run(cmd: BenchCommand) -> Result<(), BenchError> {
             load,
         } => {
             let time_scale = load.time_scale;
-            let wants_events = policies.iter().any(|p| p.ends_with(super::EVENTS_SUFFIX));
+            let wants_events = super::wants_events(&policies);
             if let Some(bad) = external
                 .iter()
                 .find(|e| super::external::parse(e).is_none())

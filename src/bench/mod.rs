@@ -522,6 +522,15 @@ pub fn arm_replicas(arm: &str, default: usize) -> Result<(&str, usize, &str), Be
     }
 }
 
+/// Whether any of `arms` follows the workers' KV events, so a simulated pool must publish them:
+/// `POLICY+events`, with or without a replica count after it (`cache_aware+events@2`).
+pub fn wants_events(arms: &[String]) -> bool {
+    arms.iter()
+        // An external arm is another router's command line, whatever it ends with.
+        .filter(|a| external::parse(a).is_none())
+        .any(|a| arm_replicas(a, 1).is_ok_and(|(policy, ..)| policy.ends_with(EVENTS_SUFFIX)))
+}
+
 /// Requests the replica-agreement check asks about: the last of the window.
 const AGREEMENT_PROBES: usize = 200;
 
@@ -739,5 +748,23 @@ mod tests {
         ] {
             assert!(arm_replicas(bad, 1).is_err(), "{bad}");
         }
+    }
+
+    /// A pool is started with KV events when any arm follows them, whether or not the arm sets
+    /// its own replicas: `cache_aware+events@2` alone once started a pool without events.
+    #[test]
+    fn an_events_arm_with_replicas_asks_for_events() {
+        use super::wants_events;
+        let arms = |a: &[&str]| a.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        assert!(wants_events(&arms(&[
+            "cache_aware@2",
+            "cache_aware+events@2"
+        ])));
+        assert!(wants_events(&arms(&["cache_aware+events"])));
+        assert!(!wants_events(&arms(&["cache_aware@2", "round_robin"])));
+        assert!(
+            !wants_events(&arms(&["x=router --policy a+events"])),
+            "an external arm"
+        );
     }
 }
