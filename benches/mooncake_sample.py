@@ -25,6 +25,8 @@ def main():
     ap.add_argument("--max-len", type=int, default=32768)
     ap.add_argument("--key-block", type=int, default=1)
     a = ap.parse_args()
+    if a.key_block < 0 or a.every < 1:
+        ap.error("--key-block must be 0 or more and --every 1 or more")
     kept = 0
     with open(a.trace) as f:
         for line in f:

@@ -20,7 +20,8 @@ interleaved rounds as `kvroute-baseline`, so a change is measured against its pa
 side, and holds its 5,000 streams too.
 
 Reports req/s and p50/p99 latency per target and shape (median over rounds, and each round),
-the proxies' CPU seconds per 10k requests (from /proc), and each proxy's resident memory per
+the proxies' CPU seconds per 10k requests and its user and system parts per request (from /proc),
+and each proxy's resident memory per
 open stream with 5,000 streams held open, with /health latency meanwhile (by default 200 probes 50 ms apart,
 each on a new connection: kvroute's own route, and a `return 200` location in the nginx proxy).
 
@@ -121,16 +122,18 @@ def pids_of(p, name_dir=None):
 
 
 def cpu_seconds(pids):
+    """User and system CPU seconds the processes have used so far."""
     tick = os.sysconf("SC_CLK_TCK")
-    total = 0.0
+    user = system = 0.0
     for pid in pids:
         try:
             with open(f"/proc/{pid}/stat") as f:
                 fields = f.read().rsplit(")", 1)[1].split()
-            total += (int(fields[11]) + int(fields[12])) / tick
+            user += int(fields[11]) / tick
+            system += int(fields[12]) / tick
         except OSError:
             pass
-    return total
+    return user, system
 
 
 def rss_bytes(pids):
@@ -307,28 +310,37 @@ def main():
                 names = list(targets)
                 for name in names[r % len(names):] + names[:r % len(names)]:
                     port, pids = targets[name]
-                    c0 = cpu_seconds(pids) if pids else 0
+                    u0, s0 = cpu_seconds(pids) if pids else (0, 0)
                     res = wrk(f"http://127.0.0.1:{port}/v1/completions{query}", a.seconds, lua)
-                    res["cpu10k"] = (cpu_seconds(pids) - c0) / res["requests"] * 10000 if pids else None
+                    if pids:
+                        u1, s1 = cpu_seconds(pids)
+                        res["user_us"] = (u1 - u0) / res["requests"] * 1e6
+                        res["sys_us"] = (s1 - s0) / res["requests"] * 1e6
+                        res["cpu10k"] = (res["user_us"] + res["sys_us"]) / 100
+                    else:
+                        res["cpu10k"] = None
                     results.setdefault((shape, name), []).append(res)
         if a.memory_only:
             results = {}
         print(f"wrk -t1 -c32 -d{a.seconds}s, POST /v1/completions; {rounds} interleaved rounds; {cores} cores; medians (each round)")
         print()
-        print("| shape | target | req/s | p50 ms | p99 ms | proxy CPU s / 10k req | non-2xx |")
-        print("|---|---|---|---|---|---|---|")
+        print("| shape | target | req/s | p50 ms | p99 ms | proxy CPU s / 10k req | user / system µs per req | non-2xx |")
+        print("|---|---|---|---|---|---|---|---|")
         for (shape, name), rs in results.items():
             med = lambda k: statistics.median(x[k] for x in rs)
             each = lambda k, fmt: " ".join(fmt % x[k] for x in rs)
-            cpu = "-" if rs[0]["cpu10k"] is None else "%.2f (%s)" % (med("cpu10k"), each("cpu10k", "%.2f"))
-            print(f"| {shape} | {name} | {med('rps'):,.0f} ({each('rps', '%.0f')}) | {med('p50'):.2f} | {med('p99'):.2f} ({each('p99', '%.2f')}) | {cpu} | {sum(x['non2xx'] for x in rs)} |")
+            proxied = rs[0]["cpu10k"] is not None
+            cpu = "%.2f (%s)" % (med("cpu10k"), each("cpu10k", "%.2f")) if proxied else "-"
+            split = "%.1f / %.1f" % (med("user_us"), med("sys_us")) if proxied else "-"
+            print(f"| {shape} | {name} | {med('rps'):,.0f} ({each('rps', '%.0f')}) | {med('p50'):.2f} | {med('p99'):.2f} ({each('p99', '%.2f')}) | {cpu} | {split} | {sum(x['non2xx'] for x in rs)} |")
         print()
         for shape in ("json", "sse-100") if results else ():
             k = statistics.median(x["rps"] for x in results[(shape, "kvroute")])
             n = statistics.median(x["rps"] for x in results[(shape, "nginx")])
             kp = statistics.median(x["p99"] for x in results[(shape, "kvroute")])
             np_ = statistics.median(x["p99"] for x in results[(shape, "nginx")])
-            print(f"{shape}: kvroute / nginx req/s {k / n:.2f}x, p99 {kp / np_:.2f}x")
+            ratio = lambda key: statistics.median(x[key] for x in results[(shape, "kvroute")]) / statistics.median(x[key] for x in results[(shape, "nginx")])
+            print(f"{shape}: kvroute / nginx req/s {k / n:.2f}x, p99 {kp / np_:.2f}x, CPU per request: user {ratio('user_us'):.2f}x, system {ratio('sys_us'):.2f}x")
             if base:
                 b = statistics.median(x["rps"] for x in results[(shape, "kvroute-baseline")])
                 bp = statistics.median(x["p99"] for x in results[(shape, "kvroute-baseline")])
