@@ -108,7 +108,8 @@ async fn models_handler(State(s): State<UpState>) -> Json<serde_json::Value> {
 }
 
 async fn generate(State(s): State<UpState>, req: Request) -> Response {
-    s.requests.fetch_add(1, Ordering::SeqCst);
+    // How many requests reached this upstream before this one: the order the gateway let them in.
+    let arrival = s.requests.fetch_add(1, Ordering::SeqCst);
     let path = req.uri().path().to_owned();
     let authorization = req
         .headers()
@@ -137,7 +138,8 @@ async fn generate(State(s): State<UpState>, req: Request) -> Response {
         return (
             [("x-upstream", s.name.clone())],
             Json(serde_json::json!({
-                "text": text, "path": path, "worker": s.name, "authorization": authorization
+                "text": text, "path": path, "worker": s.name, "authorization": authorization,
+                "arrival": arrival
             })),
         )
             .into_response();
