@@ -1,0 +1,174 @@
+//! One gateway: a conversation follows its deepest blocks, a new prefix goes home, and new
+//! prompts keep or lose the home's credit by how often prompts are reused.
+
+use super::*;
+
+#[test]
+fn a_conversation_follows_its_deepest_blocks_although_all_share_the_first() {
+    let ws = test_workers(4);
+    let p = unit();
+    // Two conversations with the same 4-block system prompt, placed on different workers by load.
+    let first = pick(&p, &ws, &convo(1, 4, 1));
+    // 6 in flight cost 384 tokens: more than the 320-token prompt would cost elsewhere.
+    let busy: Vec<_> = (0..6).map(|_| ws[first.index].acquire()).collect();
+    let other = pick(&p, &ws, &convo(2, 4, 1));
+    assert_ne!(first.index, other.index);
+    drop(busy);
+    // Their next turns go back to where each one's history is, not to one system-prompt home
+    // (nor to the conversation's home, credited with half of the new block).
+    let next1 = pick(&p, &ws, &convo(1, 4, 2));
+    let next2 = pick(&p, &ws, &convo(2, 4, 2));
+    assert_eq!(
+        (next1.index, next1.outcome),
+        (first.index, Outcome::LongestMatch)
+    );
+    assert_eq!(
+        (next2.index, next2.outcome),
+        (other.index, Outcome::LongestMatch)
+    );
+    assert_eq!(next2.prediction.unwrap().matched_blocks, 5);
+}
+
+/// On a lone gateway with `reuse_affinity: 1`, a conversation's next turn is credited at its
+/// home with all of its new text, a new prompt with half of it (`home_affinity`): through the
+/// same load gap the first stays where its next turns will look for it and the second goes to
+/// an idle worker. Unset, the next turn is credited like a new prompt and moves too, and so
+/// does a turn whose prefix one of the last few requests went through, whether or not hot
+/// copies are amortized (which also read the last few requests).
+#[test]
+fn with_reuse_affinity_a_next_turn_keeps_its_home_through_a_gap_that_moves_new_and_hot_prompts() {
+    for amortize_hot_copies in [true, false] {
+        reuse_affinity_through_a_gap(amortize_hot_copies);
+    }
+}
+
+fn reuse_affinity_through_a_gap(amortize_hot_copies: bool) {
+    let ws = test_workers(4);
+    let half = CacheAware::new(CacheAwareParams {
+        amortize_hot_copies,
+        ..unit().params
+    });
+    let p = CacheAware::new(CacheAwareParams {
+        reuse_affinity: Some(1.0),
+        ..half.params.clone()
+    });
+    let first = pick(&p, &ws, &convo(1, 0, 1));
+    assert_eq!(first.outcome, Outcome::HashHome);
+    let home = first.index;
+    assert_eq!(pick(&half, &ws, &convo(1, 0, 1)).index, home);
+    // Other users' requests since (without them the conversation's own last turn would make
+    // its prefix look like one that everyone is using).
+    for c in 10..14 {
+        pick(&p, &ws, &convo(c, 0, 1));
+        pick(&half, &ws, &convo(c, 0, 1));
+    }
+    // Another 2-block prompt with the same home, found by a policy that has seen nothing.
+    let probe = unit();
+    let new = (100..)
+        .map(|c| convo(c, 0, 2))
+        .find(|r| pick(&probe, &ws, r).index == home)
+        .unwrap();
+    // One request with 40 tokens of prefill pending: 104 tokens of queue on the home.
+    let _busy = hold(&ws[home], 40, 0);
+    // Next turn, 128 tokens: 64 held at home, 64 new. Home 64 + 104 - 64 = 104; idle 128.
+    let next = pick(&p, &ws, &convo(1, 0, 2));
+    assert_eq!((next.index, next.outcome), (home, Outcome::LongestMatch));
+    // New, 128 tokens: home 128 + 104 - 64 = 168; idle 128.
+    let moved = pick(&p, &ws, &new);
+    assert_ne!(moved.index, home);
+    assert_eq!(moved.outcome, Outcome::Spilled);
+    // Unset, the next turn's new text is credited as a new prompt's and it moves: 136 > 128.
+    assert_ne!(pick(&half, &ws, &convo(1, 0, 2)).index, home);
+    // A prefix one of the last 4 requests went through may be a document many questions
+    // share, whose new text comes once: its turn 3, with one more request queued at home
+    // (168), is credited half: 64 + 168 - 32 = 200 against 192 on an idle worker.
+    let _more = hold(&ws[home], 0, 0);
+    let after = pick(&p, &ws, &convo(1, 0, 3));
+    assert_ne!(
+        after.index, home,
+        "amortize_hot_copies: {amortize_hot_copies}"
+    );
+}
+
+#[test]
+fn a_new_prefix_goes_home_and_replicas_agree_on_the_home() {
+    let ws = test_workers(8);
+    let (a, b) = (policy(), policy());
+    let r = convo(7, 0, 6);
+    let sa = pick(&a, &ws, &r);
+    assert_eq!(sa.outcome, Outcome::HashHome);
+    assert_eq!(sa.index, pick(&b, &ws, &r).index);
+}
+
+/// Routes `n` prompts that are each new (first blocks never seen) and end at once.
+fn route_never_reused(p: &CacheAware, ws: &[Arc<Worker>], n: u64) {
+    for c in 0..n {
+        pick(p, ws, &convo(1_000 + c, 0, 2));
+    }
+}
+
+#[test]
+fn where_prompts_are_never_reused_a_new_one_is_placed_by_cost_not_by_its_hash() {
+    let (ws, p, r, home) = new_prompt_and_its_home(true);
+    // One request on the home (80 tokens of queue) against half of the prompt's 192: home.
+    let _extra = ws[home].acquire();
+    assert_eq!(p.peek(&ws, &r).unwrap().index, home);
+    // After 300 prompts none of which started with anything known, the share is about 1%
+    // (0.98^300), the credit about a token: the idle workers are cheaper.
+    route_never_reused(&p, &ws, 300);
+    assert!(p.reuse_share_now() < 0.02, "share {}", p.reuse_share_now());
+    let chosen = p.peek(&ws, &r).unwrap().index;
+    assert_ne!(chosen, home);
+    assert_eq!(ws[chosen].inflight(), 0, "an idle worker is the cheapest");
+}
+
+#[test]
+fn where_most_prompts_start_with_something_known_a_new_one_keeps_all_of_its_home_credit() {
+    let (ws, p, r, home) = new_prompt_and_its_home(true);
+    let _extra = ws[home].acquire();
+    // Three questions under one system prompt for every two new prompts: a share of about
+    // 0.6, enough for the whole credit (96 tokens against the home's 80 of queue). Scaled by
+    // the share itself, the credit would be about 58 and the prompt would go elsewhere.
+    for c in 0..300 {
+        let own = convo(2_000 + c, 0, 2);
+        let request = if c % 5 < 3 {
+            convo(1_000 + c, 2, 1)
+        } else {
+            own
+        };
+        pick(&p, &ws, &request);
+    }
+    let share = p.reuse_share_now();
+    assert!((0.5..0.75).contains(&share), "share {share}");
+    assert_eq!(p.peek(&ws, &r).unwrap().index, home);
+}
+
+#[test]
+fn beside_another_replica_a_new_prompt_keeps_its_home_credit_however_rare_reuse_is() {
+    // The other replica's conversations reach this one with nothing known: they still have
+    // to meet at the home, so its share of the traffic (a half here) restores the credit.
+    let (ws, p, r, home) = new_prompt_and_its_home(true);
+    let _theirs = another_replica_as_busy(&ws);
+    route_never_reused(&p, &ws, 300);
+    assert!(p.reuse_share_now() < 0.02, "share {}", p.reuse_share_now());
+    let _extra = ws[home].acquire();
+    assert_eq!(p.peek(&ws, &r).unwrap().index, home);
+}
+
+#[test]
+fn without_the_flag_the_reuse_share_is_not_kept_and_a_new_prompt_goes_home() {
+    let ws = test_workers(8);
+    let p = CacheAware::new(CacheAwareParams {
+        new_prompt_by_reuse: false,
+        ..CacheAwareParams::default()
+    });
+    route_never_reused(&p, &ws, 300);
+    assert_eq!(p.reuse_share_now(), 1.0);
+    assert_eq!(
+        Policy::reuse_share(&p),
+        None,
+        "no share to export without the flag"
+    );
+    let r = convo(9, 0, 3);
+    assert_eq!(pick(&p, &ws, &r).outcome, Outcome::HashHome);
+}

@@ -1,0 +1,281 @@
+//! The policy's unit tests, by concern in the files below: small pools, requests of chained block
+//! hashes, and the proxy's in-flight accounting held by hand. This file holds the shared helpers
+//! and the tests of the cost's terms and of learning.
+
+mod conversations;
+mod events;
+mod hot;
+mod large_pool;
+mod replicas;
+
+use super::{
+    known::kth_largest,
+    pass::{mix, NOTED},
+    *,
+};
+use crate::{policy::Usage, workers::test_workers};
+
+pub(super) fn policy() -> CacheAware {
+    CacheAware::new(CacheAwareParams::default())
+}
+
+/// Weights 1 and 64 tokens per queued request whatever its context, so the arithmetic in
+/// the comments is plain tokens.
+pub(super) fn unit() -> CacheAware {
+    CacheAware::new(CacheAwareParams {
+        miss_weight: 1.0,
+        pending_weight: 1.0,
+        request_cost_tokens: 64.0,
+        context_weight: 0.0,
+        ..CacheAwareParams::default()
+    })
+}
+
+/// A request in flight on `w` as the proxy accounts it: its slot, `pending` uncached tokens
+/// until it answers and a `context`-token prompt until it ends.
+pub(super) fn hold(
+    w: &Arc<Worker>,
+    pending: u64,
+    context: u64,
+) -> (crate::workers::InflightGuard, crate::load::RequestLoad) {
+    (
+        w.acquire(),
+        crate::load::RequestLoad::new(w, pending, context),
+    )
+}
+
+/// Places `requests` one after another, each held in flight unstarted (`pending` tokens to
+/// prefill, `context` in all) as the proxy would hold it: how many went to each worker.
+pub(super) fn arrive_together(
+    p: &CacheAware,
+    ws: &[Arc<Worker>],
+    requests: impl Iterator<Item = RequestInfo>,
+    (pending, context): (u64, u64),
+) -> Vec<usize> {
+    let mut held = Vec::new();
+    let mut per_worker = vec![0; ws.len()];
+    for r in requests {
+        let s = pick(p, ws, &r);
+        per_worker[s.index] += 1;
+        held.push(hold(&ws[s.index], pending, context));
+    }
+    per_worker
+}
+
+/// A conversation: `shared` blocks common to all, then `own` blocks of conversation `c`.
+pub(super) fn convo(c: u64, shared: u64, own: u64) -> RequestInfo {
+    let hashes = (0..shared)
+        .chain((0..own).map(|i| (c + 1) << 32 | i))
+        .collect();
+    RequestInfo::keyed(hashes, 256)
+}
+
+pub(super) fn pick(p: &CacheAware, ws: &[Arc<Worker>], r: &RequestInfo) -> Selection {
+    p.select(ws, r).unwrap()
+}
+
+/// Workers that all publish events and hold none of 4-token blocks of unrelated tokens.
+pub(super) fn workers_with_events(n: usize) -> Vec<Arc<Worker>> {
+    workers_storing(n, vec![7], vec![u32::MAX; 4])
+}
+
+/// Workers that all publish events, each of which stored `tokens` as blocks of 4 tokens.
+pub(super) fn workers_storing(
+    n: usize,
+    block_hashes: Vec<u64>,
+    tokens: Vec<u32>,
+) -> Vec<Arc<Worker>> {
+    use crate::kv_events::{Feed, KvEvent};
+    let metrics = crate::metrics::Metrics::new();
+    (0..n)
+        .map(|i| {
+            let cfg =
+                crate::config::WorkerConfig::from_url(format!("http://127.0.0.1:{}", 12000 + i));
+            let mut w = Worker::new(&cfg, &metrics).unwrap();
+            let feed = Feed::new(1000);
+            feed.blocks().apply(&KvEvent::BlockStored {
+                block_hashes: block_hashes.clone(),
+                parent_block_hash: None,
+                token_ids: tokens.clone(),
+                block_size: 4,
+                lora_id: None,
+                medium: None,
+            });
+            w.events = Some(Arc::new(feed));
+            Arc::new(w)
+        })
+        .collect()
+}
+
+/// A gateway whose index holds the 4-block system prompt on every worker.
+pub(super) fn knowing_the_system_prompt(
+    ws: &[Arc<Worker>],
+    params: CacheAwareParams,
+) -> CacheAware {
+    let p = CacheAware::new(params);
+    for w in ws {
+        p.index.insert(&[0, 1, 2, 3], w.id_hash);
+    }
+    p
+}
+
+/// Two replicas whose indexes hold the 4-block system prompt on every worker.
+pub(super) fn two_replicas_knowing_the_system_prompt(
+    ws: &[Arc<Worker>],
+) -> (CacheAware, CacheAware) {
+    let knowing = || knowing_the_system_prompt(ws, CacheAwareParams::default());
+    (knowing(), knowing())
+}
+
+/// Four requests of this gateway's in flight on every worker, and a poll that saw as many
+/// again from elsewhere (another replica's). The guards hold this gateway's requests.
+pub(super) fn another_replica_as_busy(ws: &[Arc<Worker>]) -> Vec<crate::workers::InflightGuard> {
+    polled_beside_four_of_ours(ws, 8.0)
+}
+
+/// Four requests of this gateway's in flight on every worker, and a poll that saw `running`
+/// there in all (the rest other replicas'). The guards hold this gateway's requests.
+pub(super) fn polled_beside_four_of_ours(
+    ws: &[Arc<Worker>],
+    running: f64,
+) -> Vec<crate::workers::InflightGuard> {
+    let mut mine = Vec::new();
+    for w in ws {
+        mine.extend((0..4).map(|_| w.acquire()));
+        let polled = crate::load::Polled {
+            running,
+            ..Default::default()
+        };
+        w.load.store(Some(polled), 4);
+    }
+    mine
+}
+
+#[test]
+fn the_default_weighs_a_miss_three_times_its_tokens_and_a_queued_request_by_its_context() {
+    // A 576-token request whose first 512 tokens its holder holds: 192 weighted tokens of
+    // prefill there, 1,728 elsewhere, and up to 96 of credit (3 × 0.5 × its 64 unknown tokens)
+    // on whichever worker is the home of its last block. A queued request costs 4 + 0.04 × its
+    // prompt tokens. The prefix is not hot (other traffic came between its requests), so an
+    // idle worker gets no credit for it.
+    let ws = test_workers(3);
+    let other_traffic = |p: &CacheAware| {
+        for k in 0..ws.len() as u64 {
+            p.index.insert(&[1 << 60 | k], ws[0].id_hash);
+        }
+    };
+    let p = policy();
+    let holder = pick(&p, &ws, &convo(0, 8, 0)).index;
+    other_traffic(&p);
+    // 512-token requests in flight cost 24.48 each: it stays at 58 (1,612) ...
+    let mut held: Vec<_> = (0..58).map(|_| hold(&ws[holder], 0, 512)).collect();
+    assert_eq!(pick(&p, &ws, &convo(5, 8, 1)).index, holder);
+    other_traffic(&p);
+    // ... and is copied at 67 (1,832).
+    held.extend((0..9).map(|_| hold(&ws[holder], 0, 512)));
+    assert_ne!(pick(&p, &ws, &convo(6, 8, 1)).index, holder);
+    drop(held);
+    // 2,048-token conversations in flight cost 85.92 each: it stays at 15 (1,481) and is
+    // copied at 20 (1,910). (A fresh policy: the first one now knows a copy.)
+    let p = policy();
+    let holder = pick(&p, &ws, &convo(0, 8, 0)).index;
+    other_traffic(&p);
+    let mut held: Vec<_> = (0..15).map(|_| hold(&ws[holder], 0, 2048)).collect();
+    assert_eq!(pick(&p, &ws, &convo(7, 8, 1)).index, holder);
+    other_traffic(&p);
+    held.extend((0..5).map(|_| hold(&ws[holder], 0, 2048)));
+    assert_ne!(pick(&p, &ws, &convo(8, 8, 1)).index, holder);
+    drop(held);
+}
+
+#[test]
+fn simultaneous_arrivals_spread_instead_of_herding() {
+    let ws = test_workers(4);
+    let p = policy();
+    let per_worker = arrive_together(&p, &ws, (0..40).map(|c| convo(100 + c, 0, 4)), (256, 256));
+    // Each new prompt's home is credited its unknown 256 tokens × 0.5 × 3 = 384 tokens; each
+    // request placed costs 0.5 × 256 pending + 4 + 0.04 × 256 = 142: no worker gets more
+    // than three requests ahead of the least loaded.
+    let (min, max) = (per_worker.iter().min(), per_worker.iter().max());
+    assert!(
+        max.zip(min).is_some_and(|(a, b)| a - b <= 3),
+        "{per_worker:?}"
+    );
+}
+
+#[test]
+fn a_failed_request_takes_back_only_what_it_added() {
+    let ws = test_workers(2);
+    let p = policy();
+    let s1 = pick(&p, &ws, &convo(1, 2, 1));
+    let r2 = convo(1, 2, 4);
+    let s2 = pick(&p, &ws, &r2);
+    assert_eq!(s2.index, s1.index);
+    p.observe(&ws[s2.index], &r2, &s2, Observed::Failed);
+    let m = p.index.matches(&r2.block_hashes, 2);
+    assert_eq!(m.depth_of(ws[s1.index].id_hash), 3, "turn 1's blocks stay");
+}
+
+#[test]
+fn usage_teaches_bytes_per_token_and_trust() {
+    let ws = test_workers(2);
+    let p = policy();
+    let r = convo(1, 4, 0); // 1,024 bytes
+    let s = pick(&p, &ws, &r);
+    let w = &ws[s.index];
+    for _ in 0..100 {
+        let s = pick(&p, &ws, &r);
+        p.observe(
+            w,
+            &r,
+            &s,
+            Observed::Answered(Some(Usage {
+                prompt_tokens: 512,
+                cached_tokens: Some(0),
+            })),
+        );
+    }
+    assert!(
+        (p.bytes_per_token() - 2.0).abs() < 0.05,
+        "{}",
+        p.bytes_per_token()
+    );
+    assert!(w.load.cache_trust() < 0.05, "{}", w.load.cache_trust());
+}
+
+#[test]
+fn unusable_workers_are_never_chosen_and_no_key_means_least_work() {
+    let ws = test_workers(3);
+    let p = policy();
+    ws[1].eject_for(std::time::Duration::from_secs(60));
+    let _busy = ws[0].acquire();
+    let s = p.select(&ws, &RequestInfo::unkeyed()).unwrap();
+    assert_eq!((s.index, s.outcome), (2, Outcome::Fallback));
+    for c in 0..50 {
+        assert_ne!(pick(&p, &ws, &convo(c, 1, 2)).index, 1);
+    }
+    ws[0].eject_for(std::time::Duration::from_secs(60));
+    ws[2].eject_for(std::time::Duration::from_secs(60));
+    assert!(p.select(&ws, &convo(1, 1, 1)).is_none());
+}
+
+/// Eight workers, a policy whose queued request costs 80 tokens (`new_prompt_by_reuse` as
+/// given), a 192-token prompt nothing of which is known, and its home (by rendezvous over its
+/// first block).
+pub(super) fn new_prompt_and_its_home(
+    new_prompt_by_reuse: bool,
+) -> (Vec<Arc<Worker>>, CacheAware, RequestInfo, usize) {
+    let ws = test_workers(8);
+    let r = convo(9, 0, 3);
+    let home = (0..ws.len())
+        .max_by_key(|&i| mix(r.block_hashes[0], ws[i].id_hash))
+        .unwrap();
+    let p = CacheAware::new(CacheAwareParams {
+        miss_weight: 1.0,
+        request_cost_tokens: 80.0,
+        context_weight: 0.0,
+        new_prompt_by_reuse,
+        ..CacheAwareParams::default()
+    });
+    (ws, p, r, home)
+}
