@@ -515,6 +515,14 @@ pub fn worker_name(w: &WorkerConfig) -> String {
 mod tests {
     use super::*;
 
+    /// `config/cache_aware.yaml` says that every value in it is the default: it is the policy
+    /// `Default` gives, so neither can change without the other.
+    #[test]
+    fn the_example_cache_aware_config_shows_the_defaults() {
+        let c = Config::from_yaml(include_str!("../../config/cache_aware.yaml")).unwrap();
+        assert_eq!(c.policy, PolicyConfig::default());
+    }
+
     #[test]
     fn defaults_fill_a_minimal_file() {
         let c = Config::from_yaml("workers: [{url: 'http://127.0.0.1:9000'}]").unwrap();
