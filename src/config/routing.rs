@@ -205,6 +205,21 @@ pub struct CacheAwareParams {
     /// request went, and "known no further" means the deepest any worker's events hold of the
     /// prompt is held by most workers. 0 turns it off.
     pub hot_pending_weight: f64,
+    /// Spread a popular prefix over as many workers as its traffic needs: while a prefix's share
+    /// `s` of this gateway's requests (a moving mean over about its last 8 uses) is more than
+    /// its holders' count times `spread_share` of one worker's fair share (`1/n`), i.e. while
+    /// each holder would take more than `spread_share` of a worker's load from that prefix
+    /// alone, every worker is priced as holding it, as a prefix past a full holder list is. A
+    /// copy to a further worker is then paid once and shared by the requests that follow it
+    /// there, and the prefix's requests spread by pending prefill instead of queueing on one or
+    /// two holders. At 0.125, with 4 workers: 8 equally popular prefixes reach every worker, a
+    /// prefix of 1 request in 18 reaches two, one of 1 in 200 stays on its first; with 1,024
+    /// workers, a prefix of 1 request in 4,096 reaches two. 0 turns it off, the default: at
+    /// 0.125, with clients that pause between requests (`bench --think-time 0.5`), p95 TTFT fell
+    /// from 1.34x round-robin's to 1.03x on 8 prefixes and from 0.80x to 0.73x on zipf, but in a
+    /// closed loop without pauses it rose from 0.91x to 0.99x and from 1.01x to 1.22x (see
+    /// `docs/measurements.md`, "Popular prefixes spread").
+    pub spread_share: f64,
 }
 
 impl Default for CacheAwareParams {
@@ -223,6 +238,7 @@ impl Default for CacheAwareParams {
             amortize_hot_copies: true,
             shared_home: true,
             hot_pending_weight: 3.0,
+            spread_share: 0.0,
         }
     }
 }
@@ -245,9 +261,10 @@ impl CacheAwareParams {
             && self.pending_weight >= 0.0
             && self.hot_pending_weight.is_finite()
             && self.hot_pending_weight >= 0.0
+            && (0.0..=1.0).contains(&self.spread_share)
             && (self.load_bound == 0.0 || (self.load_bound.is_finite() && self.load_bound >= 1.0));
         if !ok {
-            return Err("cache_aware: request_cost_tokens >= 0, context_weight >= 0, bytes_per_token > 0, home_affinity and reuse_affinity in [0, 1], miss_weight > 0, pending_weight >= 0, hot_pending_weight >= 0, load_bound 0 or >= 1".into());
+            return Err("cache_aware: request_cost_tokens >= 0, context_weight >= 0, bytes_per_token > 0, home_affinity and reuse_affinity in [0, 1], miss_weight > 0, pending_weight >= 0, hot_pending_weight >= 0, spread_share in [0, 1], load_bound 0 or >= 1".into());
         }
         Ok(())
     }

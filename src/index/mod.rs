@@ -28,6 +28,9 @@ use parking_lot::Mutex;
 /// pool; in a larger pool a hot prefix keeps its most recent holders.
 pub const HOLDERS: usize = 8;
 
+/// Inserts the moving mean of a block's gap averages over, about.
+const GAP_WINDOW: f32 = 8.0;
+
 /// A worker's identity in the index: the hash of its name, equal on every gateway replica.
 pub type WorkerId = u64;
 
@@ -35,6 +38,10 @@ pub type WorkerId = u64;
 struct Holders {
     ids: [WorkerId; HOLDERS],
     touched: [u32; HOLDERS],
+    /// The moving mean of the inserts between two that went through this block (0 until a
+    /// second one has): its share of the traffic is about the inverse. It fits in the padding
+    /// after `len`, so the entry is no larger for it.
+    gap: f32,
     len: u8,
 }
 
@@ -43,8 +50,26 @@ impl Holders {
         &self.ids[..usize::from(self.len)]
     }
 
+    /// The tick of the last insert that went through this block (0 for none).
+    fn last(&self) -> u32 {
+        self.touched[..usize::from(self.len)]
+            .iter()
+            .max()
+            .copied()
+            .unwrap_or(0)
+    }
+
     fn touch(&mut self, id: WorkerId, tick: u32) {
         let n = usize::from(self.len);
+        if n > 0 {
+            // One insert touches a block once, so the gap since the last is at least 1.
+            let since = tick.wrapping_sub(self.last()) as f32;
+            self.gap = if self.gap == 0.0 {
+                since
+            } else {
+                self.gap + (since - self.gap) / GAP_WINDOW
+            };
+        }
         let slot = match self.ids[..n].iter().position(|&x| x == id) {
             Some(i) => i,
             None if n < HOLDERS => {
@@ -112,6 +137,9 @@ pub struct Matches {
     /// (see [`PrefixIndex::matches`]): with `window` the number of workers, a prefix drawing
     /// about a worker's share of the traffic or more.
     pub recent: usize,
+    /// Leading blocks that draw so much of the traffic that their holders are too few for it
+    /// (see [`PrefixIndex::matches`]); 0 unless asked for.
+    pub popular: usize,
 }
 
 impl Matches {
@@ -186,10 +214,16 @@ impl PrefixIndex {
     /// Also how many leading blocks one of the last `window` inserts went through
     /// ([`Matches::recent`]): one sample of how hot the prefix is. A prefix with a share `s` of
     /// the traffic shows as recent with probability `1 - (1 - s)^window`.
-    pub fn matches(&self, hashes: &[u64], window: u32) -> Matches {
+    ///
+    /// And, with `spread` above 0, how many leading blocks are popular ([`Matches::popular`]):
+    /// those whose holders times the moving mean of the inserts between two through them is
+    /// under `spread`, i.e. whose share of the traffic `s` asks for more than `holders` workers
+    /// at `s × spread` holders. A block not gone through for four of its mean gaps is not.
+    pub fn matches(&self, hashes: &[u64], window: u32, spread: f32) -> Matches {
         let g = self.lock();
         let mut depths: Vec<(WorkerId, usize)> = Vec::new();
         let mut recent = 0;
+        let mut popular = 0;
         // The first of the run of blocks with full holder lists that ends just before this one:
         // a match that stopped at or after it may resume.
         let mut full_since = 0;
@@ -213,11 +247,13 @@ impl PrefixIndex {
                     None => {}
                 }
             }
-            if recent == i && window > 0 {
-                let n = usize::from(entry.len);
-                let last = entry.touched[..n].iter().max().copied().unwrap_or(0);
-                if g.tick.wrapping_sub(last) < window {
-                    recent = i + 1;
+            if recent == i && window > 0 && g.tick.wrapping_sub(entry.last()) < window {
+                recent = i + 1;
+            }
+            if popular == i && spread > 0.0 && entry.gap > 0.0 {
+                let since = g.tick.wrapping_sub(entry.last()) as f32;
+                if f32::from(entry.len) * entry.gap < spread && since <= 4.0 * entry.gap {
+                    popular = i + 1;
                 }
             }
             let full = entry.ids().len() >= HOLDERS;
@@ -235,6 +271,7 @@ impl PrefixIndex {
             depths,
             everyone,
             recent,
+            popular,
         }
     }
 
@@ -297,13 +334,13 @@ mod tests {
         let idx = PrefixIndex::with_max_bytes(1 << 20);
         idx.insert(&[1, 2, 3, 4], 10);
         idx.insert(&[1, 2, 7], 20);
-        let m = idx.matches(&[1, 2, 3, 9], 1);
+        let m = idx.matches(&[1, 2, 3, 9], 1, 0.0);
         assert_eq!(m.depth_of(10), 3);
         assert_eq!(m.depth_of(20), 2);
         assert_eq!(m.depth_of(30), 0);
         assert_eq!(m.deepest(), 3);
         assert_eq!(m.everyone, 0, "no list is full");
-        assert_eq!(idx.matches(&[5, 1], 1).depths, []);
+        assert_eq!(idx.matches(&[5, 1], 1, 0.0).depths, []);
     }
 
     #[test]
@@ -311,7 +348,7 @@ mod tests {
         let idx = PrefixIndex::with_max_bytes(1 << 20);
         idx.insert(&[1, 2, 3], 10);
         idx.remove(&[2], 10);
-        assert_eq!(idx.matches(&[1, 2, 3], 1).depth_of(10), 1);
+        assert_eq!(idx.matches(&[1, 2, 3], 1, 0.0).depth_of(10), 1);
     }
 
     #[test]
@@ -323,18 +360,18 @@ mod tests {
         for w in 1..=HOLDERS as u64 {
             idx.insert(&[1, 2, 3], w);
         }
-        let m = idx.matches(&[1, 2, 3, 10, 11, 12], 1);
+        let m = idx.matches(&[1, 2, 3, 10, 11, 12], 1, 0.0);
         assert_eq!(m.depth_of(0), 5, "its own blocks imply the prefix");
         assert_eq!(m.depth_of(1), 3);
         assert_eq!(m.everyone, 3, "a prefix on more workers than a list holds");
         assert_eq!(
-            idx.matches(&[1, 2, 3, 10], 1).depth_of(99),
+            idx.matches(&[1, 2, 3, 10], 1, 0.0).depth_of(99),
             0,
             "not listed anywhere"
         );
         // A hole where the list has room still ends the match.
         idx.remove(&[10], 0);
-        assert_eq!(idx.matches(&[1, 2, 3, 10, 11], 1).depth_of(0), 0);
+        assert_eq!(idx.matches(&[1, 2, 3, 10, 11], 1, 0.0).depth_of(0), 0);
     }
 
     #[test]
@@ -346,11 +383,15 @@ mod tests {
         }
         // The shared prefix was in the last insert; the first conversation's block 3, three
         // inserts before it.
-        let m = idx.matches(&[1, 2, 3, 4], 3);
+        let m = idx.matches(&[1, 2, 3, 4], 3, 0.0);
         assert_eq!((m.recent, m.deepest()), (2, 3));
-        assert_eq!(idx.matches(&[1, 2, 3, 4], 4).recent, 3, "a wider window");
         assert_eq!(
-            idx.matches(&[1, 2, 3, 4], 0).recent,
+            idx.matches(&[1, 2, 3, 4], 4, 0.0).recent,
+            3,
+            "a wider window"
+        );
+        assert_eq!(
+            idx.matches(&[1, 2, 3, 4], 0, 0.0).recent,
             0,
             "no window, no sample"
         );
@@ -358,8 +399,43 @@ mod tests {
         for k in 0..4u64 {
             idx.insert(&[700, 800 + k], 30);
         }
-        let m = idx.matches(&[1, 2, 3], 4);
+        let m = idx.matches(&[1, 2, 3], 4, 0.0);
         assert_eq!((m.recent, m.depth_of(10)), (0, 3));
+    }
+
+    #[test]
+    fn a_block_is_popular_while_its_holders_are_too_few_for_its_share_of_the_inserts() {
+        let idx = PrefixIndex::with_max_bytes(1 << 20);
+        // Block 1 goes through one insert in four, always to worker 10; the others are unique.
+        for k in 0..64u64 {
+            if k % 4 == 0 {
+                idx.insert(&[1, 2 + k], 10);
+            } else {
+                idx.insert(&[1000 + k], 20);
+            }
+        }
+        // One holder at a gap of 4: popular while the spread is over 4, not at 3.
+        assert_eq!(idx.matches(&[1, 5000], 0, 4.5).popular, 1);
+        assert_eq!(idx.matches(&[1, 5000], 0, 3.5).popular, 0);
+        assert_eq!(idx.matches(&[1, 5000], 0, 0.0).popular, 0, "not asked");
+        // A second holder halves what the same spread allows.
+        idx.insert(&[1, 9999], 11);
+        assert_eq!(
+            idx.matches(&[1], 0, 6.0).popular,
+            0,
+            "2 holders x gap ~4 > 6"
+        );
+        assert_eq!(idx.matches(&[1], 0, 9.0).popular, 1);
+        // Not gone through for over four of its gaps: no longer popular.
+        for k in 0..20u64 {
+            idx.insert(&[7000 + k], 20);
+        }
+        assert_eq!(idx.matches(&[1], 0, 9.0).popular, 0);
+        assert_eq!(
+            std::mem::size_of::<Holders>(),
+            std::mem::size_of::<[WorkerId; HOLDERS]>() + std::mem::size_of::<[u32; HOLDERS]>() + 8,
+            "the gap sits in the padding after `len`"
+        );
     }
 
     #[test]
@@ -368,7 +444,7 @@ mod tests {
         for w in 0..(HOLDERS as u64 + 3) {
             idx.insert(&[1], w);
         }
-        let m = idx.matches(&[1], 1);
+        let m = idx.matches(&[1], 1, 0.0);
         assert_eq!(m.depths.len(), HOLDERS);
         assert_eq!(m.depth_of(0), 0, "the least recent was replaced");
         assert_eq!(m.depth_of(HOLDERS as u64 + 2), 1);
@@ -382,8 +458,12 @@ mod tests {
             idx.insert(&[k], 2);
             idx.insert(&[u64::MAX], 1); // kept warm
         }
-        assert_eq!(idx.matches(&[u64::MAX], 1).depth_of(1), 1);
-        assert_eq!(idx.matches(&[0], 1).depth_of(2), 0, "cold block evicted");
+        assert_eq!(idx.matches(&[u64::MAX], 1, 0.0).depth_of(1), 1);
+        assert_eq!(
+            idx.matches(&[0], 1, 0.0).depth_of(2),
+            0,
+            "cold block evicted"
+        );
         let s = idx.stats();
         assert!(s.blocks <= 64 && s.evictions > 900, "{s:?}");
     }

@@ -13,7 +13,12 @@ use crate::{
 };
 
 pub(super) struct Known {
+    /// The index's match, with blocks presumed on every worker for their popularity counted in
+    /// `everyone`.
     pub(super) matches: Matches,
+    /// Leading blocks presumed on every worker for their popularity beyond a full holder list
+    /// (0: none).
+    pub(super) popular: usize,
     /// The deepest match of the index, in blocks.
     pub(super) deepest: usize,
     /// Canonical bytes per token, as learnt when the decision began.
@@ -57,7 +62,21 @@ impl Known {
         } else {
             0
         };
-        let matches = index.matches(&req.block_hashes, window);
+        let spread = if params.spread_share > 0.0 {
+            (workers.len() as f64 / params.spread_share) as f32
+        } else {
+            0.0
+        };
+        let mut matches = index.matches(&req.block_hashes, window, spread);
+        // A prefix too popular for its few holders is presumed on every worker, as one past a
+        // full holder list is: a further worker's first copy is paid once and shared by the
+        // requests that follow it there (`spread_share`).
+        let popular = if matches.popular > matches.everyone {
+            matches.popular
+        } else {
+            0
+        };
+        matches.everyone = matches.everyone.max(popular);
         let deepest = matches.deepest();
         let prompt = match &req.tokens {
             Some(t) => t.len() as f64 + f64::from(req.tokens_after),
@@ -91,7 +110,7 @@ impl Known {
         let key_depth = if !params.shared_home {
             deepest
         } else if matches.depths.len() < most {
-            0 // too few holders: no need to collect their depths
+            matches.everyone // too few holders: no need to collect their depths
         } else {
             (kth_largest(matches.depths.iter().map(|&(_, d)| d as u64), most) as usize)
                 .max(matches.everyone)
@@ -115,6 +134,7 @@ impl Known {
         }
         Self {
             matches,
+            popular,
             deepest,
             bpt,
             prompt,

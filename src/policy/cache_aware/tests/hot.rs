@@ -25,7 +25,10 @@ fn a_hot_prefix_is_copied_when_its_holder_is_busy() {
     assert_eq!(s.outcome, Outcome::Replicated);
     drop((held, more));
     // Now two workers hold the prefix, and each conversation sticks to where it went.
-    assert_eq!(p.index.matches(&shared.block_hashes, 4).depths.len(), 2);
+    assert_eq!(
+        p.index.matches(&shared.block_hashes, 4, 0.0).depths.len(),
+        2
+    );
     assert_eq!(pick(&p, &ws, &convo(6, 8, 2)).index, s.index);
     assert_eq!(pick(&p, &ws, &convo(5, 8, 2)).index, home);
 }
@@ -310,4 +313,55 @@ fn past_a_prefix_on_a_full_holder_list_a_conversation_follows_its_own_blocks() {
         );
         assert_eq!(next.prediction.unwrap().matched_blocks, 8);
     }
+}
+
+/// Routes `rounds` passes over `prefixes` prefixes (6 blocks each, then a block of the request's
+/// own), each request held in flight, its prefill pending, for the next 12 decisions (about 3 a
+/// worker): the workers each prefix went to, and how many decisions were copies.
+fn spread_over(spread_share: f64, prefixes: u64, rounds: u64) -> (Vec<usize>, usize) {
+    let ws = test_workers(4);
+    let p = CacheAware::new(CacheAwareParams {
+        spread_share,
+        ..CacheAwareParams::default()
+    });
+    let mut went = vec![std::collections::BTreeSet::new(); prefixes as usize];
+    let mut held = std::collections::VecDeque::new();
+    let mut copies = 0;
+    for i in 0..rounds * prefixes {
+        let prefix = i % prefixes;
+        let r = RequestInfo::keyed(
+            (0..6)
+                .map(|b| prefix << 32 | b)
+                .chain([1 << 60 | i])
+                .collect(),
+            256,
+        );
+        let s = pick(&p, &ws, &r);
+        went[prefix as usize].insert(s.index);
+        if s.outcome == Outcome::Replicated {
+            copies += 1;
+            let cached = s.prediction.map(|p| p.cached_tokens);
+            assert_eq!(cached, Some(0), "a copy is not predicted cached");
+        }
+        held.push_back(hold(&ws[s.index], 64, 448));
+        if held.len() > 12 {
+            held.pop_front();
+        }
+    }
+    (went.iter().map(|w| w.len()).collect(), copies)
+}
+
+#[test]
+fn a_popular_prefix_spreads_over_every_worker_and_a_rare_one_stays_on_its_first() {
+    // Eight prefixes of one request in eight each: a holder would take half a worker's load
+    // from one alone, so each spreads to all four workers, once per worker.
+    let (workers, copies) = spread_over(0.125, 8, 50);
+    assert_eq!(workers, vec![4; 8], "every prefix on every worker");
+    assert_eq!(copies, 8 * 3, "three copies a prefix, each paid once");
+    // Without the flag a copy's prefill outweighs any queue here: each keeps its first worker.
+    let (workers, copies) = spread_over(0.0, 8, 50);
+    assert_eq!((workers, copies), (vec![1; 8], 0));
+    // 200 prefixes, one request in 200 each: none is copied.
+    let (workers, copies) = spread_over(0.125, 200, 3);
+    assert_eq!((workers.iter().max(), copies), (Some(&1), 0));
 }

@@ -212,7 +212,7 @@ fn a_failed_request_takes_back_only_what_it_added() {
     let s2 = pick(&p, &ws, &r2);
     assert_eq!(s2.index, s1.index);
     p.observe(&ws[s2.index], &r2, &s2, Observed::Failed);
-    let m = p.index.matches(&r2.block_hashes, 2);
+    let m = p.index.matches(&r2.block_hashes, 2, 0.0);
     assert_eq!(m.depth_of(ws[s1.index].id_hash), 3, "turn 1's blocks stay");
 }
 
