@@ -39,10 +39,12 @@ struct Holders {
     ids: [WorkerId; HOLDERS],
     touched: [u32; HOLDERS],
     /// The moving mean of the inserts between two that went through this block (0 until a
-    /// second one has): its share of the traffic is about the inverse. It fits in the padding
-    /// after `len`, so the entry is no larger for it.
+    /// second one has): its share of the traffic is about the inverse. It and `newest` fit in
+    /// the padding after `len`, so the entry is no larger for them.
     gap: f32,
     len: u8,
+    /// The slot touched last, so that the block's last tick is one read.
+    newest: u8,
 }
 
 impl Holders {
@@ -52,11 +54,11 @@ impl Holders {
 
     /// The tick of the last insert that went through this block (0 for none).
     fn last(&self) -> u32 {
-        self.touched[..usize::from(self.len)]
-            .iter()
-            .max()
-            .copied()
-            .unwrap_or(0)
+        if self.len == 0 {
+            0
+        } else {
+            self.touched[usize::from(self.newest)]
+        }
     }
 
     fn touch(&mut self, id: WorkerId, tick: u32) {
@@ -80,6 +82,7 @@ impl Holders {
         };
         self.ids[slot] = id;
         self.touched[slot] = tick;
+        self.newest = slot as u8;
     }
 
     fn remove(&mut self, id: WorkerId) {
@@ -88,6 +91,10 @@ impl Holders {
             self.ids[i] = self.ids[n - 1];
             self.touched[i] = self.touched[n - 1];
             self.len -= 1;
+            // The newest moved into the freed slot, or was the one removed: find it again.
+            self.newest = (0..usize::from(self.len))
+                .max_by_key(|&k| self.touched[k])
+                .unwrap_or(0) as u8;
         }
     }
 }
@@ -436,6 +443,17 @@ mod tests {
             std::mem::size_of::<[WorkerId; HOLDERS]>() + std::mem::size_of::<[u32; HOLDERS]>() + 8,
             "the gap sits in the padding after `len`"
         );
+    }
+
+    #[test]
+    fn a_removed_holders_tick_no_longer_counts_as_the_blocks_last() {
+        let idx = PrefixIndex::with_max_bytes(1 << 20);
+        idx.insert(&[1], 10);
+        idx.insert(&[1], 20); // the last insert through block 1
+        assert_eq!(idx.matches(&[1], 1, 0.0).recent, 1);
+        idx.remove(&[1], 20); // that request failed: block 1 was last used an insert earlier
+        assert_eq!(idx.matches(&[1], 1, 0.0).recent, 0);
+        assert_eq!(idx.matches(&[1], 2, 0.0).recent, 1);
     }
 
     #[test]
