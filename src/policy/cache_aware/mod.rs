@@ -253,7 +253,7 @@ impl CacheAware {
         let (credited, presumed) = self.credit_home(workers, req, &known, &sample, home, alone);
         let chosen = if credited.beats(&best) { home } else { best };
         let listed = known.matches.depth_of(workers[chosen.index].id_hash);
-        let selection = selection(req, &known, (chosen, listed), home, presumed);
+        let selection = selection(req, &known, chosen, listed, home, presumed);
         Some((selection, known.any()))
     }
 
@@ -461,12 +461,13 @@ impl CacheAware {
     }
 }
 
-/// The decision for `chosen` (and the blocks the index lists it as holding): why it was chosen,
-/// and what it is expected to hold of the prompt.
+/// The decision for `chosen`, whose index lists it as holding `listed` blocks of the prompt:
+/// why it was chosen, and what it is expected to hold of the prompt.
 fn selection(
     req: &RequestInfo,
     known: &Known,
-    (chosen, listed): (Candidate, usize),
+    chosen: Candidate,
+    listed: usize,
     home: Candidate,
     presumed: f64,
 ) -> Selection {

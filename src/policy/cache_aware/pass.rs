@@ -254,11 +254,11 @@ impl Pass<'_> {
 }
 
 /// Pools up to this size have every usable worker priced by each decision.
-pub const PRICE_ALL_UP_TO: usize = 128;
+pub(super) const PRICE_ALL_UP_TO: usize = 128;
 /// Workers whose bit is among a large pool's holders that the light pass notes to look up after
 /// it ([`Pass::candidates`]); past this many it searches the pool again. Eight holders set at most
 /// 8 of the 64 bits: about 128 workers of 1,024.
 pub(super) const NOTED: usize = 256;
 /// Workers priced for load in a larger pool, besides the prompt's holders and its home; also the
 /// sample the pool's mean load is read from ([`PoolLoad::sampled`]).
-pub const SAMPLED: usize = 64;
+pub(super) const SAMPLED: usize = 64;
