@@ -40,6 +40,7 @@ fn spec(workload: Workload) -> LoadSpec {
         cancel: None,
         request_timeout: Duration::from_secs(30),
         max_requests: None,
+        output_range: 0.0,
     }
 }
 
@@ -464,6 +465,52 @@ async fn clients_think_before_each_request_so_they_do_not_start_in_step() {
         spread > 0.01,
         "first requests within {spread:.4}s of each other"
     );
+}
+
+/// With `output_range`, each request asks for its own length, drawn the same for every target,
+/// and the worker generates exactly that many tokens; the lengths spread around the workload's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn output_lengths_vary_around_the_workloads_with_output_range() {
+    let pool = conversation_pool().await;
+    let load = LoadSpec {
+        url: pool.gateway.clone(),
+        concurrency: 4,
+        warmup: Duration::ZERO,
+        max_requests: Some(24),
+        duration: Duration::from_secs(60),
+        output_range: 0.5,
+        ..spec(Workload::PrefixRepetition {
+            prefixes: 2,
+            prefix_tokens: 32,
+            unique_tokens: 8,
+            output_tokens: 16,
+        })
+    };
+    let samples = bench::loadgen::run(&load).await.unwrap();
+    assert_eq!(samples.len(), 24);
+    let mut lengths = std::collections::BTreeSet::new();
+    for s in &samples {
+        assert!(s.ok, "{:?}", s.error);
+        let asked = load.request(s.index);
+        assert_eq!(asked.body["max_tokens"], asked.output_tokens);
+        assert!(
+            (8..=24).contains(&asked.output_tokens),
+            "{}",
+            asked.output_tokens
+        );
+        assert_eq!(s.output_tokens, asked.output_tokens, "request {}", s.index);
+        // The prompt is the workload's own: only the length moves.
+        let fixed = load.workload.request(load.seed, s.index);
+        assert_eq!(asked.body["prompt"], fixed.body["prompt"]);
+        lengths.insert(s.output_tokens);
+    }
+    assert!(lengths.len() >= 6, "{lengths:?}");
+    // Without it, every request asks for the workload's length.
+    let fixed = LoadSpec {
+        output_range: 0.0,
+        ..load.clone()
+    };
+    assert!((0..24).all(|i| fixed.request(i).output_tokens == 16));
 }
 
 /// Other servers frame SSE differently; the load generator reads any conformant stream: CRLF line

@@ -123,6 +123,12 @@ pub struct LoadArgs {
     /// a conversation's turns. 0: none.
     #[arg(long, default_value_t = 0.0)]
     think_time: f64,
+    /// Vary output lengths: each request asks for the workload's length times a factor drawn
+    /// uniformly from 1 ± this (the same draws for every target; the mean is unchanged), as real
+    /// answers vary, so requests that start together on a worker do not end in the same step.
+    /// 0: every request the workload's length. Not with --trace, whose lines carry their own.
+    #[arg(long, default_value_t = 0.0)]
+    output_range: f64,
     /// Seconds before the measured window.
     #[arg(long, default_value_t = 10.0)]
     warmup: f64,
@@ -199,10 +205,16 @@ impl LoadArgs {
             && self.time_scale.is_finite()
             && self.time_scale > 0.0
             && self.rate.is_none_or(|r| r.is_finite() && r > 0.0)
-            && (0.0..=1.0).contains(&self.cancel_fraction);
+            && (0.0..=1.0).contains(&self.cancel_fraction)
+            && (0.0..1.0).contains(&self.output_range);
         if !ok {
             return Err(BenchError::Setup(
-                "--duration, --request-timeout, --time-scale, --rate and --concurrency must be positive numbers, --warmup and --think-time not negative, --cancel-fraction in [0, 1]".into(),
+                "--duration, --request-timeout, --time-scale, --rate and --concurrency must be positive numbers, --warmup and --think-time not negative, --cancel-fraction in [0, 1], --output-range in [0, 1)".into(),
+            ));
+        }
+        if self.output_range > 0.0 && self.trace.is_some() {
+            return Err(BenchError::Setup(
+                "--output-range applies to the built-in workloads; a trace's lines carry their own output lengths".into(),
             ));
         }
         Ok(LoadSpec {
@@ -221,6 +233,7 @@ impl LoadArgs {
             }),
             request_timeout: Duration::from_secs_f64(self.request_timeout),
             max_requests: self.requests,
+            output_range: self.output_range,
         })
     }
 

@@ -59,6 +59,25 @@ pub struct LoadSpec {
     /// Send at most this many requests (then stop, even inside the window): the same stream,
     /// request for request, whatever the target's speed.
     pub max_requests: Option<u64>,
+    /// Output lengths vary: request `i` asks for the workload's length times a factor drawn
+    /// uniformly from `1 ± output_range` (a stream of its own, the same for every target), so
+    /// requests started together do not all end in the same decode step. 0: fixed lengths.
+    pub output_range: f64,
+}
+
+impl LoadSpec {
+    /// Request `i` of this run's stream.
+    pub fn request(&self, i: u64) -> RequestSpec {
+        let mut req = self.workload.request(self.seed, i);
+        if self.output_range > 0.0 && req.output_tokens > 0 {
+            let u = unit(splitmix(self.seed ^ 0x0a7_1e46 ^ i));
+            let factor = 1.0 - self.output_range + 2.0 * self.output_range * u;
+            let n = ((req.output_tokens as f64 * factor).round() as usize).max(1);
+            req.output_tokens = n;
+            req.body["max_tokens"] = Value::from(n);
+        }
+        req
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -261,7 +280,7 @@ impl Shared {
 
     /// Sends request `i` and times it; never fails (an error is a sample with `ok: false`).
     async fn one(&self, i: u64, intended: f64) -> Sample {
-        let req = self.spec.workload.request(self.spec.seed, i);
+        let req = self.spec.request(i);
         let cancel_after = self.spec.cancel.and_then(|c| {
             (unit(splitmix(self.spec.seed ^ 0xcafe ^ i)) < c.fraction).then_some(c.after_tokens)
         });

@@ -558,7 +558,7 @@ async fn replica_agreement(
     probes.truncate(AGREEMENT_PROBES);
     let mut out = report::Agreement::default();
     for s in probes {
-        let req = spec.workload.request(spec.seed, s.index);
+        let req = spec.request(s.index);
         let mut body = req.body;
         body["model"] = serde_json::Value::from(model);
         let path = if req.chat {
