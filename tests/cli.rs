@@ -202,6 +202,8 @@ fn bad_bench_numbers_are_refused_without_a_panic() {
         "--rate=NaN",
         "--duration=1e30",
         "--warmup=-3",
+        "--output-range=1",
+        "--output-range=-0.5",
     ] {
         let args = ["bench", "run", "--url", "http://127.0.0.1:1", bad];
         let out = kvroute(&args);
@@ -210,6 +212,32 @@ fn bad_bench_numbers_are_refused_without_a_panic() {
         assert!(!stderr.contains("panicked"), "{bad:?}: {stderr}");
         assert!(stderr.contains("must be"), "{bad:?}: {stderr}");
     }
+    // A trace carries its own output lengths: varying them is refused, not silently ignored.
+    let trace = std::env::temp_dir().join(format!("kvroute-range-{}.jsonl", std::process::id()));
+    std::fs::write(
+        &trace,
+        "{\"input_length\": 8, \"output_length\": 4, \"hash_ids\": [1]}\n",
+    )
+    .unwrap();
+    let path = trace.to_str().unwrap();
+    let args = [
+        "bench",
+        "run",
+        "--url",
+        "http://127.0.0.1:1",
+        "--trace",
+        path,
+        "--output-range",
+        "0.5",
+    ];
+    let out = kvroute(&args);
+    let _ = std::fs::remove_file(&trace);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        stderr.contains("--output-range applies to the built-in workloads"),
+        "{stderr}"
+    );
 }
 
 /// `bench compare --seeds` runs the comparison once per seed on fresh simulated pools and ends

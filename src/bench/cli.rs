@@ -271,6 +271,14 @@ fn describe(spec: &LoadSpec) -> String {
     } else {
         format!("{arrival}, think time {:?} (mean)", spec.think)
     };
+    let arrival = if spec.output_range > 0.0 {
+        format!(
+            "{arrival}, output lengths ± {:.0}%",
+            spec.output_range * 100.0
+        )
+    } else {
+        arrival
+    };
     format!(
         "workload {:?}\n{arrival}, seed {}, warm-up {:?}, window {:?}\n",
         spec.workload, spec.seed, spec.warmup, spec.duration
