@@ -212,13 +212,14 @@ pub struct CacheAwareParams {
     /// alone, every worker is priced as holding it, as a prefix past a full holder list is. A
     /// copy to a further worker is then paid once and shared by the requests that follow it
     /// there, and the prefix's requests spread by pending prefill instead of queueing on one or
-    /// two holders. At 0.125, with 4 workers: 8 equally popular prefixes reach every worker, a
-    /// prefix of 1 request in 18 reaches two, one of 1 in 200 stays on its first; with 1,024
-    /// workers, a prefix of 1 request in 4,096 reaches two. 0 turns it off, the default: at
-    /// 0.125, with clients that pause between requests (`bench --think-time 0.5`), p95 TTFT fell
-    /// from 1.34x round-robin's to 1.03x on 8 prefixes and from 0.80x to 0.73x on zipf, but in a
-    /// closed loop without pauses it rose from 0.91x to 0.99x and from 1.01x to 1.22x (see
-    /// `docs/measurements.md`, "Popular prefixes spread").
+    /// two holders. Two gates keep it to prefixes that queue behind themselves: more of the
+    /// prefix's requests are in flight (`s` times this gateway's) than it has holders, so one
+    /// conversation's turns (one at a time) and any prefix at light load stay put; and its
+    /// holders have more requests in flight than the pool's mean, so a prefix whose holders are
+    /// no busier than the rest is not moved. At 0.125, with 4 busy workers: 8 equally popular
+    /// prefixes reach every worker, a prefix of 1 request in 18 reaches two, one of 1 in 200
+    /// stays on its first; with 1,024 workers, a prefix of 1 request in 4,096 reaches two. 0
+    /// turns it off.
     pub spread_share: f64,
 }
 
@@ -238,7 +239,7 @@ impl Default for CacheAwareParams {
             amortize_hot_copies: true,
             shared_home: true,
             hot_pending_weight: 3.0,
-            spread_share: 0.0,
+            spread_share: 0.125,
         }
     }
 }

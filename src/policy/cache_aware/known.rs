@@ -4,6 +4,7 @@
 
 use std::sync::Arc;
 
+use super::pool::PoolSample;
 use crate::{
     config::CacheAwareParams,
     index::{Matches, PrefixIndex},
@@ -50,7 +51,7 @@ impl Known {
     pub(super) fn survey(
         params: &CacheAwareParams,
         index: &PrefixIndex,
-        workers: &[Arc<Worker>],
+        (workers, sample): (&[Arc<Worker>], &PoolSample),
         req: &RequestInfo,
         last: u64,
         bpt: f64,
@@ -62,16 +63,24 @@ impl Known {
         } else {
             0
         };
+        // A prefix is popular while its share `s` of this gateway's requests is over its
+        // holders' count times `spread_share / n`, and while more of its requests are in flight
+        // (`s` times this gateway's) than it has holders: a prefix whose requests do not overlap
+        // (one conversation's turns, or any prefix at light load) never queues behind itself.
         let spread = if params.spread_share > 0.0 {
-            (workers.len() as f64 / params.spread_share) as f32
+            let limit = workers.len() as f64 / params.spread_share;
+            limit.min(sample.load().local_in(workers.len())) as f32
         } else {
             0.0
         };
         let mut matches = index.matches(&req.block_hashes, window, spread);
         // A prefix too popular for its few holders is presumed on every worker, as one past a
         // full holder list is: a further worker's first copy is paid once and shared by the
-        // requests that follow it there (`spread_share`).
-        let popular = if matches.popular > matches.everyone {
+        // requests that follow it there (`spread_share`). Only while its holders are busier
+        // than the pool: where they are not, its requests wait no longer there than elsewhere.
+        let popular = if matches.popular > matches.everyone
+            && holders_busier(workers, &matches, sample.load().mean())
+        {
             matches.popular
         } else {
             0
@@ -174,6 +183,26 @@ impl Known {
             None => 0.0,
         }
     }
+}
+
+/// The workers the index lists as holding the popular blocks of `matches` have more requests in
+/// flight, on average, than the pool's `mean`. Looked up by a one-bit filter on each worker's id
+/// first: only decisions on a popular prefix come here, and a pool's holders are at most
+/// [`crate::index::HOLDERS`].
+fn holders_busier(workers: &[Arc<Worker>], matches: &Matches, mean: f64) -> bool {
+    let mask = matches
+        .depths
+        .iter()
+        .filter(|&&(_, d)| d >= matches.popular)
+        .fold(0u64, |m, &(id, _)| m | 1 << (id & 63));
+    let (count, queued) = workers
+        .iter()
+        .filter(|w| mask & 1 << (w.id_hash & 63) != 0 && w.is_usable())
+        .filter(|w| matches.depth_of(w.id_hash) >= matches.popular)
+        .fold((0usize, 0usize), |(c, q), w| {
+            (c + 1, q + w.load.queued(w.inflight()))
+        });
+    count > 0 && queued as f64 > mean * count as f64
 }
 
 /// The `k`-th largest value (the largest that at least `k` hold), 0 with fewer than `k`.

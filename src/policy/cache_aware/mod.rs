@@ -94,8 +94,14 @@
 //! (`hot_pending_weight`, as for a prefix most workers hold), and each further worker's first
 //! copy is paid once, labelled `replicated`, predicted uncached. It stops spreading at about
 //! `s × n / spread_share` holders, so in a large pool a prefix is copied where its load needs
-//! it, not to every worker. Off by default: with clients that pause between requests it cut p95
-//! TTFT on 8 prefixes and zipf, in a closed loop without pauses it raised it on both.
+//! it, not to every worker. Two gates keep it to prefixes that queue behind themselves. More of
+//! its requests must be in flight than it has holders (`s` times this gateway's in flight, from
+//! the pool's sample; so it also stops at that many holders): a conversation is one request at a time however large its share of a
+//! small stream, and at light load no prefix waits behind its own requests. And its holders must
+//! have more requests in flight than the pool's mean: where they do not, its requests wait no
+//! longer there, and moving them would only pay a copy (a conversation two replicas send to its
+//! home would lose it). The second gate finds the holders' workers by a one-bit filter over the
+//! pool, only for a decision on a popular prefix.
 //!
 //! Outcomes: `longest_match` (the chosen worker holds the longest known prefix), `hash_home` (no
 //! worker holds any of it; the home took it), `replicated` (someone holds it, the chosen worker
@@ -244,8 +250,15 @@ impl CacheAware {
             return self.least_work(workers, req).map(|s| (s, false));
         };
         let bpt = self.bytes_per_token();
-        let known = Known::survey(&self.params, &self.index, workers, req, last, bpt);
         let sample = PoolSample::new(workers);
+        let known = Known::survey(
+            &self.params,
+            &self.index,
+            (workers, &sample),
+            req,
+            last,
+            bpt,
+        );
         let alone = self.alone(&known, &sample);
         let pass = self.pass(workers, req, &known, &sample, alone);
         let held_by = |index: usize, w: &Worker, depth: usize| known.held_by(req, index, w, depth);

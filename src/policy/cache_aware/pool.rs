@@ -10,6 +10,8 @@ use crate::workers::Worker;
 /// (`local`) and in all by the last poll (`queued`, other replicas' included).
 #[derive(Clone, Copy, Default)]
 pub(super) struct PoolLoad {
+    /// Workers looked at, usable or not.
+    pub(super) seen: usize,
     pub(super) usable: usize,
     pub(super) local: usize,
     pub(super) queued: usize,
@@ -17,16 +19,19 @@ pub(super) struct PoolLoad {
 
 impl PoolLoad {
     pub(super) fn of<'a>(workers: impl Iterator<Item = &'a Arc<Worker>>) -> Self {
-        workers
-            .filter(|w| w.is_usable())
-            .fold(Self::default(), |sum, w| {
-                let local = w.inflight();
-                Self {
-                    usable: sum.usable + 1,
-                    local: sum.local + local,
-                    queued: sum.queued + w.load.queued(local),
-                }
-            })
+        workers.fold(Self::default(), |sum, w| {
+            let seen = sum.seen + 1;
+            if !w.is_usable() {
+                return Self { seen, ..sum };
+            }
+            let local = w.inflight();
+            Self {
+                seen,
+                usable: sum.usable + 1,
+                local: sum.local + local,
+                queued: sum.queued + w.load.queued(local),
+            }
+        })
     }
 
     /// At most [`SAMPLED`] of `workers`, evenly spread (all of them in a pool of up to that
@@ -46,6 +51,15 @@ impl PoolLoad {
             0.0
         } else {
             self.queued as f64 / self.usable as f64
+        }
+    }
+
+    /// This gateway's requests in flight over a pool of `n` workers, from the sample's.
+    pub(super) fn local_in(self, n: usize) -> f64 {
+        if self.seen == 0 {
+            0.0
+        } else {
+            self.local as f64 * n as f64 / self.seen as f64
         }
     }
 

@@ -36,7 +36,8 @@ fn a_hot_prefix_is_copied_when_its_holder_is_busy() {
 #[test]
 fn with_a_load_bound_a_worker_without_the_shared_prefix_is_not_left_idle() {
     // Three workers hold a shared 512-token prefix and have 10 requests each; the fourth
-    // holds nothing and has none. By cost alone, waiting behind 10 requests (160 tokens at 16
+    // holds nothing and has none. By cost alone (without spreading a popular prefix, which
+    // this prefix, all of the index's traffic, would be; see the tests at the end), waiting behind 10 requests (160 tokens at 16
     // each) is cheaper than copying the prefix (512 tokens): it stays with a holder. The bound
     // (1.25 × 31 / 4, rounded up: 10) passes over the three and sends it to the fourth.
     let ws = test_workers(4);
@@ -46,6 +47,7 @@ fn with_a_load_bound_a_worker_without_the_shared_prefix_is_not_left_idle() {
             load_bound: bound,
             request_cost_tokens: 16.0,
             amortize_hot_copies: false,
+            spread_share: 0.0, // the prefix is all of this fresh index's traffic
             ..unit().params
         });
         for w in &ws[..3] {
@@ -70,6 +72,7 @@ fn with_a_load_bound_a_worker_without_the_shared_prefix_is_not_left_idle() {
         load_bound: 1.25,
         request_cost_tokens: 16.0,
         amortize_hot_copies: false,
+        spread_share: 0.0,
         ..unit().params
     });
     for w in &ws[..3] {
@@ -90,10 +93,11 @@ fn a_copy_of_a_hot_prefix_is_shared_by_the_requests_an_idle_worker_will_take() {
     // has `idle` and holds `part` blocks of it. Each queued request costs 16 tokens.
     let ws = test_workers(4);
     let shared = convo(0, 8, 0);
-    let run = |amortize: bool, busy: usize, idle: usize, part: usize| {
+    let run_spreading = |spread_share: f64, amortize: bool, busy: usize, idle, part| {
         let p = CacheAware::new(CacheAwareParams {
             request_cost_tokens: 16.0,
             amortize_hot_copies: amortize,
+            spread_share,
             ..unit().params
         });
         for w in &ws[..3] {
@@ -111,6 +115,9 @@ fn a_copy_of_a_hot_prefix_is_shared_by_the_requests_an_idle_worker_will_take() {
         drop(held);
         s
     };
+    // The idle credit alone: the prefix here is all of the index's traffic, which spreading
+    // a popular prefix would copy anyway (checked last).
+    let run = |amortize, busy, idle, part| run_spreading(0.0, amortize, busy, idle, part);
     // Priced in full, the copy (512 tokens) costs more than waiting behind 12 (192 tokens):
     // the idle worker would stay idle.
     let full = run(false, 12, 0, 0);
@@ -131,6 +138,14 @@ fn a_copy_of_a_hot_prefix_is_shared_by_the_requests_an_idle_worker_will_take() {
     // conversation does not scatter to workers that hold only its start.
     let partial = run(true, 12, 0, 2);
     assert!(partial.index < 3, "{partial:?}");
+    // Spreading popular prefixes (the default): a prefix that is every request, with 36 in
+    // flight on three holders busier than the pool's mean, is presumed on the fourth worker
+    // too, busy or not, and goes there as a copy.
+    let spread = CacheAwareParams::default().spread_share;
+    for idle in [0, 2] {
+        let s = run_spreading(spread, true, 12, idle, 0);
+        assert_eq!((s.index, s.outcome), (3, Outcome::Replicated), "{idle}");
+    }
     // A prefix only one worker holds and that no recent request went through is not hot:
     // its holder keeps it until its queue costs more than a copy, however idle the others.
     let p = CacheAware::new(CacheAwareParams {
@@ -316,9 +331,14 @@ fn past_a_prefix_on_a_full_holder_list_a_conversation_follows_its_own_blocks() {
 }
 
 /// Routes `rounds` passes over `prefixes` prefixes (6 blocks each, then a block of the request's
-/// own), each request held in flight, its prefill pending, for the next 12 decisions (about 3 a
-/// worker): the workers each prefix went to, and how many decisions were copies.
-fn spread_over(spread_share: f64, prefixes: u64, rounds: u64) -> (Vec<usize>, usize) {
+/// own), each request held in flight, its prefill pending, for the next `inflight` decisions:
+/// the workers each prefix went to, and how many decisions were copies.
+fn spread_over(
+    spread_share: f64,
+    prefixes: u64,
+    rounds: u64,
+    inflight: usize,
+) -> (Vec<usize>, usize) {
     let ws = test_workers(4);
     let p = CacheAware::new(CacheAwareParams {
         spread_share,
@@ -344,7 +364,7 @@ fn spread_over(spread_share: f64, prefixes: u64, rounds: u64) -> (Vec<usize>, us
             assert_eq!(cached, Some(0), "a copy is not predicted cached");
         }
         held.push_back(hold(&ws[s.index], 64, 448));
-        if held.len() > 12 {
+        if held.len() > inflight {
             held.pop_front();
         }
     }
@@ -353,15 +373,63 @@ fn spread_over(spread_share: f64, prefixes: u64, rounds: u64) -> (Vec<usize>, us
 
 #[test]
 fn a_popular_prefix_spreads_over_every_worker_and_a_rare_one_stays_on_its_first() {
-    // Eight prefixes of one request in eight each: a holder would take half a worker's load
-    // from one alone, so each spreads to all four workers, once per worker.
-    let (workers, copies) = spread_over(0.125, 8, 50);
+    // Eight prefixes of one request in eight each, 32 requests in flight (8 a worker, 4 of
+    // each prefix): a holder would take half a worker's load from one prefix alone, so each
+    // spreads to all four workers, once per worker.
+    let (workers, copies) = spread_over(0.125, 8, 50, 32);
     assert_eq!(workers, vec![4; 8], "every prefix on every worker");
     assert_eq!(copies, 8 * 3, "three copies a prefix, each paid once");
-    // Without the flag a copy's prefill outweighs any queue here: each keeps its first worker.
-    let (workers, copies) = spread_over(0.0, 8, 50);
+    // Without the flag a copy is priced against one request's wait: at 8 a worker some
+    // prefixes get a second worker, none more; at 3 a worker each keeps its first.
+    let (workers, _) = spread_over(0.0, 8, 50, 32);
+    assert!(workers.iter().all(|&w| w <= 2), "{workers:?}");
+    let (workers, copies) = spread_over(0.0, 8, 50, 12);
     assert_eq!((workers, copies), (vec![1; 8], 0));
     // 200 prefixes, one request in 200 each: none is copied.
-    let (workers, copies) = spread_over(0.125, 200, 3);
+    let (workers, copies) = spread_over(0.125, 200, 3, 32);
     assert_eq!((workers.iter().max(), copies), (Some(&1), 0));
+}
+
+#[test]
+fn a_prefix_spreads_only_as_far_as_its_requests_overlap() {
+    // The same eight prefixes with 12 requests in flight: one and a half of each prefix at a
+    // time, for which two holders are enough. Every prefix gets a second worker, none a third.
+    let (workers, copies) = spread_over(0.125, 8, 50, 12);
+    assert_eq!(workers, vec![2; 8]);
+    assert_eq!(copies, 8);
+    // With 4 in flight (one request a worker), no prefix has two of its requests in flight at
+    // once, and none is copied: at light load a prefix never queues behind itself.
+    let (workers, copies) = spread_over(0.125, 8, 50, 4);
+    assert_eq!((workers, copies), (vec![1; 8], 0));
+}
+
+/// A conversation is one request at a time: however much of a small stream it is, its turns
+/// never queue behind each other, so spreading leaves it where its history is. Each of four
+/// conversations, alone in the index, sends its turns one after another, each turn's request
+/// still in flight while the next three conversations' arrive (a mean of one per worker).
+#[test]
+fn a_conversation_that_is_most_of_the_traffic_is_not_spread() {
+    let ws = test_workers(4);
+    let p = CacheAware::new(CacheAwareParams {
+        spread_share: 0.125,
+        ..CacheAwareParams::default()
+    });
+    let homes: Vec<usize> = (20..24)
+        .map(|c| pick(&p, &ws, &convo(c, 0, 4)).index)
+        .collect();
+    let mut held = std::collections::VecDeque::new();
+    for turn in 5..12 {
+        for (c, &home) in (20..24).zip(&homes) {
+            let s = pick(&p, &ws, &convo(c, 0, turn));
+            assert_eq!(
+                (s.index, s.outcome),
+                (home, Outcome::LongestMatch),
+                "conversation {c}, turn {turn}"
+            );
+            held.push_back(hold(&ws[s.index], 64, 1300));
+            if held.len() > 4 {
+                held.pop_front();
+            }
+        }
+    }
 }

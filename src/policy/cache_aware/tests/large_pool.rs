@@ -81,7 +81,12 @@ fn in_a_large_pool_a_lone_idle_worker_is_found_once_per_turn_of_the_sample() {
 fn in_a_large_pool_every_holder_is_priced_however_many_workers_share_their_bits() {
     for n in [1024, 4096] {
         let ws = test_workers(n);
-        let p = unit();
+        // Not spreading: the prefix, all of this fresh index's traffic on seven holders with
+        // 30 in flight each, would be presumed on every worker, and this is about the holders.
+        let p = CacheAware::new(CacheAwareParams {
+            spread_share: 0.0,
+            ..unit().params
+        });
         let r = convo(3, 0, 8);
         let holders: Vec<usize> = (0..7).map(|k| (k * 577 + 13) % n).collect();
         for &h in &holders {
