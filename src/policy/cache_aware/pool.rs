@@ -74,8 +74,9 @@ impl PoolLoad {
     }
 }
 
-/// The pool's load for one decision, sampled when first asked: the idle credit needs its mean,
-/// and the home's credit other replicas' share of it; most decisions need neither.
+/// The pool's load for one decision, sampled when first asked: `spread_share` needs this
+/// gateway's requests in flight and the mean (so with it on, every keyed decision asks), the
+/// idle credit the mean, and the home's credit other replicas' share of it.
 pub(super) struct PoolSample<'a> {
     workers: &'a [Arc<Worker>],
     load: OnceCell<PoolLoad>,
