@@ -187,21 +187,28 @@ impl Known {
 
 /// The workers the index lists as holding the popular blocks of `matches` have more requests in
 /// flight, on average, than the pool's `mean`. Looked up by a one-bit filter on each worker's id
-/// first: only decisions on a popular prefix come here, and a pool's holders are at most
-/// [`crate::index::HOLDERS`].
+/// first, and no further than the last holder: only decisions on a popular prefix come here,
+/// and a pool's holders are at most [`crate::index::HOLDERS`].
 fn holders_busier(workers: &[Arc<Worker>], matches: &Matches, mean: f64) -> bool {
-    let mask = matches
+    let (listed, mask) = matches
         .depths
         .iter()
         .filter(|&&(_, d)| d >= matches.popular)
-        .fold(0u64, |m, &(id, _)| m | 1 << (id & 63));
-    let (count, queued) = workers
-        .iter()
-        .filter(|w| mask & 1 << (w.id_hash & 63) != 0 && w.is_usable())
-        .filter(|w| matches.depth_of(w.id_hash) >= matches.popular)
-        .fold((0usize, 0usize), |(c, q), w| {
-            (c + 1, q + w.load.queued(w.inflight()))
-        });
+        .fold((0, 0u64), |(n, m), &(id, _)| (n + 1, m | 1 << (id & 63)));
+    let (mut found, mut count, mut queued) = (0, 0usize, 0usize);
+    for w in workers {
+        if mask & 1 << (w.id_hash & 63) == 0 || matches.depth_of(w.id_hash) < matches.popular {
+            continue;
+        }
+        found += 1;
+        if w.is_usable() {
+            count += 1;
+            queued += w.load.queued(w.inflight());
+        }
+        if found == listed {
+            break;
+        }
+    }
     count > 0 && queued as f64 > mean * count as f64
 }
 

@@ -112,8 +112,8 @@
 //!
 //! Cost: one index walk and one index write per request (one mutex each), plus pricing the
 //! workers from relaxed atomics, and with `spread_share` a sample of the pool's load and, for a
-//! popular prefix, a pass over the pool to find its holders' loads (3.60 against 2.41 us a
-//! decision at 1,024 workers with it on and off, criterion). A pool of up to [`PRICE_ALL_UP_TO`] workers is priced whole. A
+//! popular prefix, a pass over the pool, up to its last holder, to find their loads (3.33
+//! against 2.77 us a decision at 1,024 workers with it on and off, criterion). A pool of up to [`PRICE_ALL_UP_TO`] workers is priced whole. A
 //! larger one is priced on a sample: the workers the index lists as holding more of the prompt
 //! than everyone, the home (found by one light pass of a hash and a compare per worker), and
 //! [`SAMPLED`] others evenly spread from an offset that rotates with each decision. So a
