@@ -37,9 +37,10 @@ fn a_hot_prefix_is_copied_when_its_holder_is_busy() {
 fn with_a_load_bound_a_worker_without_the_shared_prefix_is_not_left_idle() {
     // Three workers hold a shared 512-token prefix and have 10 requests each; the fourth
     // holds nothing and has none. By cost alone (without spreading a popular prefix, which
-    // this prefix, all of the index's traffic, would be; see the tests at the end), waiting behind 10 requests (160 tokens at 16
-    // each) is cheaper than copying the prefix (512 tokens): it stays with a holder. The bound
-    // (1.25 × 31 / 4, rounded up: 10) passes over the three and sends it to the fourth.
+    // this prefix, all of the index's traffic, would be; see the tests at the end), waiting
+    // behind 10 requests (160 tokens at 16 each) is cheaper than copying the prefix (512
+    // tokens): it stays with a holder. The bound (1.25 × 31 / 4, rounded up: 10) passes over
+    // the three and sends it to the fourth.
     let ws = test_workers(4);
     let shared = convo(0, 8, 0);
     let run = |bound: f64| {
@@ -383,6 +384,7 @@ fn a_popular_prefix_spreads_over_every_worker_and_a_rare_one_stays_on_its_first(
     // prefixes get a second worker, none more; at 3 a worker each keeps its first.
     let (workers, _) = spread_over(0.0, 8, 50, 32);
     assert!(workers.iter().all(|&w| w <= 2), "{workers:?}");
+    assert!(workers.contains(&2), "{workers:?}");
     let (workers, copies) = spread_over(0.0, 8, 50, 12);
     assert_eq!((workers, copies), (vec![1; 8], 0));
     // 200 prefixes, one request in 200 each: none is copied.
