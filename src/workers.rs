@@ -38,6 +38,9 @@ pub struct Worker {
     out: AtomicU8,
     /// Queue and cache signals beyond the in-flight count.
     pub load: crate::load::Load,
+    /// What its KV cache holds and has written, to presume what it has evicted (read once a
+    /// decision, for the chosen worker: outside the first cache line).
+    pub kv: crate::load::KvClock,
     pub name: String,
     pub scheme: Scheme,
     pub authority: Authority,
@@ -146,6 +149,7 @@ impl Worker {
             ejected_until_ms: AtomicU64::new(0),
             born: Instant::now(),
             load: crate::load::Load::default(),
+            kv: crate::load::KvClock::default(),
             freed,
             series: Default::default(),
         })

@@ -302,3 +302,116 @@ async fn debug_route_tells_where_a_request_would_go_without_routing_it() {
     assert_eq!(r.status, 501, "{}", String::from_utf8_lossy(&r.body));
     assert_eq!(r.json()["error"]["code"], 501);
 }
+
+/// A simulated worker whose KV cache holds `blocks` blocks of 16 tokens.
+async fn small_cache_sim(blocks: usize) -> Sim {
+    let defaults = SimConfig::default();
+    let mut engine = (sim::presets::find(&defaults.preset).unwrap().params)();
+    engine.num_gpu_blocks = blocks * engine.block_size / 16;
+    engine.block_size = 16;
+    engine.max_model_len = blocks * 16;
+    let cfg = SimConfig {
+        workers: 1,
+        port: 0,
+        time_scale: 20.0,
+        engine: Some(engine),
+        ..defaults
+    };
+    let cancel = CancellationToken::new();
+    let mut tasks = JoinSet::new();
+    let addrs = sim::spawn(&cfg, cfg.bind().await.unwrap(), &cancel, &mut tasks)
+        .await
+        .unwrap();
+    Sim {
+        urls: addrs.iter().map(|a| format!("http://{a}")).collect(),
+        cancel,
+        _tasks: tasks,
+    }
+}
+
+/// A prompt of about `tokens` tokens that shares nothing with prompt `other` of another seed.
+fn long_prompt(seed: usize, tokens: usize) -> Vec<u8> {
+    let text: String = (0..tokens).map(|i| format!("w{seed}x{i} ")).collect();
+    json!({"model": "mistralai/Mistral-7B-Instruct-v0.3", "prompt": text, "max_tokens": 2})
+        .to_string()
+        .into_bytes()
+}
+
+/// What the gateway predicts it would find cached of `body`, and what the worker then reports.
+async fn predicted_then_reported(addr: SocketAddr, body: &[u8]) -> (u64, u64) {
+    let r = request(addr, "POST", "/debug/route/v1/completions", body).await;
+    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+    let predicted = r.json()["predicted_cached_tokens"].as_u64().unwrap();
+    let r = request(addr, "POST", "/v1/completions", body).await;
+    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+    let reported = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
+    (predicted, reported)
+}
+
+/// With `evict_by_capacity` (the default), a prompt the worker has since evicted (more than its
+/// KV cache's worth of other prompts went there after it) is no longer predicted as cached;
+/// what it still holds is. Without it, the index predicts the evicted prompt in full: the
+/// over-prediction an index blind to evictions makes once caches overflow.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prompt_the_worker_has_evicted_is_not_predicted_as_cached() {
+    for evict in [true, false] {
+        // 4,096 tokens of KV; each prompt about 1,500 tokens.
+        let pool = small_cache_sim(256).await;
+        let mut cfg = config(&pool);
+        cfg.load_signals.interval_seconds = 0.02;
+        if let kvroute::config::PolicyConfig::CacheAware(p) = &mut cfg.policy {
+            p.evict_by_capacity = evict;
+        }
+        let state = kvroute::routes::AppState::new(cfg).unwrap();
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let stop = CancellationToken::new();
+        let worker = state.upstreams.pool.snapshot()[0].clone();
+        let task = tokio::spawn(kvroute::server::serve_state(
+            listener,
+            state,
+            Duration::from_secs(1),
+            stop.clone(),
+        ));
+        // Once polled, the gateway knows the worker's KV capacity.
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        while worker.kv.capacity().is_none() {
+            assert!(tokio::time::Instant::now() < deadline, "never polled");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert_eq!(worker.kv.capacity(), Some(4096));
+        let first = long_prompt(0, 1500);
+        let (_, reported) = predicted_then_reported(addr, &first).await;
+        assert_eq!(reported, 0);
+        // Held: both sides agree it is cached.
+        let (predicted, reported) = predicted_then_reported(addr, &first).await;
+        assert!(
+            predicted > 1000 && reported > 1000,
+            "{predicted} {reported}"
+        );
+        // Four other prompts, 6,000 tokens: more than the cache holds.
+        for seed in 1..=4 {
+            predicted_then_reported(addr, &long_prompt(seed, 1500)).await;
+        }
+        let (predicted, reported) = predicted_then_reported(addr, &first).await;
+        assert!(reported < 100, "the worker evicted it: {reported}");
+        if evict {
+            assert!(
+                predicted < 100,
+                "predicted {predicted}, reported {reported}"
+            );
+            // The last prompt is still there, and still predicted.
+            let (predicted, reported) = predicted_then_reported(addr, &long_prompt(4, 1500)).await;
+            assert!(
+                predicted > 1000 && reported > 1000,
+                "{predicted} {reported}"
+            );
+        } else {
+            assert!(predicted > 1000, "blind to evictions: {predicted}");
+        }
+        stop.cancel();
+        task.await.unwrap().unwrap();
+    }
+}

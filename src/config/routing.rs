@@ -221,6 +221,15 @@ pub struct CacheAwareParams {
     /// stays on its first; with 1,024 workers, a prefix of 1 request in 4,096 reaches two. 0
     /// turns it off.
     pub spread_share: f64,
+    /// Presume a worker has evicted what it was sent once a KV cache's worth of tokens has been
+    /// written there since: its capacity from `vllm:cache_config_info` (`num_gpu_blocks` ×
+    /// `block_size`), its writes from its counters (prompt tokens less prefix-cache hits, plus
+    /// generated tokens; every replica's traffic) and the uncached tokens this gateway has sent
+    /// since the last poll. vLLM takes the least recently used free block for each new one, so
+    /// an index that kept everything it sent would predict hits on prompts long gone once the
+    /// workers' caches overflow (long prompts, many of them). Acts only once a poll has shown a
+    /// worker's capacity, and never with KV events (which report evictions).
+    pub evict_by_capacity: bool,
 }
 
 impl Default for CacheAwareParams {
@@ -240,6 +249,7 @@ impl Default for CacheAwareParams {
             shared_home: true,
             hot_pending_weight: 3.0,
             spread_share: 0.125,
+            evict_by_capacity: true,
         }
     }
 }

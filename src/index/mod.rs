@@ -13,11 +13,20 @@
 //! O(1) per block with no per-entry list. The memory this takes is reported from the maps'
 //! allocated capacity, and `capacity` is chosen from the byte cap so that it stays below it.
 //!
+//! Evictions on the workers: once a worker's KV capacity is known (polled), each write to it
+//! carries the worker's clock of tokens written into its cache ([`crate::load::KvClock`]), and
+//! the index keeps, per worker, marks of which insert happened at which clock. A block a worker
+//! was last sent at least a cache's worth of tokens ago is presumed evicted there (vLLM takes the
+//! least recently used free block for each new one) and no longer counts as held by it. Marks
+//! are kept at most every 1/[`MARKS`] of the capacity, so a block may outlive its presumed
+//! eviction by that much. A worker whose clock falls by more than its capacity restarted: all it
+//! was sent before is gone.
+//!
 //! One mutex guards both generations: a routing decision takes it once to walk and once to write,
 //! each a few hundred nanoseconds for a typical chat prompt.
 
 use std::{
-    collections::HashMap,
+    collections::{HashMap, VecDeque},
     hash::{BuildHasherDefault, Hasher},
     mem::size_of,
 };
@@ -119,6 +128,59 @@ impl Hasher for Identity {
 
 type Map = HashMap<u64, Holders, BuildHasherDefault<Identity>>;
 
+/// Marks kept per worker over one KV capacity: how finely evictions are dated.
+pub const MARKS: u64 = 64;
+
+/// Bytes one worker's clock takes at most: its marks, allocated once, and two map slots (a map
+/// may allocate up to twice the slots it holds).
+const CLOCK_BYTES: usize = (MARKS as usize + 2) * size_of::<(u32, u64)>()
+    + 2 * (size_of::<WorkerId>() + size_of::<Clock>() + 1);
+
+/// One worker's KV clock as the index saw it: which insert happened at which clock.
+#[derive(Debug, Default)]
+struct Clock {
+    /// `(tick, tokens written)` at inserts, oldest first, at least a [`MARKS`]th of the capacity
+    /// apart, spanning at most one capacity.
+    marks: VecDeque<(u32, u64)>,
+    /// Inserts to this worker up to this tick are presumed evicted.
+    evicted_through: Option<u32>,
+}
+
+impl Clock {
+    /// An insert at `tick` with the worker's clock at `now` and its cache holding `capacity`.
+    fn advance(&mut self, tick: u32, now: u64, capacity: u64) {
+        if let Some(&(_, last)) = self.marks.back() {
+            if now.saturating_add(capacity) < last {
+                // Its counters fell by more than its cache: it restarted, empty.
+                self.marks.clear();
+                self.evicted_through = Some(tick.wrapping_sub(1));
+            }
+        }
+        while let Some(&(t, at)) = self.marks.front() {
+            if now.saturating_sub(at) < capacity {
+                break;
+            }
+            self.evicted_through = Some(t);
+            self.marks.pop_front();
+        }
+        // Skipping a mark dates the inserts since the last one later: they are presumed evicted
+        // a little late, never early. The marks stay within their first allocation.
+        let step = (capacity / MARKS).max(1);
+        match self.marks.back() {
+            Some(&(_, at)) if now < at.saturating_add(step) => {}
+            _ if self.marks.len() >= MARKS as usize + 2 => {}
+            _ => {
+                if self.marks.capacity() == 0 {
+                    self.marks.reserve_exact(MARKS as usize + 2);
+                }
+                self.marks.push_back((tick, now));
+            }
+        }
+    }
+}
+
+type Clocks = HashMap<WorkerId, Clock, BuildHasherDefault<Identity>>;
+
 /// Bytes one slot of a map takes: key, value and hashbrown's control byte.
 const SLOT_BYTES: usize = size_of::<u64>() + size_of::<Holders>() + 1;
 
@@ -127,6 +189,28 @@ struct Generations {
     old: Map,
     tick: u32,
     evictions: u64,
+    clocks: Clocks,
+}
+
+impl Generations {
+    /// Whether `id`, listed on a block at `tick`, is presumed to hold it still; `seen` caches the
+    /// workers' clocks looked up during one walk.
+    fn holds(&self, seen: &mut Vec<(WorkerId, Option<u32>)>, id: WorkerId, tick: u32) -> bool {
+        if self.clocks.is_empty() {
+            return true;
+        }
+        let evicted = match seen.iter().find(|&&(w, _)| w == id) {
+            Some(&(_, e)) => e,
+            None => {
+                let e = self.clocks.get(&id).and_then(|c| c.evicted_through);
+                if seen.len() < 32 {
+                    seen.push((id, e));
+                }
+                e
+            }
+        };
+        evicted.is_none_or(|e| (tick.wrapping_sub(e) as i32) > 0)
+    }
 }
 
 /// How deep each worker's known prefix of one request goes.
@@ -172,6 +256,9 @@ pub struct PrefixIndex {
     inner: Mutex<Generations>,
     /// Blocks kept at most, over both generations.
     capacity: usize,
+    /// Workers' KV clocks kept at most (a sixteenth of the cap); past this many (a pool that
+    /// churned through pods), all are dropped and relearnt from the next writes.
+    clocks_max: usize,
     max_bytes: usize,
 }
 
@@ -188,15 +275,19 @@ impl PrefixIndex {
     pub fn with_max_bytes(max_bytes: usize) -> Self {
         // A map may allocate up to twice the slots it holds (power-of-two growth, 7/8 load):
         // four slots of allowance per block keeps both generations under the cap.
-        let capacity = (max_bytes / (4 * SLOT_BYTES)).max(2);
+        // The workers' KV clocks have a sixteenth of the cap; the blocks the rest.
+        let clocks_max = max_bytes / 16 / CLOCK_BYTES;
+        let capacity = ((max_bytes - clocks_max * CLOCK_BYTES) / (4 * SLOT_BYTES)).max(2);
         Self {
             inner: Mutex::new(Generations {
                 young: Map::default(),
                 old: Map::default(),
                 tick: 0,
                 evictions: 0,
+                clocks: Clocks::default(),
             }),
             capacity,
+            clocks_max,
             max_bytes,
         }
     }
@@ -235,12 +326,19 @@ impl PrefixIndex {
         // a match that stopped at or after it may resume.
         let mut full_since = 0;
         let mut everyone = 0;
+        let mut clocks = Vec::new();
         for (i, h) in hashes.iter().enumerate() {
             let Some(entry) = g.young.get(h).or_else(|| g.old.get(h)) else {
                 break;
             };
             let mut extended = false;
-            for &id in entry.ids() {
+            // Holders presumed to hold it still (see the module's doc on evictions).
+            let mut live = 0u8;
+            for (&id, &touched) in entry.ids().iter().zip(&entry.touched) {
+                if !g.holds(&mut clocks, id, touched) {
+                    continue;
+                }
+                live += 1;
                 match depths.iter_mut().find(|(w, _)| *w == id) {
                     Some((_, d)) if *d == i || *d >= full_since => {
                         *d = i + 1;
@@ -254,16 +352,19 @@ impl PrefixIndex {
                     None => {}
                 }
             }
+            if live == 0 {
+                break;
+            }
             if recent == i && window > 0 && g.tick.wrapping_sub(entry.last()) < window {
                 recent = i + 1;
             }
             if popular == i && spread > 0.0 && entry.gap > 0.0 {
                 let since = g.tick.wrapping_sub(entry.last()) as f32;
-                if f32::from(entry.len) * entry.gap < spread && since <= 4.0 * entry.gap {
+                if f32::from(live) * entry.gap < spread && since <= 4.0 * entry.gap {
                     popular = i + 1;
                 }
             }
-            let full = entry.ids().len() >= HOLDERS;
+            let full = usize::from(live) >= HOLDERS;
             if full && everyone == i {
                 everyone = i + 1;
             }
@@ -284,9 +385,25 @@ impl PrefixIndex {
 
     /// Records that `worker` was sent a prompt through all of `hashes`.
     pub fn insert(&self, hashes: &[u64], worker: WorkerId) {
+        self.insert_at(hashes, worker, None);
+    }
+
+    /// [`Self::insert`], with the worker's KV clock after this prompt and its KV capacity in
+    /// tokens, when known ([`crate::load::KvClock::stamp`]): what it was sent a capacity's worth
+    /// of tokens before is presumed evicted from then on.
+    pub fn insert_at(&self, hashes: &[u64], worker: WorkerId, kv: Option<(u64, u64)>) {
         let mut g = self.lock();
         g.tick = g.tick.wrapping_add(1);
         let tick = g.tick;
+        if let Some((now, capacity)) = kv.filter(|_| self.clocks_max > 0) {
+            if g.clocks.len() >= self.clocks_max && !g.clocks.contains_key(&worker) {
+                g.clocks = Clocks::default();
+            }
+            g.clocks
+                .entry(worker)
+                .or_default()
+                .advance(tick, now, capacity);
+        }
         for &h in hashes {
             let g = &mut *g;
             match g.young.get_mut(&h) {
@@ -325,7 +442,10 @@ impl PrefixIndex {
         let g = self.lock();
         IndexStats {
             blocks: g.young.len() + g.old.len(),
-            bytes: (g.young.capacity() + g.old.capacity()) * SLOT_BYTES,
+            bytes: (g.young.capacity() + g.old.capacity()) * SLOT_BYTES
+                + g.clocks.capacity() * (size_of::<WorkerId>() + size_of::<Clock>() + 1)
+                + g.clocks.values().map(|c| c.marks.capacity()).sum::<usize>()
+                    * size_of::<(u32, u64)>(),
             evictions: g.evictions,
         }
     }
@@ -491,13 +611,87 @@ mod tests {
         assert!(s.blocks <= 64 && s.evictions > 900, "{s:?}");
     }
 
+    #[test]
+    fn what_a_worker_was_sent_a_kv_cache_ago_is_presumed_evicted_there() {
+        let idx = PrefixIndex::with_max_bytes(1 << 20);
+        // Worker 10 holds 1,000 tokens of cache; prompts of 300 new tokens each.
+        let kv = |now: u64| Some((now, 1000));
+        idx.insert_at(&[1, 2], 10, kv(300));
+        idx.insert_at(&[1, 2], 20, kv(300)); // another worker, its own clock
+        idx.insert_at(&[3], 10, kv(600));
+        idx.insert_at(&[4], 10, kv(900));
+        assert_eq!(
+            idx.matches(&[1, 2], 1, 0.0).depth_of(10),
+            2,
+            "within its cache"
+        );
+        idx.insert_at(&[5], 10, kv(1300));
+        let m = idx.matches(&[1, 2], 1, 0.0);
+        assert_eq!(m.depth_of(10), 0, "1,000 tokens written since");
+        assert_eq!(m.depth_of(20), 2, "the other worker's clock did not move");
+        assert_eq!(idx.matches(&[3], 1, 0.0).depth_of(10), 1);
+        // Sent again, it is fresh again.
+        idx.insert_at(&[1, 2], 10, kv(1400));
+        assert_eq!(idx.matches(&[1, 2], 1, 0.0).depth_of(10), 2);
+        // Nobody holds block 3 any more: the walk ends there for everyone.
+        idx.insert_at(&[6], 10, kv(1700));
+        assert_eq!(idx.matches(&[3], 1, 0.0).depths, []);
+        // A worker whose clock fell by more than its cache restarted: all of it is gone.
+        idx.insert_at(&[7], 10, kv(50));
+        assert_eq!(idx.matches(&[1, 2], 1, 0.0).depth_of(10), 0);
+        assert_eq!(idx.matches(&[7], 1, 0.0).depth_of(10), 1);
+        // Without a clock (no capacity known), nothing is presumed evicted.
+        idx.insert(&[8], 30);
+        for k in 0..100 {
+            idx.insert(&[1000 + k], 30);
+        }
+        assert_eq!(idx.matches(&[8], 1, 0.0).depth_of(30), 1);
+    }
+
+    #[test]
+    fn an_evicted_holder_does_not_fill_a_blocks_list() {
+        let idx = PrefixIndex::with_max_bytes(1 << 20);
+        for w in 0..HOLDERS as u64 {
+            idx.insert_at(&[1], w, Some((100, 1000)));
+        }
+        assert_eq!(
+            idx.matches(&[1], 0, 0.0).everyone,
+            1,
+            "every listed worker holds it"
+        );
+        idx.insert_at(&[2], 0, Some((1100, 1000)));
+        let m = idx.matches(&[1], 0, 0.0);
+        assert_eq!((m.everyone, m.depths.len()), (0, HOLDERS - 1));
+    }
+
+    #[test]
+    fn a_workers_marks_stay_within_their_count_and_date_evictions_late_not_early() {
+        let idx = PrefixIndex::with_max_bytes(1 << 20);
+        // Many small prompts: marks are kept a 64th of the capacity apart at most.
+        for k in 0..10_000u64 {
+            idx.insert_at(&[k], 10, Some((k * 3, 6400)));
+        }
+        {
+            let g = idx.lock();
+            let marks = &g.clocks[&10].marks;
+            assert!(marks.len() <= MARKS as usize + 2, "{}", marks.len());
+        }
+        // The clock is at 29,997: block 9,000 (written at 27,000) is within the cache, block
+        // 7,000 (21,000) is not.
+        assert_eq!(idx.matches(&[9_000], 1, 0.0).depth_of(10), 1);
+        assert_eq!(idx.matches(&[7_000], 1, 0.0).depth_of(10), 0);
+        let s = idx.stats();
+        assert!(s.bytes <= idx.max_bytes(), "{s:?}");
+    }
+
     proptest! {
         #[test]
         fn never_exceeds_its_byte_cap(cap_kib in 4usize..256, writes in proptest::collection::vec((any::<u64>(), 0u64..16, 1usize..40), 1..300)) {
             let idx = PrefixIndex::with_max_bytes(cap_kib * 1024);
-            for (start, worker, len) in writes {
+            for (k, (start, worker, len)) in writes.into_iter().enumerate() {
                 let chain: Vec<u64> = (0..len as u64).map(|i| start.wrapping_add(i)).collect();
-                idx.insert(&chain, worker);
+                // Workers' KV clocks count against the cap too.
+                idx.insert_at(&chain, worker, Some((k as u64 * 7, 1000)));
                 let s = idx.stats();
                 prop_assert!(s.bytes <= idx.max_bytes(), "{s:?} > {}", idx.max_bytes());
             }

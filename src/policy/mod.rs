@@ -101,6 +101,8 @@ pub struct Usage {
     /// `prompt_tokens_details.cached_tokens`, when the worker reports it (vLLM needs
     /// `--enable-prompt-tokens-details`).
     pub cached_tokens: Option<u64>,
+    /// `completion_tokens`, when the answer has it.
+    pub completion_tokens: Option<u64>,
 }
 
 /// How a routed request ended, as far as the gateway saw.

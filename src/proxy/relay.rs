@@ -208,7 +208,8 @@ impl Drop for Tracker {
 }
 
 /// The `usage` token counts in an answer's bytes (a JSON body, or an SSE event with usage), if
-/// this frame has them: `"prompt_tokens": N` and, if present, `"cached_tokens": N`.
+/// this frame has them: `"prompt_tokens": N` and, if present, `"cached_tokens": N` and
+/// `"completion_tokens": N`.
 pub(super) fn find_usage(data: &[u8]) -> Option<Usage> {
     // Built once: every frame of every answer is searched, and building a searcher costs more
     // than running it over a small frame.
@@ -216,10 +217,13 @@ pub(super) fn find_usage(data: &[u8]) -> Option<Usage> {
         LazyLock::new(|| memmem::Finder::new(b"\"prompt_tokens\""));
     static CACHED: LazyLock<memmem::Finder<'static>> =
         LazyLock::new(|| memmem::Finder::new(b"\"cached_tokens\""));
+    static COMPLETION: LazyLock<memmem::Finder<'static>> =
+        LazyLock::new(|| memmem::Finder::new(b"\"completion_tokens\""));
     let prompt_tokens = number_after(data, &PROMPT)?;
     Some(Usage {
         prompt_tokens,
         cached_tokens: number_after(data, &CACHED),
+        completion_tokens: number_after(data, &COMPLETION),
     })
 }
 
@@ -370,7 +374,8 @@ mod tests {
             find_usage(body),
             Some(Usage {
                 prompt_tokens: 1234,
-                cached_tokens: Some(1024)
+                cached_tokens: Some(1024),
+                completion_tokens: Some(66),
             })
         );
         let event = b"data: {\"choices\":[],\"usage\": {\"prompt_tokens\" : 7, \"prompt_tokens_details\": null}}\n\n";
@@ -378,7 +383,8 @@ mod tests {
             find_usage(event),
             Some(Usage {
                 prompt_tokens: 7,
-                cached_tokens: None
+                cached_tokens: None,
+                completion_tokens: None,
             })
         );
         assert_eq!(

@@ -529,7 +529,13 @@ impl Policy for CacheAware {
             return Some(selection); // no key: nothing to learn
         };
         let worker = &workers[selection.index];
-        self.index.insert(&req.block_hashes, worker.id_hash);
+        // The prompt's uncached part is written into the worker's KV cache: its clock moves.
+        let uncached = prediction
+            .prompt_tokens
+            .saturating_sub(prediction.cached_tokens);
+        let kv = worker.kv.stamp(u64::from(uncached));
+        let kv = kv.filter(|_| self.params.evict_by_capacity);
+        self.index.insert_at(&req.block_hashes, worker.id_hash, kv);
         tracing::debug!(
             policy = "cache_aware",
             outcome = selection.outcome.as_str(),
@@ -583,6 +589,16 @@ impl Policy for CacheAware {
             self.bytes_per_token
                 .store(next.to_bits(), Ordering::Relaxed);
         }
+        // What the worker wrote beyond the prompt's part the decision counted on its KV clock.
+        let uncached = usage.cached_tokens.map_or(0, |c| {
+            let predicted = predicted
+                .prompt_tokens
+                .saturating_sub(predicted.cached_tokens);
+            usage.prompt_tokens.saturating_sub(c + u64::from(predicted))
+        });
+        worker
+            .kv
+            .add_answered(uncached + usage.completion_tokens.unwrap_or(0));
         if let Some(cached) = usage.cached_tokens {
             if predicted.cached_tokens > 0 {
                 worker

@@ -232,6 +232,7 @@ fn usage_teaches_bytes_per_token_and_trust() {
             Observed::Answered(Some(Usage {
                 prompt_tokens: 512,
                 cached_tokens: Some(0),
+                completion_tokens: None,
             })),
         );
     }
