@@ -11,6 +11,7 @@ use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Through
 use kvroute::config::{
     CacheAwareParams, PolicyConfig, PrefixParams, RoutingKeyConfig, WorkerConfig,
 };
+use kvroute::load::Polled;
 use kvroute::metrics::Metrics;
 use kvroute::policy;
 use kvroute::routing_key::{extract, PromptField, RequestInfo};
@@ -57,7 +58,15 @@ fn pool(n: usize, metrics: &Metrics) -> Vec<Arc<Worker>> {
     (0..n)
         .map(|i| {
             let cfg = WorkerConfig::from_url(format!("http://10.0.{}.{}:8000", i / 250, i % 250));
-            Arc::new(Worker::new(&cfg, metrics).expect("valid url"))
+            let w = Worker::new(&cfg, metrics).expect("valid url");
+            // As a vLLM worker shows once polled: a KV cache (a simulated L4's 5,400 blocks of 16
+            // tokens), so each decision dates its write on the chosen worker's KV clock and the
+            // index walk checks its holders' clocks (`evict_by_capacity`).
+            w.kv.store(Some(&Polled {
+                kv_capacity: 86_400.0,
+                ..Polled::default()
+            }));
+            Arc::new(w)
         })
         .collect()
 }

@@ -70,9 +70,6 @@ pub struct Polled {
     /// Tokens its KV cache holds: `num_gpu_blocks` × `block_size` of `vllm:cache_config_info`,
     /// summed over engines; 0 when not shown.
     pub kv_capacity: f64,
-    /// Tokens it has written into KV blocks since it started, by its counters: prompt tokens
-    /// less prefix-cache hits, plus generated tokens; `None` without `vllm:prompt_tokens_total`.
-    pub written: Option<f64>,
 }
 
 impl Load {
@@ -181,12 +178,11 @@ impl Drop for RequestLoad {
 }
 
 /// Reads vLLM's load gauges from a Prometheus text exposition, summing label sets, and what its
-/// KV cache holds and has written ([`KvClock`]). `None` when none of the gauges is there (not a
-/// vLLM worker, or not yet serving).
+/// KV cache holds ([`KvClock`]). `None` when none of the gauges is there (not a vLLM worker, or
+/// not yet serving).
 pub fn parse_vllm_metrics(text: &str) -> Option<Polled> {
     let mut p = Polled::default();
     let mut seen = false;
-    let (mut prompt, mut hits, mut generated) = (None, 0.0, 0.0);
     for line in text.lines() {
         let Some(rest) = line.strip_prefix("vllm:") else {
             continue;
@@ -213,25 +209,11 @@ pub fn parse_vllm_metrics(text: &str) -> Option<Polled> {
                 }
                 continue;
             }
-            // Counters: the clock of [`KvClock`], not load.
-            "prompt_tokens_total" => {
-                *prompt.get_or_insert(0.0) += value;
-                continue;
-            }
-            "prefix_cache_hits_total" => {
-                hits += value;
-                continue;
-            }
-            "generation_tokens_total" => {
-                generated += value;
-                continue;
-            }
             _ => continue,
         };
         *slot += value;
         seen = true;
     }
-    p.written = prompt.map(|prompt| (prompt - hits).max(0.0) + generated);
     seen.then_some(p)
 }
 
@@ -249,21 +231,22 @@ fn label<'a>(sample: &'a str, name: &str) -> Option<&'a str> {
 /// the least recently used free block for each new one, so a block not used again is gone once
 /// about a cache's worth of tokens has been written after it ([`crate::index`]).
 ///
-/// The clock is the worker's own count at the last poll (prompt tokens less prefix-cache hits,
-/// plus generated tokens: every replica's traffic) plus the uncached tokens this gateway has sent
-/// since; without those counters, only what this gateway sent and was told it generated.
+/// The clock counts what this gateway sent (each prompt's uncached part, as the decision
+/// predicted it, and what the answer shows beyond that: generated tokens, prompt tokens that
+/// were not cached after all), not the worker's own counters of every replica's traffic. A
+/// replica sees its share of the writes and the same share of the requests that refresh a block
+/// (vLLM moves a block it reuses to the back of the eviction queue): dated by every replica's
+/// writes, what the other replicas keep using would age as if nobody did, and it is presumed
+/// evicted too soon (measured with two replicas on Mooncake's synthetic trace: 0.70x the cached
+/// tokens reported, against 1.04x for one gateway; `docs/measurements.md`). Counted this way,
+/// traffic that does not pass through this gateway makes presumed evictions come late, never
+/// early.
 #[derive(Debug, Default)]
 pub struct KvClock {
     /// Tokens the cache holds, from `vllm:cache_config_info`; 0 while unknown.
     capacity: AtomicU64,
-    /// The worker's count at the last poll that had it.
-    counted: AtomicU64,
-    /// The last poll had the counters.
-    counts: AtomicBool,
-    /// Tokens this gateway expects the worker to have written for it, and that figure at the
-    /// last poll.
+    /// Tokens this gateway expects the worker to have written for it.
     sent: AtomicU64,
-    sent_at_poll: AtomicU64,
 }
 
 impl KvClock {
@@ -272,7 +255,7 @@ impl KvClock {
         Some(self.capacity.load(Ordering::Relaxed)).filter(|&c| c > 0)
     }
 
-    /// Counts `tokens` this gateway expects the worker to write (a prompt's uncached part, or an
+    /// Counts `tokens` this gateway expects the worker to write (a prompt's uncached part, an
     /// answer's generated tokens).
     pub fn add(&self, tokens: u64) {
         if tokens > 0 {
@@ -280,25 +263,9 @@ impl KvClock {
         }
     }
 
-    /// Counts `tokens` the worker wrote that the gateway learns of only from its answer (its
-    /// generated tokens, and prompt tokens that were not cached after all), unless its counters
-    /// are polled: those have them, and counting them here too would run the clock ahead until
-    /// the next poll.
-    pub fn add_answered(&self, tokens: u64) {
-        if !self.counts.load(Ordering::Relaxed) {
-            self.add(tokens);
-        }
-    }
-
-    /// Tokens written into the worker's KV cache so far, as far as known.
+    /// Tokens this gateway has had the worker write into its KV cache so far.
     pub fn now(&self) -> u64 {
-        let sent = self.sent.load(Ordering::Relaxed);
-        if self.counts.load(Ordering::Relaxed) {
-            let since = sent.saturating_sub(self.sent_at_poll.load(Ordering::Relaxed));
-            self.counted.load(Ordering::Relaxed) + since
-        } else {
-            sent
-        }
+        self.sent.load(Ordering::Relaxed)
     }
 
     /// Counts `tokens` (see [`Self::add`]) and returns the clock after them with the capacity,
@@ -308,21 +275,10 @@ impl KvClock {
         self.capacity().map(|c| (self.now(), c))
     }
 
-    /// Records a poll's capacity and counters; a failed poll changes nothing (the last known
-    /// capacity still holds, and the clock goes on from what this gateway sends).
+    /// Records a poll's capacity; a failed poll changes nothing (the last known one still holds).
     pub fn store(&self, p: Option<&Polled>) {
-        let Some(p) = p else { return };
-        if p.kv_capacity >= 1.0 {
+        if let Some(p) = p.filter(|p| p.kv_capacity >= 1.0) {
             self.capacity.store(p.kv_capacity as u64, Ordering::Relaxed);
-        }
-        match p.written {
-            Some(w) => {
-                self.sent_at_poll
-                    .store(self.sent.load(Ordering::Relaxed), Ordering::Relaxed);
-                self.counted.store(w.max(0.0) as u64, Ordering::Relaxed);
-                self.counts.store(true, Ordering::Relaxed);
-            }
-            None => self.counts.store(false, Ordering::Relaxed),
         }
     }
 }
@@ -395,61 +351,41 @@ mod tests {
                 waiting: 4.0,
                 kv_usage: 0.25,
                 kv_capacity: 0.0,
-                written: Some(1000.0),
             }
         );
         assert_eq!(parse_vllm_metrics("other_metric 1\n"), None);
     }
 
     #[test]
-    fn reads_the_kv_capacity_and_the_tokens_written_summed_over_engines() {
+    fn reads_the_kv_capacity_summed_over_engines() {
         let text = "vllm:num_requests_running{engine=\"0\",model_name=\"m\"} 0.0\n\
             vllm:cache_config_info{block_size=\"16\",cache_dtype=\"auto\",enable_prefix_caching=\"True\",engine=\"0\",num_gpu_blocks=\"5400\"} 1.0\n\
             vllm:cache_config_info{block_size=\"16\",engine=\"1\",num_gpu_blocks=\"100\"} 1.0\n\
-            vllm:prompt_tokens_total{engine=\"0\"} 1000.0\n\
-            vllm:prompt_tokens_total{engine=\"1\"} 500.0\n\
-            vllm:prompt_tokens_created{engine=\"0\"} 1.7e9\n\
-            vllm:prefix_cache_hits_total{engine=\"0\"} 600.0\n\
-            vllm:generation_tokens_total{engine=\"0\"} 40.0\n";
+            vllm:cache_config_info{block_size=\"16\",engine=\"2\"} 1.0\n";
         let p = parse_vllm_metrics(text).unwrap();
-        assert_eq!(p.kv_capacity, 5500.0 * 16.0);
-        assert_eq!(p.written, Some(1500.0 - 600.0 + 40.0));
-        // Before vLLM's counters exist, or on a server without them: no clock from the worker.
+        assert_eq!(
+            p.kv_capacity,
+            5500.0 * 16.0,
+            "an engine without its block count adds none"
+        );
         let p = parse_vllm_metrics("vllm:num_requests_running 1.0\n").unwrap();
-        assert_eq!((p.kv_capacity, p.written), (0.0, None));
+        assert_eq!(p.kv_capacity, 0.0);
     }
 
     #[test]
-    fn the_kv_clock_goes_on_from_the_workers_count_with_what_was_sent_since() {
+    fn the_kv_clock_counts_what_this_gateway_had_the_worker_write() {
         let c = KvClock::default();
         assert_eq!(c.stamp(100), None, "no capacity known yet");
-        c.add_answered(20);
-        assert_eq!(
-            c.now(),
-            120,
-            "no counters: what this gateway sent and was told"
-        );
-        let polled = Polled {
-            kv_capacity: 4096.0,
-            written: Some(5000.0),
-            ..Polled::default()
-        };
-        c.store(Some(&polled));
-        assert_eq!(c.capacity(), Some(4096));
-        assert_eq!(c.stamp(300), Some((5300, 4096)));
-        c.add_answered(50);
-        assert_eq!(c.now(), 5300, "the worker's counters will have its answers");
-        c.store(None);
-        assert_eq!(
-            (c.capacity(), c.now()),
-            (Some(4096), 5300),
-            "a failed poll keeps both"
-        );
+        c.add(20);
+        assert_eq!(c.now(), 120);
         c.store(Some(&Polled {
-            written: Some(5600.0),
-            ..polled
+            kv_capacity: 4096.0,
+            ..Polled::default()
         }));
-        assert_eq!(c.now(), 5600);
+        assert_eq!(c.stamp(300), Some((420, 4096)));
+        c.store(None);
+        c.store(Some(&Polled::default()));
+        assert_eq!(c.capacity(), Some(4096), "a failed or blank poll keeps it");
     }
 
     #[test]

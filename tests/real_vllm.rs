@@ -408,46 +408,21 @@ async fn cache_aware_keeps_conversations_and_its_predictions_match_vllms_cached_
     );
 }
 
-/// The gateway's KV clock ([`kvroute::load::KvClock`]) reads real vLLM's metrics: the cache's
-/// capacity from `vllm:cache_config_info`, and tokens written that grow by at least a fresh
-/// prompt's uncached part once it is answered.
+/// The gateway reads real vLLM's KV cache size from `vllm:cache_config_info`
+/// (`evict_by_capacity`), and a gateway in front of it learns it from its poll.
 #[tokio::test]
-async fn real_vllms_metrics_give_its_kv_capacity_and_the_tokens_it_wrote() {
+async fn real_vllms_metrics_give_its_kv_capacity() {
     let Some(pool) = Pool::from_env() else { return };
     let _turn = SERIAL.lock().await;
-    let worker = pool.addr(0);
-    let before = kvroute::load::parse_vllm_metrics(&worker_metrics(worker).await).unwrap();
-    assert!(before.kv_capacity >= 4096.0, "{before:?}");
-    let written = before.written.expect("vLLM counts its prompt tokens");
-    let body = json!({"model": pool.model, "prompt": words(4242, 300), "max_tokens": 4});
-    let r = request(
-        worker,
-        "POST",
-        "/v1/completions",
-        body.to_string().as_bytes(),
-    )
-    .await;
-    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
-    let usage = &r.json()["usage"];
-    let cached = usage["prompt_tokens_details"]["cached_tokens"]
-        .as_u64()
-        .unwrap_or(0);
-    let uncached = usage["prompt_tokens"].as_u64().unwrap() - cached;
-    assert!(uncached > 100, "{usage}");
-    // vLLM updates its counters from its engine's stats, shortly after the answer.
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    loop {
-        let now = kvroute::load::parse_vllm_metrics(&worker_metrics(worker).await).unwrap();
-        let grew = now.written.unwrap() - written;
-        if grew >= uncached as f64 {
-            break;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "written grew by {grew}, the prompt had {uncached} uncached tokens"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    let text = worker_metrics(pool.addr(0)).await;
+    let polled = kvroute::load::parse_vllm_metrics(&text).unwrap();
+    // vLLM needs room for at least one whole sequence of its max_model_len (4,096 here).
+    assert!(polled.kv_capacity >= 4096.0, "{polled:?}");
+    let info = text
+        .lines()
+        .find(|l| l.starts_with("vllm:cache_config_info{"))
+        .unwrap();
+    assert!(info.contains("num_gpu_blocks=\""), "{info}");
 }
 
 #[tokio::test]

@@ -223,12 +223,12 @@ pub struct CacheAwareParams {
     pub spread_share: f64,
     /// Presume a worker has evicted what it was sent once a KV cache's worth of tokens has been
     /// written there since: its capacity from `vllm:cache_config_info` (`num_gpu_blocks` ×
-    /// `block_size`), its writes from its counters (prompt tokens less prefix-cache hits, plus
-    /// generated tokens; every replica's traffic) and the uncached tokens this gateway has sent
-    /// since the last poll. vLLM takes the least recently used free block for each new one, so
-    /// an index that kept everything it sent would predict hits on prompts long gone once the
-    /// workers' caches overflow (long prompts, many of them). Acts only once a poll has shown a
-    /// worker's capacity, and never with KV events (which report evictions).
+    /// `block_size`), the writes counted from this gateway's own requests (uncached prompt
+    /// tokens and generated tokens; see [`crate::load::KvClock`] for why not the worker's
+    /// counters). vLLM takes the least recently used free block for each new one, so an index
+    /// that kept everything it sent would predict hits on prompts long gone once the workers'
+    /// caches overflow (long prompts, many of them). Acts only once a poll has shown a worker's
+    /// capacity. Workers that publish KV events are read from their events anyway.
     pub evict_by_capacity: bool,
 }
 

@@ -19,8 +19,7 @@
 //! was last sent at least a cache's worth of tokens ago is presumed evicted there (vLLM takes the
 //! least recently used free block for each new one) and no longer counts as held by it. Marks
 //! are kept at most every 1/[`MARKS`] of the capacity, so a block may outlive its presumed
-//! eviction by that much. A worker whose clock falls by more than its capacity restarted: all it
-//! was sent before is gone.
+//! eviction by that much.
 //!
 //! One mutex guards both generations: a routing decision takes it once to walk and once to write,
 //! each a few hundred nanoseconds for a typical chat prompt.
@@ -149,13 +148,6 @@ struct Clock {
 impl Clock {
     /// An insert at `tick` with the worker's clock at `now` and its cache holding `capacity`.
     fn advance(&mut self, tick: u32, now: u64, capacity: u64) {
-        if let Some(&(_, last)) = self.marks.back() {
-            if now.saturating_add(capacity) < last {
-                // Its counters fell by more than its cache: it restarted, empty.
-                self.marks.clear();
-                self.evicted_through = Some(tick.wrapping_sub(1));
-            }
-        }
         while let Some(&(t, at)) = self.marks.front() {
             if now.saturating_sub(at) < capacity {
                 break;
@@ -192,19 +184,27 @@ struct Generations {
     clocks: Clocks,
 }
 
+/// The workers' eviction ticks looked up during one walk, on the stack: a walk meets a few
+/// holders many times over.
+#[derive(Default)]
+struct Seen {
+    workers: [(WorkerId, Option<u32>); 16],
+    len: usize,
+}
+
 impl Generations {
-    /// Whether `id`, listed on a block at `tick`, is presumed to hold it still; `seen` caches the
-    /// workers' clocks looked up during one walk.
-    fn holds(&self, seen: &mut Vec<(WorkerId, Option<u32>)>, id: WorkerId, tick: u32) -> bool {
+    /// Whether `id`, listed on a block at `tick`, is presumed to hold it still.
+    fn holds(&self, seen: &mut Seen, id: WorkerId, tick: u32) -> bool {
         if self.clocks.is_empty() {
             return true;
         }
-        let evicted = match seen.iter().find(|&&(w, _)| w == id) {
+        let evicted = match seen.workers[..seen.len].iter().find(|&&(w, _)| w == id) {
             Some(&(_, e)) => e,
             None => {
                 let e = self.clocks.get(&id).and_then(|c| c.evicted_through);
-                if seen.len() < 32 {
-                    seen.push((id, e));
+                if seen.len < seen.workers.len() {
+                    seen.workers[seen.len] = (id, e);
+                    seen.len += 1;
                 }
                 e
             }
@@ -326,7 +326,7 @@ impl PrefixIndex {
         // a match that stopped at or after it may resume.
         let mut full_since = 0;
         let mut everyone = 0;
-        let mut clocks = Vec::new();
+        let mut clocks = Seen::default();
         for (i, h) in hashes.iter().enumerate() {
             let Some(entry) = g.young.get(h).or_else(|| g.old.get(h)) else {
                 break;
@@ -636,10 +636,6 @@ mod tests {
         // Nobody holds block 3 any more: the walk ends there for everyone.
         idx.insert_at(&[6], 10, kv(1700));
         assert_eq!(idx.matches(&[3], 1, 0.0).depths, []);
-        // A worker whose clock fell by more than its cache restarted: all of it is gone.
-        idx.insert_at(&[7], 10, kv(50));
-        assert_eq!(idx.matches(&[1, 2], 1, 0.0).depth_of(10), 0);
-        assert_eq!(idx.matches(&[7], 1, 0.0).depth_of(10), 1);
         // Without a clock (no capacity known), nothing is presumed evicted.
         idx.insert(&[8], 30);
         for k in 0..100 {

@@ -108,7 +108,10 @@
 //! held none of it), `spilled` (a worker holding less than the longest, or not the home, for
 //! load), `fallback` (no routing key). Learning ([`Policy::observe`]): a request that failed
 //! takes back what it added to the index; an answer's usage updates bytes per token and the
-//! worker's trust.
+//! worker's trust. With `evict_by_capacity`, each write to the index is dated on the chosen
+//! worker's KV clock ([`crate::load::KvClock`]: its prompt's uncached part counts at once, its
+//! answer's generated tokens when it ends), so that what the worker has written a KV cache's
+//! worth of tokens after no longer counts as held there.
 //!
 //! Cost: one index walk and one index write per request (one mutex each), plus pricing the
 //! workers from relaxed atomics, and with `spread_share` a sample of the pool's load and, for a
@@ -598,7 +601,7 @@ impl Policy for CacheAware {
         });
         worker
             .kv
-            .add_answered(uncached + usage.completion_tokens.unwrap_or(0));
+            .add(uncached + usage.completion_tokens.unwrap_or(0));
         if let Some(cached) = usage.cached_tokens {
             if predicted.cached_tokens > 0 {
                 worker
