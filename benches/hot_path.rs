@@ -62,13 +62,22 @@ fn pool(n: usize, metrics: &Metrics) -> Vec<Arc<Worker>> {
             // As a vLLM worker shows once polled: a KV cache (a simulated L4's 5,400 blocks of 16
             // tokens), so each decision dates its write on the chosen worker's KV clock and the
             // index walk checks its holders' clocks (`evict_by_capacity`).
+            // `KVROUTE_BENCH_KV_CAPACITY=0` leaves it unknown, as before the first poll.
             w.kv.store(Some(&Polled {
-                kv_capacity: 86_400.0,
+                kv_capacity: kv_capacity(),
                 ..Polled::default()
             }));
             Arc::new(w)
         })
         .collect()
+}
+
+/// The KV capacity the pool's workers show, in tokens: `KVROUTE_BENCH_KV_CAPACITY`, or 86,400.
+fn kv_capacity() -> f64 {
+    std::env::var("KVROUTE_BENCH_KV_CAPACITY")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(86_400.0)
 }
 
 /// Pseudo-random block hashes from `seed` (xorshift).
