@@ -26,12 +26,16 @@ impl Drop for Sim {
 }
 
 async fn sim(workers: usize) -> Sim {
-    let cfg = SimConfig {
+    sim_of(SimConfig {
         workers,
         port: 0,
         time_scale: 20.0,
         ..SimConfig::default()
-    };
+    })
+    .await
+}
+
+async fn sim_of(cfg: SimConfig) -> Sim {
     let cancel = CancellationToken::new();
     let mut tasks = JoinSet::new();
     let addrs = sim::spawn(&cfg, cfg.bind().await.unwrap(), &cancel, &mut tasks)
@@ -310,26 +314,17 @@ async fn small_cache_sim(blocks: usize) -> Sim {
     engine.num_gpu_blocks = blocks * engine.block_size / 16;
     engine.block_size = 16;
     engine.max_model_len = blocks * 16;
-    let cfg = SimConfig {
+    sim_of(SimConfig {
         workers: 1,
         port: 0,
         time_scale: 20.0,
         engine: Some(engine),
         ..defaults
-    };
-    let cancel = CancellationToken::new();
-    let mut tasks = JoinSet::new();
-    let addrs = sim::spawn(&cfg, cfg.bind().await.unwrap(), &cancel, &mut tasks)
-        .await
-        .unwrap();
-    Sim {
-        urls: addrs.iter().map(|a| format!("http://{a}")).collect(),
-        cancel,
-        _tasks: tasks,
-    }
+    })
+    .await
 }
 
-/// A prompt of about `tokens` tokens that shares nothing with prompt `other` of another seed.
+/// A prompt of about `tokens` tokens that shares nothing with a prompt of another seed.
 fn long_prompt(seed: usize, tokens: usize) -> Vec<u8> {
     let text: String = (0..tokens).map(|i| format!("w{seed}x{i} ")).collect();
     json!({"model": "mistralai/Mistral-7B-Instruct-v0.3", "prompt": text, "max_tokens": 2})
