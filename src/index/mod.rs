@@ -14,7 +14,8 @@
 //! allocated capacity, and `capacity` is chosen from the byte cap so that it stays below it.
 //!
 //! Evictions on the workers: once a worker's KV capacity is known (polled), each write to it
-//! carries the worker's clock of tokens written into its cache ([`crate::load::KvClock`]), and
+//! carries the worker's clock of the tokens this gateway has had it write into its cache
+//! ([`crate::load::KvClock`]), and
 //! the index keeps, per worker, marks of which insert happened at which clock. A block a worker
 //! was last sent at least a cache's worth of tokens ago is presumed evicted there (vLLM takes the
 //! least recently used free block for each new one) and no longer counts as held by it. Marks
