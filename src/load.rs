@@ -25,7 +25,7 @@ use http_body_util::{BodyExt, Full, Limited};
 use tokio::time::MissedTickBehavior;
 use tokio_util::sync::CancellationToken;
 
-use crate::{proxy::Upstreams, workers::Worker};
+use crate::{index::Restarts, proxy::Upstreams, workers::Worker};
 
 /// Largest `/metrics` answer read; vLLM's is tens of kilobytes.
 const METRICS_LIMIT: usize = 4 << 20;
@@ -70,6 +70,11 @@ pub struct Polled {
     /// Tokens its KV cache holds: `num_gpu_blocks` × `block_size` of `vllm:cache_config_info`,
     /// summed over engines; 0 when not shown.
     pub kv_capacity: f64,
+    /// `vllm:prompt_tokens_total`, summed over engines: a counter, so it falls only when the
+    /// worker restarts.
+    pub prompt_tokens: Option<f64>,
+    /// `process_start_time_seconds` (vLLM with one API server shows it).
+    pub started: Option<f64>,
 }
 
 impl Load {
@@ -185,6 +190,9 @@ pub fn parse_vllm_metrics(text: &str) -> Option<Polled> {
     let mut seen = false;
     for line in text.lines() {
         let Some(rest) = line.strip_prefix("vllm:") else {
+            if let Some(v) = line.strip_prefix("process_start_time_seconds ") {
+                p.started = v.trim().parse::<f64>().ok().filter(|v| v.is_finite());
+            }
             continue;
         };
         let name_end = rest.find(['{', ' ']).unwrap_or(rest.len());
@@ -207,6 +215,10 @@ pub fn parse_vllm_metrics(text: &str) -> Option<Polled> {
                 if let (Some(blocks), Some(size)) = (blocks, size) {
                     p.kv_capacity += blocks * size;
                 }
+                continue;
+            }
+            "prompt_tokens_total" => {
+                *p.prompt_tokens.get_or_insert(0.0) += value;
                 continue;
             }
             _ => continue,
@@ -241,12 +253,21 @@ fn label<'a>(sample: &'a str, name: &str) -> Option<&'a str> {
 /// tokens reported, against 1.04x for one gateway; `docs/measurements.md`). Counted this way,
 /// traffic that does not pass through this gateway makes presumed evictions come late, never
 /// early.
+///
+/// The polls also watch for restarts: a worker that restarted (its process start time changed,
+/// or its prompt token counter fell) has an empty cache, and the indexes stop counting it as
+/// holding anything it was sent before ([`Restarts`]).
 #[derive(Debug, Default)]
 pub struct KvClock {
     /// Tokens the cache holds, from `vllm:cache_config_info`; 0 while unknown.
     capacity: AtomicU64,
     /// Tokens this gateway expects the worker to have written for it.
     sent: AtomicU64,
+    restarts: Restarts,
+    /// At the last poll that showed them, as `f64` bits (0 while never shown): the worker's
+    /// prompt token counter and its process's start time.
+    prompt_tokens: AtomicU64,
+    started: AtomicU64,
 }
 
 impl KvClock {
@@ -275,11 +296,43 @@ impl KvClock {
         self.capacity().map(|c| (self.now(), c))
     }
 
-    /// Records a poll's capacity; a failed poll changes nothing (the last known one still holds).
-    pub fn store(&self, p: Option<&Polled>) {
-        if let Some(p) = p.filter(|p| p.kv_capacity >= 1.0) {
+    /// The worker's prompt token counter at the last poll that showed it (0 until one has).
+    pub fn polled_prompt_tokens(&self) -> f64 {
+        f64::from_bits(self.prompt_tokens.load(Ordering::Relaxed))
+    }
+
+    /// The restarts its polls have seen, for the indexes.
+    pub fn restarts(&self) -> &Restarts {
+        &self.restarts
+    }
+
+    /// Records a poll's capacity, and whether the worker restarted since the last poll that
+    /// showed its counters (then `true`, and its restart count moves on). A failed poll changes
+    /// nothing: the last known capacity still holds, and a restart during an outage shows at the
+    /// next poll that answers.
+    pub fn store(&self, p: Option<&Polled>) -> bool {
+        let Some(p) = p else {
+            return false;
+        };
+        if p.kv_capacity >= 1.0 {
             self.capacity.store(p.kv_capacity as u64, Ordering::Relaxed);
         }
+        let swap = |slot: &AtomicU64, v: Option<f64>| {
+            v.map(|v| f64::from_bits(slot.swap(v.to_bits(), Ordering::Relaxed)))
+        };
+        let fell = swap(&self.prompt_tokens, p.prompt_tokens)
+            .zip(p.prompt_tokens)
+            .is_some_and(|(before, now)| now < before);
+        // The start time is whole seconds plus a fraction from the kernel's clock ticks: it
+        // reads the same at every poll of one process.
+        let started = swap(&self.started, p.started)
+            .zip(p.started)
+            .is_some_and(|(before, now)| before > 0.0 && (now - before).abs() >= 1.0);
+        let restarted = fell || started;
+        if restarted {
+            self.restarts.bump();
+        }
+        restarted
     }
 }
 
@@ -300,7 +353,16 @@ pub async fn run(up: Arc<Upstreams>, cancel: CancellationToken) {
         let workers = up.pool.snapshot();
         let polls = workers.iter().map(|w| poll(&up, w, &cfg.path, timeout));
         for (w, p) in workers.iter().zip(join_all(polls).await) {
-            w.kv.store(p.as_ref());
+            if w.kv.store(p.as_ref()) {
+                tracing::warn!(
+                    worker = %w.name,
+                    "worker restarted (its counters started over): its KV cache is empty, and what it was sent before no longer counts as cached"
+                );
+                up.metrics
+                    .worker_restarts
+                    .with_label_values(&[&w.name])
+                    .inc();
+            }
             w.load.store(p, w.inflight());
         }
     }
@@ -351,6 +413,8 @@ mod tests {
                 waiting: 4.0,
                 kv_usage: 0.25,
                 kv_capacity: 0.0,
+                prompt_tokens: Some(1000.0),
+                started: None,
             }
         );
         assert_eq!(parse_vllm_metrics("other_metric 1\n"), None);
@@ -386,6 +450,40 @@ mod tests {
         c.store(None);
         c.store(Some(&Polled::default()));
         assert_eq!(c.capacity(), Some(4096), "a failed or blank poll keeps it");
+    }
+
+    #[test]
+    fn a_restart_shows_as_a_new_start_time_or_a_counter_that_fell() {
+        let text = "vllm:num_requests_running{engine=\"0\"} 0.0\n\
+            vllm:prompt_tokens_total{engine=\"0\",model_name=\"m\"} 700.0\n\
+            vllm:prompt_tokens_total{engine=\"1\",model_name=\"m\"} 300.0\n\
+            vllm:prompt_tokens_created{engine=\"0\",model_name=\"m\"} 1.7e9\n\
+            process_start_time_seconds 1.76427538912e+09\n";
+        let p = parse_vllm_metrics(text).unwrap();
+        assert_eq!(p.prompt_tokens, Some(1000.0));
+        assert_eq!(p.started, Some(1_764_275_389.12));
+        let polled = |prompt_tokens: Option<f64>, started: Option<f64>| Polled {
+            prompt_tokens,
+            started,
+            ..Polled::default()
+        };
+        let c = KvClock::default();
+        assert!(
+            !c.store(Some(&polled(Some(1000.0), Some(100.5)))),
+            "first sight"
+        );
+        assert!(!c.store(Some(&polled(Some(1500.0), Some(100.5)))));
+        assert!(!c.store(None), "a failed poll");
+        assert!(!c.store(Some(&polled(None, None))), "counters not shown");
+        assert_eq!(c.restarts().count(), 0);
+        // Back after an outage with a counter below the last one seen.
+        assert!(c.store(Some(&polled(Some(20.0), None))));
+        assert_eq!(c.restarts().count(), 1);
+        assert!(!c.store(Some(&polled(Some(20.0), Some(100.5)))));
+        // A new process that has already served more than the old one had: its start time.
+        assert!(c.store(Some(&polled(Some(5000.0), Some(260.0)))));
+        assert_eq!(c.restarts().count(), 2);
+        assert!(!c.store(Some(&polled(Some(5001.0), Some(260.0)))));
     }
 
     #[test]

@@ -84,6 +84,8 @@ pub struct MetricSet {
     pub kv_event_gaps: IntCounterVec,
     /// `worker`: the worker's event sequence started over (it restarted).
     pub kv_event_restarts: IntCounterVec,
+    /// `worker`: restarts the load polls saw (its counters started over).
+    pub worker_restarts: IntCounterVec,
     /// `worker`: undecodable KV event messages.
     pub kv_event_errors: IntCounterVec,
     /// `worker`: blocks the worker holds, as its KV events say.
@@ -302,6 +304,11 @@ impl Metrics {
                 "Times a worker's KV event sequence started over (the worker restarted; its blocks were cleared).",
                 &["worker"],
             ),
+            worker_restarts: counter(
+                "kvroute_worker_restarts_total",
+                "Times a worker's polled metrics showed it had restarted (its process start time changed or its prompt token counter fell): its KV cache is empty, and what it was sent before no longer counts as cached.",
+                &["worker"],
+            ),
             kv_event_errors: counter(
                 "kvroute_kv_event_errors_total",
                 "KV event messages from a worker that could not be decoded.",
@@ -388,6 +395,7 @@ impl Metrics {
         self.worker_healthy.remove_label_values(&[name]).ok();
         self.kv_event_batches.remove_label_values(&[name]).ok();
         self.kv_event_restarts.remove_label_values(&[name]).ok();
+        self.worker_restarts.remove_label_values(&[name]).ok();
         self.kv_event_errors.remove_label_values(&[name]).ok();
         self.kv_event_blocks.remove_label_values(&[name]).ok();
     }

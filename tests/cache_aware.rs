@@ -49,13 +49,13 @@ async fn sim_of(cfg: SimConfig) -> Sim {
 }
 
 fn config(sim: &Sim) -> Config {
+    config_of(&sim.urls)
+}
+
+/// `cache_aware` in front of the workers at `urls`.
+fn config_of(urls: &[String]) -> Config {
     Config {
-        workers: sim
-            .urls
-            .iter()
-            .cloned()
-            .map(WorkerConfig::from_url)
-            .collect(),
+        workers: urls.iter().cloned().map(WorkerConfig::from_url).collect(),
         ..Config::default()
     }
     .with_overrides(kvroute::config::Overrides {
@@ -409,4 +409,72 @@ async fn a_prompt_the_worker_has_evicted_is_not_predicted_as_cached() {
         stop.cancel();
         task.await.unwrap().unwrap();
     }
+}
+
+/// A worker that restarts comes back with an empty KV cache. The gateway's load poll sees its
+/// counters start over: what it was sent before is no longer predicted as cached there (the
+/// worker reports nothing cached either), what it is sent afterwards is, and the restart is
+/// counted. A real process, killed and started again on the same port, as a crashed pod is.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_workers_earlier_prompts_are_not_predicted_as_cached() {
+    let (process, url) = common::sim_process(0);
+    let port: u16 = url.rsplit(':').next().unwrap().parse().unwrap();
+    let mut cfg = config_of(std::slice::from_ref(&url));
+    cfg.load_signals.interval_seconds = 0.02;
+    let state = kvroute::routes::AppState::new(cfg).unwrap();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let stop = CancellationToken::new();
+    let worker = state.upstreams.pool.snapshot()[0].clone();
+    let task = tokio::spawn(kvroute::server::serve_state(
+        listener,
+        state,
+        Duration::from_secs(1),
+        stop.clone(),
+    ));
+    let (a, b) = (long_prompt(0, 1500), long_prompt(1, 1500));
+    predicted_then_reported(addr, &a).await;
+    predicted_then_reported(addr, &b).await;
+    let (predicted, reported) = predicted_then_reported(addr, &a).await;
+    assert!(
+        predicted > 1000 && reported > 1000,
+        "{predicted} {reported}"
+    );
+    // Until a poll has seen the worker's prompt counter, a restart could not show.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while worker.kv.polled_prompt_tokens() < 3000.0 {
+        assert!(tokio::time::Instant::now() < deadline, "never polled");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(worker.kv.restarts().count(), 0);
+    drop(process); // SIGKILL
+    let (_again, again_url) = common::sim_process(port);
+    assert_eq!(again_url, url);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while worker.kv.restarts().count() == 0 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the restart was not seen"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let series = format!(
+        "kvroute_worker_restarts_total{{worker=\"{}\"}}",
+        worker.name
+    );
+    assert_eq!(metric(&metrics_text(addr).await, &series), Some(1.0));
+    // Looked up before anything is sent to it again: nothing of `a` is predicted.
+    let (predicted, reported) = predicted_then_reported(addr, &a).await;
+    assert_eq!((predicted, reported), (0, 0));
+    // Nor of `b`, and what it has been sent since the restart is predicted again.
+    let (predicted, reported) = predicted_then_reported(addr, &b).await;
+    assert_eq!((predicted, reported), (0, 0));
+    let (predicted, reported) = predicted_then_reported(addr, &a).await;
+    assert!(
+        predicted > 1000 && reported > 1000,
+        "{predicted} {reported}"
+    );
+    assert_eq!(worker.kv.restarts().count(), 1, "one restart");
+    stop.cancel();
+    task.await.unwrap().unwrap();
 }

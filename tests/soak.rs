@@ -10,9 +10,7 @@
 mod common;
 
 use std::{
-    io::{BufRead, BufReader},
     net::SocketAddr,
-    process::{Child, Command, Stdio},
     sync::{
         atomic::{AtomicBool, AtomicU64, Ordering},
         Arc,
@@ -21,45 +19,6 @@ use std::{
 };
 
 use tokio::{io::AsyncReadExt, time::Instant};
-
-/// Kills the child when dropped, pass or fail.
-struct Running(Child);
-
-impl Drop for Running {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-/// Starts `kvroute ARGS` and returns it with the first line it prints (a URL or the listening line).
-fn spawn(args: &[&str]) -> (Running, String) {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_kvroute"))
-        .args(args)
-        .env_remove("KVROUTE_POLICY")
-        .env("RUST_LOG", "error")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let mut first = String::new();
-    BufReader::new(child.stdout.take().unwrap())
-        .read_line(&mut first)
-        .unwrap();
-    (Running(child), first.trim().to_owned())
-}
-
-fn sim(port: u16) -> (Running, String) {
-    spawn(&[
-        "sim",
-        "--workers",
-        "1",
-        "--port",
-        &port.to_string(),
-        "--time-scale",
-        "20",
-    ])
-}
 
 fn addr_of(url: &str) -> SocketAddr {
     url.trim_start_matches("http://").parse().unwrap()
@@ -190,8 +149,8 @@ async fn soak_with_cancellations_and_worker_restarts_leaks_nothing() {
         .and_then(|v| v.parse().ok())
         .unwrap_or(40);
     let total = Duration::from_secs(seconds);
-    let (_w0, url0) = sim(0);
-    let (w1, url1) = sim(0);
+    let (_w0, url0) = common::sim_process(0);
+    let (w1, url1) = common::sim_process(0);
     let port1 = addr_of(&url1).port();
     let dir = common::TempDir::new("soak");
     let cfg = dir.join("kvroute.yaml");
@@ -202,7 +161,7 @@ async fn soak_with_cancellations_and_worker_restarts_leaks_nothing() {
         ),
     )
     .unwrap();
-    let (gw_proc, line) = spawn(&["serve", "--config", cfg.to_str().unwrap()]);
+    let (gw_proc, line) = common::kvroute_process(&["serve", "--config", cfg.to_str().unwrap()]);
     let gw = addr_of(line.rsplit(' ').next().unwrap());
     let pid = gw_proc.0.id();
 
@@ -232,7 +191,7 @@ async fn soak_with_cancellations_and_worker_restarts_leaks_nothing() {
             drop(w1.take()); // SIGKILL: streams on it break mid-way
                              // Down for a moment, as a crashed pod is, then back on the same port.
             tokio::time::sleep(Duration::from_millis(500)).await;
-            let (again, url) = sim(port1);
+            let (again, url) = common::sim_process(port1);
             assert_eq!(addr_of(&url).port(), port1);
             w1 = Some(again);
         }

@@ -22,6 +22,11 @@
 //! are kept at most every 1/[`MARKS`] of the capacity, so a block may outlive its presumed
 //! eviction by that much.
 //!
+//! Restarts: a worker that restarts comes back with an empty cache. Each worker's count of the
+//! restarts its polls have seen ([`Restarts`]) is shared with the index: a lookup no longer counts
+//! a worker as holding anything it was sent before a restart the index has not yet seen a write
+//! after, and the first write after it dates everything before as evicted.
+//!
 //! One mutex guards both generations: a routing decision takes it once to walk and once to write,
 //! each a few hundred nanoseconds for a typical chat prompt.
 
@@ -29,6 +34,10 @@ use std::{
     collections::{HashMap, VecDeque},
     hash::{BuildHasherDefault, Hasher},
     mem::size_of,
+    sync::{
+        atomic::{AtomicU32, Ordering},
+        Arc,
+    },
 };
 
 use parking_lot::Mutex;
@@ -136,6 +145,22 @@ pub const MARKS: u64 = 64;
 const CLOCK_BYTES: usize = (MARKS as usize + 2) * size_of::<(u32, u64)>()
     + 2 * (size_of::<WorkerId>() + size_of::<Clock>() + 1);
 
+/// How many times a worker was seen to restart (its KV cache started over, empty): counted by
+/// its load polls ([`crate::load::KvClock`]) and read by every index that lists the worker, so
+/// that a lookup sees a restart as soon as a poll has.
+#[derive(Clone, Debug, Default)]
+pub struct Restarts(Arc<AtomicU32>);
+
+impl Restarts {
+    pub fn count(&self) -> u32 {
+        self.0.load(Ordering::Relaxed)
+    }
+
+    pub fn bump(&self) {
+        self.0.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
 /// One worker's KV clock as the index saw it: which insert happened at which clock.
 #[derive(Debug, Default)]
 struct Clock {
@@ -144,9 +169,38 @@ struct Clock {
     marks: VecDeque<(u32, u64)>,
     /// Inserts to this worker up to this tick are presumed evicted.
     evicted_through: Option<u32>,
+    /// The worker's restart count and its value at the last insert: while they differ, the
+    /// worker has restarted since and holds nothing the index lists.
+    restarts: Option<(Restarts, u32)>,
 }
 
 impl Clock {
+    /// The last tick whose inserts are presumed gone from the worker, with the index at `tick`.
+    fn evicted_through(&self, tick: u32) -> Option<u32> {
+        match &self.restarts {
+            Some((r, seen)) if r.count() != *seen => Some(tick),
+            _ => self.evicted_through,
+        }
+    }
+
+    /// An insert at `tick` to a worker with `restarts`: if it restarted since the last insert
+    /// (or before the first, as far as this clock knows), every earlier insert is gone.
+    fn restarted(&mut self, tick: u32, restarts: &Restarts) {
+        let now = restarts.count();
+        match &mut self.restarts {
+            Some((_, seen)) if *seen == now => return,
+            Some((_, seen)) => *seen = now,
+            None => {
+                self.restarts = Some((restarts.clone(), now));
+                if now == 0 {
+                    return;
+                }
+            }
+        }
+        self.evicted_through = Some(tick.wrapping_sub(1));
+        self.marks.clear();
+    }
+
     /// An insert at `tick` with the worker's clock at `now` and its cache holding `capacity`.
     fn advance(&mut self, tick: u32, now: u64, capacity: u64) {
         while let Some(&(t, at)) = self.marks.front() {
@@ -202,7 +256,10 @@ impl Generations {
         let evicted = match seen.workers[..seen.len].iter().find(|&&(w, _)| w == id) {
             Some(&(_, e)) => e,
             None => {
-                let e = self.clocks.get(&id).and_then(|c| c.evicted_through);
+                let e = self
+                    .clocks
+                    .get(&id)
+                    .and_then(|c| c.evicted_through(self.tick));
                 if seen.len < seen.workers.len() {
                     seen.workers[seen.len] = (id, e);
                     seen.len += 1;
@@ -386,24 +443,34 @@ impl PrefixIndex {
 
     /// Records that `worker` was sent a prompt through all of `hashes`.
     pub fn insert(&self, hashes: &[u64], worker: WorkerId) {
-        self.insert_at(hashes, worker, None);
+        self.insert_at(hashes, worker, None, None);
     }
 
     /// [`Self::insert`], with the worker's KV clock after this prompt and its KV capacity in
     /// tokens, when known ([`crate::load::KvClock::stamp`]): what it was sent a capacity's worth
-    /// of tokens before is presumed evicted from then on.
-    pub fn insert_at(&self, hashes: &[u64], worker: WorkerId, kv: Option<(u64, u64)>) {
+    /// of tokens before is presumed evicted from then on; and with its restart count, when
+    /// watched: what it was sent before a restart is gone.
+    pub fn insert_at(
+        &self,
+        hashes: &[u64],
+        worker: WorkerId,
+        kv: Option<(u64, u64)>,
+        restarts: Option<&Restarts>,
+    ) {
         let mut g = self.lock();
         g.tick = g.tick.wrapping_add(1);
         let tick = g.tick;
-        if let Some((now, capacity)) = kv.filter(|_| self.clocks_max > 0) {
+        if (kv.is_some() || restarts.is_some()) && self.clocks_max > 0 {
             if g.clocks.len() >= self.clocks_max && !g.clocks.contains_key(&worker) {
                 g.clocks = Clocks::default();
             }
-            g.clocks
-                .entry(worker)
-                .or_default()
-                .advance(tick, now, capacity);
+            let clock = g.clocks.entry(worker).or_default();
+            if let Some(r) = restarts {
+                clock.restarted(tick, r);
+            }
+            if let Some((now, capacity)) = kv {
+                clock.advance(tick, now, capacity);
+            }
         }
         for &h in hashes {
             let g = &mut *g;
@@ -617,25 +684,25 @@ mod tests {
         let idx = PrefixIndex::with_max_bytes(1 << 20);
         // Worker 10 holds 1,000 tokens of cache; prompts of 300 new tokens each.
         let kv = |now: u64| Some((now, 1000));
-        idx.insert_at(&[1, 2], 10, kv(300));
-        idx.insert_at(&[1, 2], 20, kv(300)); // another worker, its own clock
-        idx.insert_at(&[3], 10, kv(600));
-        idx.insert_at(&[4], 10, kv(900));
+        idx.insert_at(&[1, 2], 10, kv(300), None);
+        idx.insert_at(&[1, 2], 20, kv(300), None); // another worker, its own clock
+        idx.insert_at(&[3], 10, kv(600), None);
+        idx.insert_at(&[4], 10, kv(900), None);
         assert_eq!(
             idx.matches(&[1, 2], 1, 0.0).depth_of(10),
             2,
             "within its cache"
         );
-        idx.insert_at(&[5], 10, kv(1300));
+        idx.insert_at(&[5], 10, kv(1300), None);
         let m = idx.matches(&[1, 2], 1, 0.0);
         assert_eq!(m.depth_of(10), 0, "1,000 tokens written since");
         assert_eq!(m.depth_of(20), 2, "the other worker's clock did not move");
         assert_eq!(idx.matches(&[3], 1, 0.0).depth_of(10), 1);
         // Sent again, it is fresh again.
-        idx.insert_at(&[1, 2], 10, kv(1400));
+        idx.insert_at(&[1, 2], 10, kv(1400), None);
         assert_eq!(idx.matches(&[1, 2], 1, 0.0).depth_of(10), 2);
         // Nobody holds block 3 any more: the walk ends there for everyone.
-        idx.insert_at(&[6], 10, kv(1700));
+        idx.insert_at(&[6], 10, kv(1700), None);
         assert_eq!(idx.matches(&[3], 1, 0.0).depths, []);
         // Without a clock (no capacity known), nothing is presumed evicted.
         idx.insert(&[8], 30);
@@ -646,17 +713,54 @@ mod tests {
     }
 
     #[test]
+    fn what_a_worker_was_sent_before_it_restarted_is_not_held_once_a_poll_saw_the_restart() {
+        let idx = PrefixIndex::with_max_bytes(1 << 20);
+        let (r10, r20) = (Restarts::default(), Restarts::default());
+        idx.insert_at(&[1, 2], 10, None, Some(&r10));
+        idx.insert_at(&[1, 2], 20, None, Some(&r20));
+        idx.insert_at(&[3], 10, Some((300, 1000)), Some(&r10));
+        assert_eq!(idx.matches(&[1, 2], 1, 0.0).depth_of(10), 2);
+        r10.bump();
+        // A lookup sees it at once, before anything is written to the worker again.
+        let m = idx.matches(&[1, 2], 1, 0.0);
+        assert_eq!(m.depth_of(10), 0, "restarted: its cache is empty");
+        assert_eq!(m.depth_of(20), 2, "the other worker did not restart");
+        assert_eq!(idx.matches(&[3], 1, 0.0).depths, []);
+        // Written to again: what it is sent from now on is held, what it had before is not,
+        // and its KV clock starts over from this write.
+        idx.insert_at(&[4], 10, Some((400, 1000)), Some(&r10));
+        assert_eq!(idx.matches(&[4], 1, 0.0).depth_of(10), 1);
+        assert_eq!(idx.matches(&[3], 1, 0.0).depths, []);
+        idx.insert_at(&[1, 2], 10, Some((500, 1000)), Some(&r10));
+        assert_eq!(idx.matches(&[1, 2], 1, 0.0).depth_of(10), 2);
+        idx.insert_at(&[5], 10, Some((1450, 1000)), Some(&r10));
+        let m = idx.matches(&[4], 1, 0.0);
+        assert_eq!(
+            m.depth_of(10),
+            0,
+            "written a capacity ago, after the restart"
+        );
+        assert_eq!(idx.matches(&[1, 2], 1, 0.0).depth_of(10), 2);
+        // An index that first meets a worker after it restarted knows nothing older of it.
+        let late = PrefixIndex::with_max_bytes(1 << 20);
+        late.insert(&[7], 10);
+        late.insert_at(&[8], 10, None, Some(&r10));
+        assert_eq!(late.matches(&[7], 1, 0.0).depths, []);
+        assert_eq!(late.matches(&[8], 1, 0.0).depth_of(10), 1);
+    }
+
+    #[test]
     fn an_evicted_holder_does_not_fill_a_blocks_list() {
         let idx = PrefixIndex::with_max_bytes(1 << 20);
         for w in 0..HOLDERS as u64 {
-            idx.insert_at(&[1], w, Some((100, 1000)));
+            idx.insert_at(&[1], w, Some((100, 1000)), None);
         }
         assert_eq!(
             idx.matches(&[1], 0, 0.0).everyone,
             1,
             "every listed worker holds it"
         );
-        idx.insert_at(&[2], 0, Some((1100, 1000)));
+        idx.insert_at(&[2], 0, Some((1100, 1000)), None);
         let m = idx.matches(&[1], 0, 0.0);
         assert_eq!((m.everyone, m.depths.len()), (0, HOLDERS - 1));
     }
@@ -666,7 +770,7 @@ mod tests {
         let idx = PrefixIndex::with_max_bytes(1 << 20);
         // Many small prompts: marks are kept a 64th of the capacity apart at most.
         for k in 0..10_000u64 {
-            idx.insert_at(&[k], 10, Some((k * 3, 6400)));
+            idx.insert_at(&[k], 10, Some((k * 3, 6400)), None);
         }
         {
             let g = idx.lock();
@@ -688,7 +792,7 @@ mod tests {
             for (k, (start, worker, len)) in writes.into_iter().enumerate() {
                 let chain: Vec<u64> = (0..len as u64).map(|i| start.wrapping_add(i)).collect();
                 // Workers' KV clocks count against the cap too.
-                idx.insert_at(&chain, worker, Some((k as u64 * 7, 1000)));
+                idx.insert_at(&chain, worker, Some((k as u64 * 7, 1000)), None);
                 let s = idx.stats();
                 prop_assert!(s.bytes <= idx.max_bytes(), "{s:?} > {}", idx.max_bytes());
             }

@@ -91,6 +91,22 @@ impl SimMetrics {
         registry
             .register(Box::new(info))
             .expect("metric registered once");
+        // vLLM with one API server shows its process's start time (prometheus_client's process
+        // collector); a simulated worker's "process" starts with it, so a restarted one shows a
+        // new time even in a process that hosts several.
+        let started = Gauge::new(
+            "process_start_time_seconds",
+            "Start time of the process since unix epoch in seconds.",
+        )
+        .expect("static metric definition");
+        started.set(
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0.0, |d| d.as_secs_f64()),
+        );
+        registry
+            .register(Box::new(started))
+            .expect("metric registered once");
         Self {
             running: reg!(IntGauge::with_opts(opts(
                 "vllm:num_requests_running",

@@ -455,3 +455,49 @@ impl Drop for TempDir {
         let _ = std::fs::remove_dir_all(&self.0);
     }
 }
+
+/// A `kvroute` process of the test's, killed when dropped, pass or fail.
+pub struct Process(pub std::process::Child);
+
+impl Drop for Process {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Starts `kvroute ARGS` and returns it with the first line it prints (a URL or the listening
+/// line).
+pub fn kvroute_process(args: &[&str]) -> (Process, String) {
+    use std::{
+        io::{BufRead, BufReader},
+        process::{Command, Stdio},
+    };
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kvroute"))
+        .args(args)
+        .env_remove("KVROUTE_POLICY")
+        .env("RUST_LOG", "error")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut first = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut first)
+        .unwrap();
+    (Process(child), first.trim().to_owned())
+}
+
+/// One simulated worker in a process of its own, on `port` (0: any free one), at 20x speed;
+/// with its URL.
+pub fn sim_process(port: u16) -> (Process, String) {
+    kvroute_process(&[
+        "sim",
+        "--workers",
+        "1",
+        "--port",
+        &port.to_string(),
+        "--time-scale",
+        "20",
+    ])
+}

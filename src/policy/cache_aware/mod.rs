@@ -538,7 +538,9 @@ impl Policy for CacheAware {
             .saturating_sub(prediction.cached_tokens);
         let kv = worker.kv.stamp(u64::from(uncached));
         let kv = kv.filter(|_| self.params.evict_by_capacity);
-        self.index.insert_at(&req.block_hashes, worker.id_hash, kv);
+        let restarts = Some(worker.kv.restarts());
+        self.index
+            .insert_at(&req.block_hashes, worker.id_hash, kv, restarts);
         tracing::debug!(
             policy = "cache_aware",
             outcome = selection.outcome.as_str(),
