@@ -332,6 +332,30 @@ fn long_prompt(seed: usize, tokens: usize) -> Vec<u8> {
         .into_bytes()
 }
 
+/// The gateway of `cfg` (one worker) in this process on 127.0.0.1:0, with that worker, so a test
+/// can read what the gateway knows of it; cancel the token and await the task to stop it.
+async fn serve_one_worker(
+    cfg: Config,
+) -> (
+    SocketAddr,
+    std::sync::Arc<kvroute::workers::Worker>,
+    CancellationToken,
+    tokio::task::JoinHandle<std::io::Result<()>>,
+) {
+    let state = kvroute::routes::AppState::new(cfg).unwrap();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let stop = CancellationToken::new();
+    let worker = state.upstreams.pool.snapshot()[0].clone();
+    let task = tokio::spawn(kvroute::server::serve_state(
+        listener,
+        state,
+        Duration::from_secs(1),
+        stop.clone(),
+    ));
+    (addr, worker, stop, task)
+}
+
 /// What the gateway predicts it would find cached of `body`, and what the worker then reports.
 async fn predicted_then_reported(addr: SocketAddr, body: &[u8]) -> (u64, u64) {
     let r = request(addr, "POST", "/debug/route/v1/completions", body).await;
@@ -359,17 +383,7 @@ async fn a_prompt_the_worker_has_evicted_is_not_predicted_as_cached() {
         if let kvroute::config::PolicyConfig::CacheAware(p) = &mut cfg.policy {
             p.evict_by_capacity = evict;
         }
-        let state = kvroute::routes::AppState::new(cfg).unwrap();
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let stop = CancellationToken::new();
-        let worker = state.upstreams.pool.snapshot()[0].clone();
-        let task = tokio::spawn(kvroute::server::serve_state(
-            listener,
-            state,
-            Duration::from_secs(1),
-            stop.clone(),
-        ));
+        let (addr, worker, stop, task) = serve_one_worker(cfg).await;
         // Once polled, the gateway knows the worker's KV capacity.
         let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
         while worker.kv.capacity().is_none() {
@@ -421,17 +435,7 @@ async fn a_restarted_workers_earlier_prompts_are_not_predicted_as_cached() {
     let port: u16 = url.rsplit(':').next().unwrap().parse().unwrap();
     let mut cfg = config_of(std::slice::from_ref(&url));
     cfg.load_signals.interval_seconds = 0.02;
-    let state = kvroute::routes::AppState::new(cfg).unwrap();
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let stop = CancellationToken::new();
-    let worker = state.upstreams.pool.snapshot()[0].clone();
-    let task = tokio::spawn(kvroute::server::serve_state(
-        listener,
-        state,
-        Duration::from_secs(1),
-        stop.clone(),
-    ));
+    let (addr, worker, stop, task) = serve_one_worker(cfg).await;
     let (a, b) = (long_prompt(0, 1500), long_prompt(1, 1500));
     predicted_then_reported(addr, &a).await;
     predicted_then_reported(addr, &b).await;
