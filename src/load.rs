@@ -317,17 +317,19 @@ impl KvClock {
         if p.kv_capacity >= 1.0 {
             self.capacity.store(p.kv_capacity as u64, Ordering::Relaxed);
         }
-        let swap = |slot: &AtomicU64, v: Option<f64>| {
-            v.map(|v| f64::from_bits(slot.swap(v.to_bits(), Ordering::Relaxed)))
+        // The last value shown, replaced by `now` (0 before any was shown).
+        let last = |slot: &AtomicU64, now: f64| {
+            f64::from_bits(slot.swap(now.to_bits(), Ordering::Relaxed))
         };
-        let fell = swap(&self.prompt_tokens, p.prompt_tokens)
-            .zip(p.prompt_tokens)
-            .is_some_and(|(before, now)| now < before);
+        let fell = p
+            .prompt_tokens
+            .is_some_and(|now| now < last(&self.prompt_tokens, now));
         // The start time is whole seconds plus a fraction from the kernel's clock ticks: it
         // reads the same at every poll of one process.
-        let started = swap(&self.started, p.started)
-            .zip(p.started)
-            .is_some_and(|(before, now)| before > 0.0 && (now - before).abs() >= 1.0);
+        let started = p.started.is_some_and(|now| {
+            let before = last(&self.started, now);
+            before > 0.0 && (now - before).abs() >= 1.0
+        });
         let restarted = fell || started;
         if restarted {
             self.restarts.bump();
