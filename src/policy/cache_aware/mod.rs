@@ -35,7 +35,10 @@
 //! of them answers. A hash would put such simultaneous arrivals together at random, so for them
 //! the home gets no credit and pending prefill weighs `hot_pending_weight` more. Only as far as
 //! this gateway sees the pool's traffic: with other replicas' share `f`, both fade back to the
-//! home's credit by `max(0, 1 - 2f)`, since the home is what replicas agree on. When every worker
+//! home's credit by `max(0, 1 - 2f)`, since the home is what replicas agree on; with
+//! `fade_by_continuation`, only as far as such requests are seen to continue later (a moving share
+//! of those past a shared prefix that continue a private one), since the home matters for the
+//! turns that follow, and questions that are each new follow none. When every worker
 //! publishes KV events they do not fade: the events show every replica where the others' requests
 //! went.
 //!
@@ -165,6 +168,9 @@ pub struct CacheAware {
     /// The moving share of recent prompts whose first block some worker was known to hold, as
     /// `f64` bits (`new_prompt_by_reuse`); starts at 1.
     reuse: AtomicU64,
+    /// The moving share of recent requests past a prefix most workers hold that continued
+    /// something private beyond it, as `f64` bits (`fade_by_continuation`); starts at 1.
+    continuing: AtomicU64,
 }
 
 /// Requests the reuse share averages over, about.
@@ -178,6 +184,7 @@ impl CacheAware {
             learnt_from: AtomicU64::new(0),
             tie_break: AtomicUsize::new(0),
             reuse: AtomicU64::new(1f64.to_bits()),
+            continuing: AtomicU64::new(1f64.to_bits()),
             params,
         }
     }
@@ -187,17 +194,15 @@ impl CacheAware {
         f64::from_bits(self.reuse.load(Ordering::Relaxed))
     }
 
-    /// Counts one more prompt into the reuse share. A plain load and store: two decisions at
-    /// once may lose one sample of a moving average, which is cheaper than a retry loop. No
-    /// store when the share does not move (at 1, where every prompt starts with something
-    /// known), so such traffic does not bounce the cache line every decision reads.
+    /// Counts one more prompt into the reuse share (see [`count_into`]).
     fn count_reuse(&self, known: bool) {
-        let share = self.reuse_share_now();
-        let sample = if known { 1.0 } else { 0.0 };
-        let next = share + (sample - share) / REUSE_WINDOW;
-        if next != share {
-            self.reuse.store(next.to_bits(), Ordering::Relaxed);
-        }
+        count_into(&self.reuse, known);
+    }
+
+    /// The moving share of requests past a shared prefix that continue something beyond it
+    /// (see `continuing`).
+    fn continuing_now(&self) -> f64 {
+        f64::from_bits(self.continuing.load(Ordering::Relaxed))
     }
 
     fn bytes_per_token(&self) -> f64 {
@@ -250,9 +255,9 @@ impl CacheAware {
 
     /// The choice for `req` and what it expects there, and whether any worker was known to hold
     /// the start of the prompt; changes no routing state.
-    fn decide(&self, workers: &[Arc<Worker>], req: &RequestInfo) -> Option<(Selection, bool)> {
+    fn decide(&self, workers: &[Arc<Worker>], req: &RequestInfo) -> Option<(Selection, Seen)> {
         let Some(&last) = req.block_hashes.last() else {
-            return self.least_work(workers, req).map(|s| (s, false));
+            return self.least_work(workers, req).map(|s| (s, Seen::default()));
         };
         let bpt = self.bytes_per_token();
         let sample = PoolSample::new(workers);
@@ -272,7 +277,12 @@ impl CacheAware {
         let chosen = if credited.beats(&best) { home } else { best };
         let listed = known.matches.depth_of(workers[chosen.index].id_hash);
         let selection = selection(req, &known, chosen, listed, home, presumed);
-        Some((selection, known.any()))
+        let seen = Seen {
+            any: known.any(),
+            continues: (known.key_depth > 0 && !known.all_exact)
+                .then_some(known.deepest > known.key_depth),
+        };
+        Some((selection, seen))
     }
 
     /// How far this request is one whose time to first token is set by the prefill already
@@ -296,7 +306,12 @@ impl CacheAware {
                 0.0
             }
         } else if known.key_depth > 0 && known.key_depth == known.deepest {
-            1.0 - sample.others()
+            let fade = if self.params.fade_by_continuation {
+                (2.0 * self.continuing_now()).min(1.0)
+            } else {
+                1.0
+            };
+            1.0 - sample.others() * fade
         } else {
             0.0
         }
@@ -479,6 +494,30 @@ impl CacheAware {
     }
 }
 
+/// What a decision saw of the prompt, for the moving shares it feeds.
+#[derive(Default)]
+struct Seen {
+    /// Some worker was known to hold the start of the prompt (`new_prompt_by_reuse`).
+    any: bool,
+    /// For a prompt past a prefix most workers hold (by the index), whether it continued
+    /// something known beyond it (`fade_by_continuation`).
+    continues: Option<bool>,
+}
+
+/// Counts one more sample into a moving share over about [`REUSE_WINDOW`] samples, held as `f64`
+/// bits. A plain load and store: two decisions at once may lose one sample of a moving
+/// average, which is cheaper than a retry loop. No store when the share does not move (at 1,
+/// where every sample is true), so such traffic does not bounce the cache line every decision
+/// reads.
+fn count_into(share: &AtomicU64, sample: bool) {
+    let now = f64::from_bits(share.load(Ordering::Relaxed));
+    let sample = if sample { 1.0 } else { 0.0 };
+    let next = now + (sample - now) / REUSE_WINDOW;
+    if next != now {
+        share.store(next.to_bits(), Ordering::Relaxed);
+    }
+}
+
 /// The decision for `chosen`, whose index lists it as holding `listed` blocks of the prompt:
 /// why it was chosen, and what it is expected to hold of the prompt.
 fn selection(
@@ -524,9 +563,12 @@ impl Policy for CacheAware {
     }
 
     fn select(&self, workers: &[Arc<Worker>], req: &RequestInfo) -> Option<Selection> {
-        let (selection, known) = self.decide(workers, req)?;
+        let (selection, seen) = self.decide(workers, req)?;
         if self.params.new_prompt_by_reuse && selection.prediction.is_some() {
-            self.count_reuse(known);
+            self.count_reuse(seen.any);
+        }
+        if let Some(continues) = seen.continues.filter(|_| self.params.fade_by_continuation) {
+            count_into(&self.continuing, continues);
         }
         let Some(prediction) = selection.prediction else {
             return Some(selection); // no key: nothing to learn

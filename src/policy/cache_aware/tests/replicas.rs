@@ -177,3 +177,32 @@ fn with_other_replicas_in_the_pool_a_question_under_a_shared_prefix_goes_home() 
     assert_eq!(p.peek(&ws, &question).unwrap().index, home);
     assert_eq!(other.peek(&ws, &convo(5, 4, 4)).unwrap().index, home);
 }
+
+/// With `fade_by_continuation`, a replica whose requests past the shared prefix never continue
+/// anything (questions each new) places such a question by pending prefill as a lone gateway
+/// does, though other replicas share the pool; one whose requests do continue their earlier
+/// turns keeps the question at its home, where another replica would send its next turn.
+#[test]
+fn with_other_replicas_questions_that_never_continue_go_where_no_prefill_is_pending() {
+    let ws = test_workers(4);
+    let params = CacheAwareParams {
+        fade_by_continuation: true,
+        ..CacheAwareParams::default()
+    };
+    let new_questions = knowing_the_system_prompt(&ws, params.clone());
+    let conversations = knowing_the_system_prompt(&ws, params);
+    for c in 0..200 {
+        pick(&new_questions, &ws, &convo(100 + c, 4, 2));
+        pick(&conversations, &ws, &convo(100 + c, 4, 2));
+        pick(&conversations, &ws, &convo(100 + c, 4, 4));
+    }
+    assert!(new_questions.continuing_now() < 0.1);
+    assert!(conversations.continuing_now() > 0.4);
+    let question = convo(5, 4, 2);
+    let home = new_questions.peek(&ws, &question).unwrap().index;
+    assert_eq!(conversations.peek(&ws, &question).unwrap().index, home);
+    let _mine = another_replica_as_busy(&ws);
+    let _held = hold(&ws[home], 256, 256);
+    assert_ne!(new_questions.peek(&ws, &question).unwrap().index, home);
+    assert_eq!(conversations.peek(&ws, &question).unwrap().index, home);
+}
