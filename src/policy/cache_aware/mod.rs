@@ -253,8 +253,8 @@ impl CacheAware {
             .map(|(_, i)| Selection::new(i, Outcome::Fallback))
     }
 
-    /// The choice for `req` and what it expects there, and whether any worker was known to hold
-    /// the start of the prompt; changes no routing state.
+    /// The choice for `req` and what it expects there, and what it saw of the prompt for the
+    /// moving shares ([`Seen`]); changes no routing state.
     fn decide(&self, workers: &[Arc<Worker>], req: &RequestInfo) -> Option<(Selection, Seen)> {
         let Some(&last) = req.block_hashes.last() else {
             return self.least_work(workers, req).map(|s| (s, Seen::default()));
