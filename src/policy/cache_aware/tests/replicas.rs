@@ -203,6 +203,8 @@ fn with_other_replicas_questions_that_never_continue_go_where_no_prefill_is_pend
     assert_eq!(conversations.peek(&ws, &question).unwrap().index, home);
     let _mine = another_replica_as_busy(&ws);
     let _held = hold(&ws[home], 256, 256);
-    assert_ne!(new_questions.peek(&ws, &question).unwrap().index, home);
+    let placed = new_questions.peek(&ws, &question).unwrap().index;
+    assert_ne!(placed, home);
+    assert_eq!(ws[placed].load.pending_prefill(), 0);
     assert_eq!(conversations.peek(&ws, &question).unwrap().index, home);
 }
