@@ -102,6 +102,8 @@ struct Seq {
     text: String,
     cached_tokens: Option<usize>,
     arrival: f64,
+    /// When the server took the request (at or before `arrival`): what TTFT and e2e count from.
+    received: f64,
     first_scheduled: Option<f64>,
     first_token: Option<f64>,
     last_token: f64,
@@ -180,6 +182,18 @@ impl Engine {
         self.running.is_empty() && self.waiting.is_empty()
     }
 
+    /// [`Self::add`] for a request the server took at `received`, while a step was running: vLLM
+    /// stamps a request's arrival when its API server takes it, so its time to first token
+    /// includes the wait for the step under way; the queue time counts from `now`, when the
+    /// scheduler sees it.
+    pub fn add_received(&mut self, req: EngineRequest, now: f64, received: f64) -> SeqId {
+        let id = self.add(req, now);
+        if let Some(s) = self.waiting.back_mut() {
+            s.received = received.min(now);
+        }
+        id
+    }
+
     pub fn add(&mut self, req: EngineRequest, now: f64) -> SeqId {
         let id = self.next_id;
         self.next_id += 1;
@@ -195,6 +209,7 @@ impl Engine {
             text: String::new(),
             cached_tokens: None,
             arrival: now,
+            received: now,
             first_scheduled: None,
             first_token: None,
             last_token: now,
@@ -328,8 +343,8 @@ impl Engine {
                         completion_tokens: k,
                         timings: Timings {
                             queue: first_scheduled - s.arrival,
-                            ttft: s.first_token.unwrap_or(end) - s.arrival,
-                            e2e: end - s.arrival,
+                            ttft: s.first_token.unwrap_or(end) - s.received,
+                            e2e: end - s.received,
                         },
                     },
                 ));

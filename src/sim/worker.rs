@@ -22,6 +22,8 @@ enum Command {
     Submit {
         req: EngineRequest,
         events: mpsc::UnboundedSender<Event>,
+        /// When the server took it.
+        at: Instant,
     },
     /// Drop every cached block; answers whether it could (no block may be in use).
     ResetPrefixCache(oneshot::Sender<bool>),
@@ -37,7 +39,8 @@ impl EngineHandle {
     /// Queues a request; its events arrive on the returned receiver. Dropping the receiver aborts it.
     pub fn submit(&self, req: EngineRequest) -> Option<mpsc::UnboundedReceiver<Event>> {
         let (events, rx) = mpsc::unbounded_channel();
-        self.tx.send(Command::Submit { req, events }).ok()?;
+        let at = Instant::now();
+        self.tx.send(Command::Submit { req, events, at }).ok()?;
         Some(rx)
     }
 
@@ -83,6 +86,7 @@ async fn run(
     let start = Instant::now();
     let scale = opts.time_scale;
     let model_now = || start.elapsed().as_secs_f64() * scale;
+    let model_at = |at: Instant| at.saturating_duration_since(start).as_secs_f64() * scale;
     let mut sinks: HashMap<SeqId, mpsc::UnboundedSender<Event>> = HashMap::new();
     let mut gone: Vec<SeqId> = Vec::new();
     let mut seen = Counters::default();
@@ -91,13 +95,13 @@ async fn run(
             tokio::select! {
                 _ = cancel.cancelled() => return,
                 cmd = rx.recv() => match cmd {
-                    Some(c) => apply(c, &mut engine, &mut sinks, model_now()),
+                    Some(c) => apply(c, &mut engine, &mut sinks, model_now(), model_at),
                     None => return,
                 },
             }
         }
         while let Ok(c) = rx.try_recv() {
-            apply(c, &mut engine, &mut sinks, model_now());
+            apply(c, &mut engine, &mut sinks, model_now(), model_at);
         }
         gone.clear();
         gone.extend(
@@ -161,10 +165,11 @@ fn apply(
     engine: &mut Engine,
     sinks: &mut HashMap<SeqId, mpsc::UnboundedSender<Event>>,
     now: f64,
+    model_at: impl Fn(Instant) -> f64,
 ) {
     match cmd {
-        Command::Submit { req, events } => {
-            let id = engine.add(req, now);
+        Command::Submit { req, events, at } => {
+            let id = engine.add_received(req, now, model_at(at));
             sinks.insert(id, events);
         }
         Command::ResetPrefixCache(done) => {
