@@ -159,16 +159,18 @@ impl RequestLoad {
     }
 
     /// The worker started answering: its prefill of this prompt is over. Called on every relayed
-    /// frame, so after the first it costs a comparison, not an atomic write.
-    pub fn done(&mut self) {
+    /// frame, so after the first it costs a comparison, not an atomic write. Returns the tokens
+    /// it took off the pending prefill (0 after the first call).
+    pub fn done(&mut self) -> u64 {
         if self.tokens == 0 {
-            return;
+            return 0;
         }
         let t = std::mem::take(&mut self.tokens);
         self.worker
             .load
             .pending_prefill
             .fetch_sub(t, Ordering::Relaxed);
+        t
     }
 }
 
@@ -179,6 +181,136 @@ impl Drop for RequestLoad {
             .load
             .context_tokens
             .fetch_sub(self.context, Ordering::Relaxed);
+    }
+}
+
+/// The step clocks' time base: microseconds since the first call in this process, plus an hour,
+/// so that 0 can mean "never" and a time shortly before the first call is still a time.
+pub fn now_us() -> u64 {
+    static EPOCH: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
+    const START_US: u64 = 3_600_000_000;
+    START_US
+        + EPOCH
+            .get_or_init(std::time::Instant::now)
+            .elapsed()
+            .as_micros() as u64
+}
+
+/// When the worker's engine steps end, as this gateway sees them, and how long a step takes.
+///
+/// vLLM runs a step (the scheduled prefills and one token for every running sequence) and then
+/// sends every stream its token at once. So the frames of this gateway's streams from one worker
+/// come in bursts, one a step, and a request sent there waits for the step under way to end
+/// before its own prefill can start. A policy that places by load sees a worker's load fall at
+/// the end of a step (its first tokens clear pending prefill, its finished answers leave), that
+/// is just as a new step begins, and would keep choosing the worker with the longest wait still
+/// ahead. The clock gives that wait: a step lasts `base + per_token × prefill` (fitted over the
+/// bursts seen: each step's duration against the prompt tokens whose first token ended it), so
+/// what remains of a step without this gateway's prefill is `base` less the time since the last
+/// burst. The prefill part is the pending prefill a policy already prices.
+#[derive(Debug, Default)]
+pub struct StepClock {
+    /// [`now_us`] when the last burst began; 0 before any.
+    last: AtomicU64,
+    /// Prompt tokens whose first token came in the burst that began at `last`.
+    cleared: AtomicU64,
+    /// The fit, as `f64` bits: microseconds of a step with no prefill, and per prefill token. Both
+    /// 0 while unknown.
+    base_us: AtomicU64,
+    per_token_us: AtomicU64,
+    fit: parking_lot::Mutex<StepFit>,
+}
+
+/// Moving moments of (prefill tokens, duration) over recent steps.
+#[derive(Debug, Default)]
+struct StepFit {
+    /// The duration of the step that the burst at `last` ended; its tokens are counted since.
+    gap: f64,
+    steps: u32,
+    x: f64,
+    d: f64,
+    xx: f64,
+    xd: f64,
+}
+
+/// Bursts closer together than this are one (a step's frames spread as they are relayed).
+const MIN_STEP_GAP_US: u64 = 500;
+/// Steps in the fit's moving window.
+const STEP_WINDOW: f64 = 32.0;
+
+impl StepClock {
+    /// A frame of a stream went by at `now` ([`now_us`]); its first frame cleared `cleared` prompt
+    /// tokens of pending prefill.
+    pub fn frame(&self, now: u64, cleared: u64) {
+        let last = self.last.load(Ordering::Relaxed);
+        let base = f64::from_bits(self.base_us.load(Ordering::Relaxed));
+        let min_gap = MIN_STEP_GAP_US.max((base / 4.0) as u64);
+        let gap = now.saturating_sub(last);
+        if gap < min_gap
+            || self
+                .last
+                .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed)
+                .is_err()
+        {
+            if cleared > 0 {
+                self.cleared.fetch_add(cleared, Ordering::Relaxed);
+            }
+            return;
+        }
+        // A new burst: the step that the last one ended is complete with its tokens.
+        let tokens = self.cleared.swap(cleared, Ordering::Relaxed) as f64;
+        let mut fit = self.fit.lock();
+        let ended = std::mem::replace(&mut fit.gap, if last == 0 { 0.0 } else { gap as f64 });
+        // An idle pause is no step: leave out what is far longer than the steps seen.
+        if ended <= 0.0 || (fit.steps >= 8 && ended > 4.0 * fit.d) {
+            return;
+        }
+        fit.steps = fit.steps.saturating_add(1);
+        let a = 1.0 / STEP_WINDOW.min(f64::from(fit.steps));
+        let mv = |m: &mut f64, v: f64| *m += a * (v - *m);
+        mv(&mut fit.x, tokens);
+        mv(&mut fit.d, ended);
+        mv(&mut fit.xx, tokens * tokens);
+        mv(&mut fit.xd, tokens * ended);
+        let var = fit.xx - fit.x * fit.x;
+        let (base, per_token) = if fit.steps < 8 || var < 1.0 {
+            (0.0, 0.0)
+        } else {
+            let per_token = (fit.xd - fit.x * fit.d) / var;
+            let base = fit.d - per_token * fit.x;
+            if per_token > 0.0 && base > 0.0 {
+                (base, per_token)
+            } else {
+                (0.0, 0.0)
+            }
+        };
+        self.base_us.store(base.to_bits(), Ordering::Relaxed);
+        self.per_token_us
+            .store(per_token.to_bits(), Ordering::Relaxed);
+    }
+
+    /// What remains at `now` of the step under way without this gateway's prefill, in prompt
+    /// tokens of prefill time; 0 while the fit is unknown.
+    #[inline]
+    pub fn remaining_tokens(&self, now: u64) -> f64 {
+        let per_token = f64::from_bits(self.per_token_us.load(Ordering::Relaxed));
+        if per_token <= 0.0 {
+            return 0.0;
+        }
+        let base = f64::from_bits(self.base_us.load(Ordering::Relaxed));
+        let since = now.saturating_sub(self.last.load(Ordering::Relaxed)) as i64 as f64;
+        (base - since).max(0.0) / per_token
+    }
+
+    /// The fitted step without prefill and per prefill token, in microseconds, when known.
+    pub fn fit(&self) -> Option<(f64, f64)> {
+        let per_token = f64::from_bits(self.per_token_us.load(Ordering::Relaxed));
+        (per_token > 0.0).then(|| {
+            (
+                f64::from_bits(self.base_us.load(Ordering::Relaxed)),
+                per_token,
+            )
+        })
     }
 }
 
@@ -543,5 +675,64 @@ mod tests {
             l.learn_cache_trust(0.2);
         }
         assert!((l.cache_trust() - 0.2).abs() < 0.02, "{}", l.cache_trust());
+    }
+
+    /// Frames of a worker whose steps take 20 ms plus 10 us per prefill token, each burst's
+    /// frames 50 us apart, the first of a burst carrying the prompt tokens the step prefilled.
+    fn steps(clock: &StepClock, mut t: u64, prefills: impl Iterator<Item = u64>) -> u64 {
+        for x in prefills {
+            t += 20_000 + 10 * x;
+            clock.frame(t, x);
+            for f in 1..6 {
+                clock.frame(t + 50 * f, 0);
+            }
+        }
+        t
+    }
+
+    #[test]
+    fn the_step_clock_fits_a_steps_base_and_prefill_time_from_its_bursts() {
+        let clock = StepClock::default();
+        assert_eq!(clock.fit(), None);
+        assert_eq!(clock.remaining_tokens(1_000_000), 0.0);
+        let mix = [0, 128, 0, 512, 256, 0, 0, 1024];
+        let t = steps(&clock, 1_000, mix.iter().copied().cycle().take(200));
+        let (base, per_token) = clock.fit().expect("fitted");
+        assert!((base - 20_000.0).abs() < 500.0, "base {base} us");
+        assert!((per_token - 10.0).abs() < 0.5, "per token {per_token} us");
+        // Just after a burst a whole step's base is ahead, 2,000 tokens' worth; half of it half-way.
+        let ahead = |at: u64| clock.remaining_tokens(at);
+        assert!(
+            (ahead(t + 250) - 1_975.0).abs() < 100.0,
+            "{}",
+            ahead(t + 250)
+        );
+        assert!(
+            (ahead(t + 10_000) - 1_000.0).abs() < 100.0,
+            "{}",
+            ahead(t + 10_000)
+        );
+        assert_eq!(ahead(t + 25_000), 0.0);
+        // An idle pause is no step: the fit holds through it.
+        let t = steps(&clock, t + 5_000_000, mix.iter().copied().take(4));
+        let (base, per_token) = clock.fit().expect("fitted");
+        assert!(
+            (base - 20_000.0).abs() < 1_000.0,
+            "base after a pause {base} us"
+        );
+        assert!(
+            (per_token - 10.0).abs() < 1.0,
+            "per token after a pause {per_token} us"
+        );
+        assert!(ahead(t + 250) > 1_800.0);
+    }
+
+    #[test]
+    fn without_prefills_of_different_sizes_the_step_clock_prices_nothing() {
+        // Every step alike: a base time, but nothing to tell tokens from time by.
+        let clock = StepClock::default();
+        let t = steps(&clock, 1_000, std::iter::repeat_n(0, 100));
+        assert_eq!(clock.fit(), None);
+        assert_eq!(clock.remaining_tokens(t + 100), 0.0);
     }
 }

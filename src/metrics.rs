@@ -78,6 +78,9 @@ pub struct MetricSet {
     /// `policy`, `arm`: the moving share of recent prompts that began with something the policy
     /// knew, which `new_prompt_by_reuse` gates the home's credit on.
     pub reuse_share: GaugeVec,
+    /// `worker`, `part` (base, per_prefill_token): the worker's engine step as timed from the
+    /// bursts of this gateway's streams ([`crate::load::StepClock`]).
+    pub step_seconds: GaugeVec,
     /// `worker`: KV event batches applied (live and replayed).
     pub kv_event_batches: IntCounterVec,
     /// `worker`, `result` (replayed, dropped): sequence gaps in a worker's KV events.
@@ -289,6 +292,20 @@ impl Metrics {
                     .expect("metric registered once");
                 g
             },
+            step_seconds: {
+                let g = GaugeVec::new(
+                    Opts::new(
+                        "kvroute_worker_step_seconds",
+                        "A worker's engine step as timed from the bursts of the gateway's streams from it: base (a step with no prefill) and per_prefill_token; shown once fitted.",
+                    ),
+                    &["worker", "part"],
+                )
+                .expect("static metric definition");
+                registry
+                    .register(Box::new(g.clone()))
+                    .expect("metric registered once");
+                g
+            },
             kv_event_batches: counter(
                 "kvroute_kv_event_batches_total",
                 "KV cache event batches applied from a worker's publisher (live and replayed).",
@@ -391,6 +408,7 @@ impl Metrics {
         forget(&self.ttfb, &by_worker);
         forget(&self.duration, &by_worker);
         forget(&self.kv_event_gaps, &by_worker);
+        forget(&self.step_seconds, &by_worker);
         self.worker_inflight.remove_label_values(&[name]).ok();
         self.worker_healthy.remove_label_values(&[name]).ok();
         self.kv_event_batches.remove_label_values(&[name]).ok();
@@ -428,6 +446,17 @@ impl Metrics {
         self.kv_event_blocks
             .with_label_values(&[worker])
             .set(feed.blocks().len() as i64);
+    }
+
+    /// Publishes a worker's fitted step (called at scrape time): microseconds in, seconds out.
+    pub fn publish_steps(&self, worker: &str, (base_us, per_token_us): (f64, f64)) {
+        let set = |part: &str, us: f64| {
+            self.step_seconds
+                .with_label_values(&[worker, part])
+                .set(us / 1e6);
+        };
+        set("base", base_us);
+        set("per_prefill_token", per_token_us);
     }
 
     /// Publishes a prefix index's figures (called at scrape time).

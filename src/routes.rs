@@ -344,6 +344,9 @@ pub async fn metrics(State(s): State<AppState>) -> Response {
         if let Some(feed) = &w.events {
             metrics.publish_feed(&w.name, feed);
         }
+        if let Some(fit) = w.steps.fit() {
+            metrics.publish_steps(&w.name, fit);
+        }
     }
     (
         [(

@@ -41,6 +41,9 @@ pub struct Worker {
     /// What its KV cache holds and has written, to presume what it has evicted (read once a
     /// decision, for the chosen worker: outside the first cache line).
     pub kv: crate::load::KvClock,
+    /// When its engine steps end, from this gateway's streams (read for every priced worker,
+    /// written once a step).
+    pub steps: crate::load::StepClock,
     pub name: String,
     pub scheme: Scheme,
     pub authority: Authority,
@@ -150,6 +153,7 @@ impl Worker {
             born: Instant::now(),
             load: crate::load::Load::default(),
             kv: crate::load::KvClock::default(),
+            steps: crate::load::StepClock::default(),
             freed,
             series: Default::default(),
         })

@@ -482,3 +482,55 @@ async fn a_restarted_workers_earlier_prompts_are_not_predicted_as_cached() {
     stop.cancel();
     task.await.unwrap().unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_workers_engine_step_is_timed_from_the_bursts_of_its_streams() {
+    // One simulated L4 at 4x: a step is 40 ms of model time plus 0.38 ms per prefill token (and
+    // a little per sequence), so about 10 ms and 0.095 ms of the wall clock.
+    let pool = sim_of(SimConfig {
+        workers: 1,
+        port: 0,
+        preset: "l4-qwen2.5-7b".into(),
+        time_scale: 4.0,
+        ..SimConfig::default()
+    })
+    .await;
+    let gw = gateway(config(&pool)).await;
+    let fit = |text: &str, part: &str| {
+        text.lines()
+            .find(|l| l.starts_with(&format!("kvroute_worker_step_seconds{{part=\"{part}\"")))
+            .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+    };
+    assert_eq!(fit(&metrics_text(gw.addr).await, "base"), None);
+    // Waves of four streamed prompts of different lengths, each its own from the first word, so
+    // that steps carry different amounts of prefill.
+    for wave in 0..8usize {
+        let mut set = JoinSet::new();
+        for i in 0..4usize {
+            let n = 40 + ((wave * 4 + i) * 37) % 260;
+            let body = json!({
+                "model": "Qwen/Qwen2.5-7B-Instruct",
+                "prompt": format!("request {wave} {i}: {}", words(wave + i, n)),
+                "max_tokens": 6,
+                "stream": true,
+            })
+            .to_string();
+            let addr = gw.addr;
+            set.spawn(async move {
+                let r = request(addr, "POST", "/v1/completions", body.as_bytes()).await;
+                assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+            });
+        }
+        while let Some(r) = set.join_next().await {
+            r.unwrap();
+        }
+    }
+    let text = metrics_text(gw.addr).await;
+    let base = fit(&text, "base").expect("a fitted step");
+    let per_token = fit(&text, "per_prefill_token").expect("a fitted step");
+    assert!((0.005..0.02).contains(&base), "step base {base} s");
+    assert!(
+        (0.00003..0.0003).contains(&per_token),
+        "step per prefill token {per_token} s"
+    );
+}

@@ -1017,3 +1017,51 @@ async fn cache_aware_routes_on_real_vllm_kv_events_to_a_prefix_it_never_routed()
         "predicted {predicted} vs reported {cached}: within one block"
     );
 }
+
+/// The gateway times real vLLM's engine steps from the bursts of its streams (`step_phase`): a
+/// base time and a time per prefill token, both positive, from waves of streamed prompts of
+/// different lengths.
+#[tokio::test]
+async fn the_gateway_times_real_vllms_steps_from_its_streams() {
+    let Some(pool) = Pool::from_env() else { return };
+    let _turn = SERIAL.lock().await;
+    let gw = pool.gateway(&[0], "cache_aware").await;
+    pool.reset_caches().await;
+    let fit = |text: &str, part: &str| {
+        text.lines()
+            .find(|l| l.starts_with(&format!("kvroute_worker_step_seconds{{part=\"{part}\"")))
+            .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+    };
+    for wave in 0..8u64 {
+        let mut set = tokio::task::JoinSet::new();
+        for i in 0..4u64 {
+            let n = 40 + ((wave * 4 + i) * 37 % 9) as usize * 40;
+            let body = json!({
+                "model": pool.model,
+                "prompt": format!("request {wave} {i}: {}", words(wave * 4 + i + 1000, n)),
+                "max_tokens": 8, "ignore_eos": true, "stream": true,
+            })
+            .to_string();
+            let addr = gw.addr;
+            set.spawn(async move {
+                let r = request(addr, "POST", "/v1/completions", body.as_bytes()).await;
+                assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+            });
+        }
+        while let Some(r) = set.join_next().await {
+            r.unwrap();
+        }
+    }
+    let text = metrics_text(gw.addr).await;
+    let (base, per_token) = (fit(&text, "base"), fit(&text, "per_prefill_token"));
+    eprintln!("real vLLM's step as timed by the gateway: base {base:?} s, per prefill token {per_token:?} s");
+    let (base, per_token) = (
+        base.expect("a fitted step"),
+        per_token.expect("a fitted step"),
+    );
+    assert!(base > 0.0 && base < 2.0, "base {base} s");
+    assert!(
+        per_token > 0.0 && per_token < 0.1,
+        "per prefill token {per_token} s"
+    );
+}

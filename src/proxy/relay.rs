@@ -130,10 +130,15 @@ impl Tracker {
         Response::from_parts(parts, Body::new(body))
     }
 
-    /// A frame of the answer went by: the prefill is over, and it may carry the usage.
-    fn saw(&mut self, data: &[u8]) {
+    /// A frame of the answer went by: the prefill is over, and it may carry the usage. A frame of
+    /// a stream (`sse`) also marks the end of one of the worker's steps.
+    fn saw(&mut self, data: &[u8], sse: bool) {
         if let Some(f) = &mut self.feedback {
-            f.load.done();
+            let cleared = f.load.done();
+            if sse {
+                let now = crate::load::now_us();
+                self.slot.worker().steps.frame(now, cleared);
+            }
             if let Some(u) = find_usage(data) {
                 f.usage = Some(u);
             }
@@ -326,7 +331,7 @@ impl HttpBody for RelayBody {
         match Pin::new(&mut *this.inner).poll_frame(cx) {
             Poll::Ready(Some(Ok(frame))) => {
                 if let (Some(t), Some(data)) = (&mut relay.tracker, frame.data_ref()) {
-                    t.saw(data);
+                    t.saw(data, relay.sse);
                 }
                 if this.inner.is_end_stream() {
                     // hyper may not poll again once the body says it is complete.
