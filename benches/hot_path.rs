@@ -67,6 +67,18 @@ fn pool(n: usize, metrics: &Metrics) -> Vec<Arc<Worker>> {
                 kv_capacity: kv_capacity(),
                 ..Polled::default()
             }));
+            // As its streams show a worker's steps (`step_phase`): 40 ms plus 0.4 ms per prefill
+            // token, fitted, so that pricing a worker reads its step clock.
+            // `KVROUTE_BENCH_STEPS=0` leaves the steps untimed.
+            if timed_steps() {
+                let prefill = |k: u64| (k * 37) % 5 * 128;
+                let total: u64 = (0..32).map(|k| 40_000 + 400 * prefill(k)).sum();
+                let mut t = kvroute::load::now_us() - total - (i as u64 * 7_919) % 40_000;
+                for k in 0..32 {
+                    t += 40_000 + 400 * prefill(k);
+                    w.steps.frame(t, prefill(k));
+                }
+            }
             Arc::new(w)
         })
         .collect()
@@ -78,6 +90,11 @@ fn kv_capacity() -> f64 {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(86_400.0)
+}
+
+/// Whether the pool's workers have timed steps: unless `KVROUTE_BENCH_STEPS=0`.
+fn timed_steps() -> bool {
+    std::env::var("KVROUTE_BENCH_STEPS").map_or(true, |v| v != "0")
 }
 
 /// Pseudo-random block hashes from `seed` (xorshift).

@@ -42,6 +42,16 @@
 //! publishes KV events they do not fade: the events show every replica where the others' requests
 //! went.
 //!
+//! With `step_phase`, the queue also holds what remains of the step a worker is running. vLLM
+//! sends a step's tokens to every stream when the step ends, and a request that arrives waits for
+//! the step under way before its prefill can start. A worker's load falls at the end of a step
+//! (first tokens clear pending prefill, finished answers leave), just as its next one begins, so
+//! a choice by load alone keeps taking the worker with the most of a step still ahead. Each
+//! worker's steps are timed from the bursts of this gateway's streams from it
+//! ([`crate::load::StepClock`]: a base time plus a time per prefill token, fitted over recent
+//! steps), and the base time less the time since its last burst counts as that many tokens of
+//! pending prefill.
+//!
 //! Several replicas sharing nothing each know only the turns they routed. Once one of them sends
 //! a turn elsewhere for load, it would follow that copy while the others keep to the home, and
 //! the conversation would bounce between two workers, each missing the other's turns. So when the
@@ -226,6 +236,11 @@ impl CacheAware {
             pending: self.params.pending_weight,
             request: self.params.request_cost_tokens,
             context: self.params.context_weight,
+            now: if self.params.step_phase {
+                crate::load::now_us().max(1)
+            } else {
+                0
+            },
         }
     }
 

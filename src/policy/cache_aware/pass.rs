@@ -35,6 +35,9 @@ pub(super) struct QueueWeights {
     pub(super) pending: f64,
     pub(super) request: f64,
     pub(super) context: f64,
+    /// [`crate::load::now_us`] of the decision, to price what remains of each worker's step
+    /// (`step_phase`); 0 leaves it out.
+    pub(super) now: u64,
 }
 
 impl QueueWeights {
@@ -59,7 +62,14 @@ impl QueueWeights {
             let per_own = queued_f / local as i64 as f64;
             (own * per_own, own_pending * per_own)
         };
-        self.pending * pending + self.request * queued_f + self.context * context
+        // What remains of the step under way delays this request's prefill as much as prefill
+        // queued in front of it would.
+        let step = if self.now > 0 {
+            w.steps.remaining_tokens(self.now)
+        } else {
+            0.0
+        };
+        self.pending * (pending + step) + self.request * queued_f + self.context * context
     }
 }
 

@@ -274,6 +274,56 @@ fn under_a_prefix_every_worker_holds_a_request_goes_where_no_prefill_is_pending(
     );
 }
 
+/// Times `w`'s steps as 200 ms plus 10 us per prefill token, its last burst `ago` microseconds
+/// before `now` (as [`crate::load::StepClock`] sees a worker's streams).
+fn stepping(w: &Worker, now: u64, ago: u64) {
+    let prefills = [0u64, 128, 0, 512, 256, 0, 0, 1024];
+    let total: u64 = (0..40).map(|i| 200_000 + 10 * prefills[i % 8]).sum();
+    let mut t = now - ago - total;
+    for i in 0..40 {
+        let x = prefills[i % 8];
+        t += 200_000 + 10 * x;
+        w.steps.frame(t, x);
+        w.steps.frame(t + 100, 0);
+    }
+    assert_eq!(t, now - ago);
+}
+
+#[test]
+fn with_step_phase_a_question_goes_where_the_step_under_way_ends_soonest() {
+    // The system prompt is on every worker and nothing is pending anywhere: by load the four are
+    // alike, and the question goes to its home. With `step_phase` (the default), the home's step has only
+    // just begun (its streams' frames came this instant): 200 ms, 20,000 tokens' worth of
+    // prefill, stand before the question's own prefill there; one worker is 190 ms into its
+    // step, the others 20 ms into theirs.
+    let ws = test_workers(4);
+    let question = convo(5, 4, 2);
+    let off = knowing_the_system_prompt(
+        &ws,
+        CacheAwareParams {
+            step_phase: false,
+            ..CacheAwareParams::default()
+        },
+    );
+    let home = off.peek(&ws, &question).unwrap().index;
+    let soonest = (home + 2) % ws.len();
+    let now = crate::load::now_us();
+    for (i, w) in ws.iter().enumerate() {
+        let ago = if i == home {
+            0
+        } else if i == soonest {
+            190_000
+        } else {
+            20_000
+        };
+        stepping(w, now, ago);
+    }
+    assert_eq!(off.peek(&ws, &question).unwrap().index, home);
+    let on = knowing_the_system_prompt(&ws, CacheAwareParams::default());
+    let s = on.peek(&ws, &question).unwrap();
+    assert_eq!((s.index, s.outcome), (soonest, Outcome::LongestMatch));
+}
+
 #[test]
 fn in_a_pool_larger_than_a_blocks_holder_list_new_conversations_have_their_own_homes() {
     // Sixteen workers hold the system prompt; its blocks list the last 8. Those 8 must count
