@@ -449,14 +449,22 @@ impl Metrics {
     }
 
     /// Publishes a worker's fitted step (called at scrape time): microseconds in, seconds out.
-    pub fn publish_steps(&self, worker: &str, (base_us, per_token_us): (f64, f64)) {
-        let set = |part: &str, us: f64| {
-            self.step_seconds
-                .with_label_values(&[worker, part])
-                .set(us / 1e6);
-        };
-        set("base", base_us);
-        set("per_prefill_token", per_token_us);
+    /// A fit that is no longer known (its steps stopped varying) is taken down, not left stale.
+    pub fn publish_steps(&self, worker: &str, fit: Option<(f64, f64)>) {
+        for (part, us) in [
+            ("base", fit.map(|f| f.0)),
+            ("per_prefill_token", fit.map(|f| f.1)),
+        ] {
+            match us {
+                Some(us) => self
+                    .step_seconds
+                    .with_label_values(&[worker, part])
+                    .set(us / 1e6),
+                None => {
+                    self.step_seconds.remove_label_values(&[worker, part]).ok();
+                }
+            }
+        }
     }
 
     /// Publishes a prefix index's figures (called at scrape time).

@@ -344,9 +344,7 @@ pub async fn metrics(State(s): State<AppState>) -> Response {
         if let Some(feed) = &w.events {
             metrics.publish_feed(&w.name, feed);
         }
-        if let Some(fit) = w.steps.fit() {
-            metrics.publish_steps(&w.name, fit);
-        }
+        metrics.publish_steps(&w.name, w.steps.fit());
     }
     (
         [(

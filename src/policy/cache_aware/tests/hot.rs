@@ -292,9 +292,9 @@ fn stepping(w: &Worker, now: u64, ago: u64) {
 #[test]
 fn with_step_phase_a_question_goes_where_the_step_under_way_ends_soonest() {
     // The system prompt is on every worker and nothing is pending anywhere: by load the four are
-    // alike, and the question goes to its home. With `step_phase` (the default), the home's step has only
-    // just begun (its streams' frames came this instant): 200 ms, 20,000 tokens' worth of
-    // prefill, stand before the question's own prefill there; one worker is 190 ms into its
+    // alike, and the question goes to its home. With `step_phase` (the default), the home's step
+    // has only just begun (its streams' frames came this instant): 200 ms, 20,000 tokens' worth
+    // of prefill, stand before the question's own prefill there; one worker is 190 ms into its
     // step, the others 20 ms into theirs.
     let ws = test_workers(4);
     let question = convo(5, 4, 2);
