@@ -78,6 +78,9 @@ pub struct MetricSet {
     /// `policy`, `arm`: the moving share of recent prompts that began with something the policy
     /// knew, which `new_prompt_by_reuse` gates the home's credit on.
     pub reuse_share: GaugeVec,
+    /// `policy`, `arm`: the moving share of recent requests past a prefix most workers hold that
+    /// continued something private beyond it, which `fade_by_continuation` scales the fade by.
+    pub continuing_share: GaugeVec,
     /// `worker`, `part` (base, per_prefill_token): the worker's engine step as timed from the
     /// bursts of this gateway's streams ([`crate::load::StepClock`]).
     pub step_seconds: GaugeVec,
@@ -283,6 +286,20 @@ impl Metrics {
                     Opts::new(
                         "kvroute_routing_reuse_share",
                         "Moving share (about the last 64 requests) of prompts that began with a prefix some worker was known to hold; below 0.5, the home's credit for prompts of which nothing is known fades with it (new_prompt_by_reuse).",
+                    ),
+                    &["policy", "arm"],
+                )
+                .expect("static metric definition");
+                registry
+                    .register(Box::new(g.clone()))
+                    .expect("metric registered once");
+                g
+            },
+            continuing_share: {
+                let g = GaugeVec::new(
+                    Opts::new(
+                        "kvroute_routing_continuing_share",
+                        "Moving share (about the last 64) of requests past a prefix most workers hold that continued something private beyond it (a conversation's next turn); with other replicas, the fade of hot_pending_weight back to the home scales with min(1, 2 x share) (fade_by_continuation).",
                     ),
                     &["policy", "arm"],
                 )

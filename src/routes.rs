@@ -339,6 +339,12 @@ pub async fn metrics(State(s): State<AppState>) -> Response {
                 .with_label_values(&[arm.policy.name(), &arm.name])
                 .set(share);
         }
+        if let Some(share) = arm.policy.continuing_share() {
+            metrics
+                .continuing_share
+                .with_label_values(&[arm.policy.name(), &arm.name])
+                .set(share);
+        }
     }
     for w in s.upstreams.pool.snapshot().iter() {
         if let Some(feed) = &w.events {

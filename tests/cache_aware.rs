@@ -225,6 +225,24 @@ async fn the_reuse_share_is_exported_while_new_prompt_by_reuse_is_on() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_continuation_share_is_exported_while_fade_by_continuation_is_on() {
+    let pool = sim(2).await;
+    let series = r#"kvroute_routing_continuing_share{arm="cache_aware",policy="cache_aware"}"#;
+    let mut cfg = config(&pool);
+    let on = gateway(cfg.clone()).await;
+    send(on.addr, &chat(0, 1)).await;
+    // It starts at 1 and moves only with requests past a prefix most workers hold.
+    let share = metric(&metrics_text(on.addr).await, series);
+    assert!(share.is_some_and(|s| (0.0..=1.0).contains(&s)), "{share:?}");
+    if let kvroute::config::PolicyConfig::CacheAware(p) = &mut cfg.policy {
+        p.fade_by_continuation = false;
+    }
+    let off = gateway(cfg).await;
+    send(off.addr, &chat(0, 1)).await;
+    assert_eq!(metric(&metrics_text(off.addr).await, series), None);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn load_signals_are_polled_from_the_workers_metrics() {
     let pool = sim(2).await;
     let mut cfg = config(&pool);

@@ -144,6 +144,13 @@ pub trait Policy: Send + Sync + 'static {
         None
     }
 
+    /// The moving share of recent requests past a prefix most workers hold that continued
+    /// something private beyond it, if the policy keeps one (`cache_aware` with
+    /// `fade_by_continuation`).
+    fn continuing_share(&self) -> Option<f64> {
+        None
+    }
+
     /// A request this policy sent to `worker` ended; called once, after the response.
     fn observe(
         &self,

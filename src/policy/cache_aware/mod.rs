@@ -628,6 +628,12 @@ impl Policy for CacheAware {
             .then(|| self.reuse_share_now())
     }
 
+    fn continuing_share(&self) -> Option<f64> {
+        self.params
+            .fade_by_continuation
+            .then(|| self.continuing_now())
+    }
+
     fn observe(&self, worker: &Worker, req: &RequestInfo, selection: &Selection, result: Observed) {
         let Some(predicted) = selection.prediction else {
             return;

@@ -208,3 +208,26 @@ fn with_other_replicas_questions_that_never_continue_go_where_no_prefill_is_pend
     assert_eq!(ws[placed].load.pending_prefill(), 0);
     assert_eq!(conversations.peek(&ws, &question).unwrap().index, home);
 }
+
+#[test]
+fn the_continuation_share_is_reported_only_while_fade_by_continuation_is_on() {
+    let ws = test_workers(4);
+    let on = knowing_the_system_prompt(&ws, CacheAwareParams::default());
+    assert_eq!(Policy::continuing_share(&on), Some(1.0));
+    for c in 0..200 {
+        pick(&on, &ws, &convo(100 + c, 4, 2));
+    }
+    let share = Policy::continuing_share(&on).unwrap();
+    assert!(
+        share < 0.1,
+        "share {share} after questions that never continue"
+    );
+    let off = knowing_the_system_prompt(
+        &ws,
+        CacheAwareParams {
+            fade_by_continuation: false,
+            ..CacheAwareParams::default()
+        },
+    );
+    assert_eq!(Policy::continuing_share(&off), None);
+}
