@@ -514,11 +514,7 @@ async fn a_workers_engine_step_is_timed_from_the_bursts_of_its_streams() {
     })
     .await;
     let gw = gateway(config(&pool)).await;
-    let fit = |text: &str, part: &str| {
-        text.lines()
-            .find(|l| l.starts_with(&format!("kvroute_worker_step_seconds{{part=\"{part}\"")))
-            .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-    };
+    let fit = common::step_fit;
     assert_eq!(fit(&metrics_text(gw.addr).await, "base"), None);
     // Waves of four streamed prompts of different lengths, each its own from the first word, so
     // that steps carry different amounts of prefill.

@@ -1027,11 +1027,7 @@ async fn the_gateway_times_real_vllms_steps_from_its_streams() {
     let _turn = SERIAL.lock().await;
     let gw = pool.gateway(&[0], "cache_aware").await;
     pool.reset_caches().await;
-    let fit = |text: &str, part: &str| {
-        text.lines()
-            .find(|l| l.starts_with(&format!("kvroute_worker_step_seconds{{part=\"{part}\"")))
-            .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-    };
+    let fit = common::step_fit;
     for wave in 0..8u64 {
         let mut set = tokio::task::JoinSet::new();
         for i in 0..4u64 {

@@ -407,6 +407,15 @@ pub fn metric(text: &str, series: &str) -> Option<f64> {
         .and_then(|v| v.parse().ok())
 }
 
+/// A part (`base`, `per_prefill_token`) of the first worker's fitted step,
+/// `kvroute_worker_step_seconds`, when shown.
+pub fn step_fit(text: &str, part: &str) -> Option<f64> {
+    let start = format!("kvroute_worker_step_seconds{{part=\"{part}\"");
+    text.lines()
+        .find(|l| l.starts_with(&start))
+        .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+}
+
 pub async fn metrics_text(addr: SocketAddr) -> String {
     String::from_utf8(request(addr, "GET", "/metrics", b"").await.body).unwrap()
 }
