@@ -519,25 +519,17 @@ async fn a_workers_engine_step_is_timed_from_the_bursts_of_its_streams() {
     // Waves of four streamed prompts of different lengths, each its own from the first word, so
     // that steps carry different amounts of prefill.
     for wave in 0..8usize {
-        let mut set = JoinSet::new();
-        for i in 0..4usize {
+        let bodies = (0..4usize).map(|i| {
             let n = 40 + ((wave * 4 + i) * 37) % 260;
-            let body = json!({
+            json!({
                 "model": "Qwen/Qwen2.5-7B-Instruct",
                 "prompt": format!("request {wave} {i}: {}", words(wave + i, n)),
                 "max_tokens": 6,
                 "stream": true,
             })
-            .to_string();
-            let addr = gw.addr;
-            set.spawn(async move {
-                let r = request(addr, "POST", "/v1/completions", body.as_bytes()).await;
-                assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
-            });
-        }
-        while let Some(r) = set.join_next().await {
-            r.unwrap();
-        }
+            .to_string()
+        });
+        common::post_together(gw.addr, "/v1/completions", bodies.collect()).await;
     }
     let text = metrics_text(gw.addr).await;
     let base = fit(&text, "base").expect("a fitted step");

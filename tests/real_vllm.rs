@@ -1029,24 +1029,16 @@ async fn the_gateway_times_real_vllms_steps_from_its_streams() {
     pool.reset_caches().await;
     let fit = common::step_fit;
     for wave in 0..8u64 {
-        let mut set = tokio::task::JoinSet::new();
-        for i in 0..4u64 {
+        let bodies = (0..4u64).map(|i| {
             let n = 40 + ((wave * 4 + i) * 37 % 9) as usize * 40;
-            let body = json!({
+            json!({
                 "model": pool.model,
                 "prompt": format!("request {wave} {i}: {}", words(wave * 4 + i + 1000, n)),
                 "max_tokens": 8, "ignore_eos": true, "stream": true,
             })
-            .to_string();
-            let addr = gw.addr;
-            set.spawn(async move {
-                let r = request(addr, "POST", "/v1/completions", body.as_bytes()).await;
-                assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
-            });
-        }
-        while let Some(r) = set.join_next().await {
-            r.unwrap();
-        }
+            .to_string()
+        });
+        common::post_together(gw.addr, "/v1/completions", bodies.collect()).await;
     }
     let text = metrics_text(gw.addr).await;
     let (base, per_token) = (fit(&text, "base"), fit(&text, "per_prefill_token"));

@@ -407,6 +407,20 @@ pub fn metric(text: &str, series: &str) -> Option<f64> {
         .and_then(|v| v.parse().ok())
 }
 
+/// POSTs every body to `path` at once and waits for all the answers, each of which must be 200.
+pub async fn post_together(addr: SocketAddr, path: &'static str, bodies: Vec<String>) {
+    let mut set = tokio::task::JoinSet::new();
+    for body in bodies {
+        set.spawn(async move {
+            let r = request(addr, "POST", path, body.as_bytes()).await;
+            assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+        });
+    }
+    while let Some(r) = set.join_next().await {
+        r.unwrap();
+    }
+}
+
 /// A part (`base`, `per_prefill_token`) of the first worker's fitted step,
 /// `kvroute_worker_step_seconds`, when shown.
 pub fn step_fit(text: &str, part: &str) -> Option<f64> {
