@@ -158,6 +158,13 @@ impl Metrics {
                 .expect("metric registered once");
             g
         };
+        let float_gauge = |name: &str, help: &str, labels: &[&str]| {
+            let g = GaugeVec::new(Opts::new(name, help), labels).expect("static metric definition");
+            registry
+                .register(Box::new(g.clone()))
+                .expect("metric registered once");
+            g
+        };
         let workers = prometheus::IntGauge::new("kvroute_workers", "Workers in the current set.")
             .expect("static metric definition");
         registry
@@ -281,48 +288,21 @@ impl Metrics {
                 "Blocks the prefix index dropped to stay within its memory cap.",
                 &["policy", "arm"],
             ),
-            reuse_share: {
-                let g = GaugeVec::new(
-                    Opts::new(
-                        "kvroute_routing_reuse_share",
-                        "Moving share (about the last 64 requests) of prompts that began with a prefix some worker was known to hold; below 0.5, the home's credit for prompts of which nothing is known fades with it (new_prompt_by_reuse).",
-                    ),
-                    &["policy", "arm"],
-                )
-                .expect("static metric definition");
-                registry
-                    .register(Box::new(g.clone()))
-                    .expect("metric registered once");
-                g
-            },
-            continuing_share: {
-                let g = GaugeVec::new(
-                    Opts::new(
-                        "kvroute_routing_continuing_share",
-                        "Moving share (about the last 64) of requests past a prefix most workers hold that continued something private beyond it (a conversation's next turn); with other replicas, the fade of hot_pending_weight back to the home scales with min(1, 2 x share) (fade_by_continuation).",
-                    ),
-                    &["policy", "arm"],
-                )
-                .expect("static metric definition");
-                registry
-                    .register(Box::new(g.clone()))
-                    .expect("metric registered once");
-                g
-            },
-            step_seconds: {
-                let g = GaugeVec::new(
-                    Opts::new(
-                        "kvroute_worker_step_seconds",
-                        "A worker's engine step as timed from the bursts of the gateway's streams from it: base (a step with no prefill) and per_prefill_token; shown once fitted.",
-                    ),
-                    &["worker", "part"],
-                )
-                .expect("static metric definition");
-                registry
-                    .register(Box::new(g.clone()))
-                    .expect("metric registered once");
-                g
-            },
+            reuse_share: float_gauge(
+                "kvroute_routing_reuse_share",
+                "Moving share (about the last 64 requests) of prompts that began with a prefix some worker was known to hold; below 0.5, the home's credit for prompts of which nothing is known fades with it (new_prompt_by_reuse).",
+                &["policy", "arm"],
+            ),
+            continuing_share: float_gauge(
+                "kvroute_routing_continuing_share",
+                "Moving share (about the last 64) of requests past a prefix most workers hold that continued something private beyond it (a conversation's next turn); with other replicas, the fade of hot_pending_weight back to the home scales with min(1, 2 x share) (fade_by_continuation).",
+                &["policy", "arm"],
+            ),
+            step_seconds: float_gauge(
+                "kvroute_worker_step_seconds",
+                "A worker's engine step as timed from the bursts of the gateway's streams from it: base (a step with no prefill) and per_prefill_token; shown once fitted.",
+                &["worker", "part"],
+            ),
             kv_event_batches: counter(
                 "kvroute_kv_event_batches_total",
                 "KV cache event batches applied from a worker's publisher (live and replayed).",

@@ -219,14 +219,6 @@ impl CacheAware {
         f64::from_bits(self.bytes_per_token.load(Ordering::Relaxed))
     }
 
-    /// The work queued on `w`, in prompt tokens, for a request without a routing key; the pass
-    /// prices keyed ones with the same [`QueueWeights::cost`].
-    fn queue_cost(&self, w: &Worker, prompt: f64) -> f64 {
-        let local = w.inflight();
-        self.queue_weights()
-            .cost(w, local, w.load.queued(local), prompt)
-    }
-
     /// The weights of the queue's cost: each queued request costs `request_cost_tokens` plus
     /// `context_weight` per token of its prompt, and the prefill not yet started costs
     /// `pending_weight` per token ([`QueueWeights::cost`] says how other replicas' requests are
@@ -237,7 +229,7 @@ impl CacheAware {
             request: self.params.request_cost_tokens,
             context: self.params.context_weight,
             now: if self.params.step_phase {
-                crate::load::now_us().max(1)
+                crate::load::now_us()
             } else {
                 0
             },
@@ -255,15 +247,22 @@ impl CacheAware {
         (bound * (load.queued + 1) as f64 / load.usable as f64).ceil() as usize
     }
 
-    /// No key: the usable worker with the least work queued, ties rotating.
+    /// No key: the usable worker with the least work queued, ties rotating. The work is priced
+    /// as the pass prices it for keyed requests ([`QueueWeights::cost`]), with weights (and the
+    /// clock the step remainders are read at) fixed once for the decision.
     fn least_work(&self, workers: &[Arc<Worker>], req: &RequestInfo) -> Option<Selection> {
         let prompt = req.prompt_bytes as f64 / self.bytes_per_token();
+        let weights = self.queue_weights();
+        let queue_cost = |w: &Worker| {
+            let local = w.inflight();
+            weights.cost(w, local, w.load.queued(local), prompt)
+        };
         let n = workers.len();
         let start = self.tie_break.fetch_add(1, Ordering::Relaxed) % n.max(1);
         (0..n)
             .map(|k| (start + k) % n)
             .filter(|&i| workers[i].is_usable())
-            .map(|i| (self.queue_cost(&workers[i], prompt), i))
+            .map(|i| (queue_cost(&workers[i]), i))
             .min_by(|a, b| a.0.total_cmp(&b.0))
             .map(|(_, i)| Selection::new(i, Outcome::Fallback))
     }
