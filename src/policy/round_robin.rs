@@ -1,7 +1,9 @@
 //! `round_robin`: each request goes to the next worker in order.
 //!
 //! Algorithm: a shared counter modulo the pool size; an unusable worker is skipped for the next
-//! usable one (outcome `spilled`). O(1) per request when all workers are usable, O(n) at worst.
+//! usable one (outcome `spilled`). The counter starts at a random point: replicas that shared a
+//! starting point would deal the same worker in step, and requests that reach two of them at
+//! once would land on one worker together. O(1) per request when all workers are usable, O(n) at worst.
 //! No parameters. Ignores the prompt, so it throws away KV-cache locality: the baseline to beat.
 
 use std::sync::{
@@ -12,9 +14,19 @@ use std::sync::{
 use super::{Outcome, Policy, Selection};
 use crate::{routing_key::RequestInfo, workers::Worker};
 
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct RoundRobin {
     next: AtomicUsize,
+}
+
+impl Default for RoundRobin {
+    fn default() -> Self {
+        let start =
+            std::hash::BuildHasher::hash_one(&std::collections::hash_map::RandomState::new(), 0u64);
+        Self {
+            next: AtomicUsize::new(start as usize >> 1),
+        }
+    }
 }
 
 impl Policy for RoundRobin {
@@ -59,6 +71,19 @@ mod tests {
         assert_eq!(counts, [100, 100, 100]);
     }
 
+    #[test]
+    fn gateways_begin_their_rounds_at_random_workers() {
+        // Sixteen gateways over four workers all beginning at one worker: 4 in 4^16 by chance.
+        let ws = test_workers(4);
+        let firsts: Vec<_> = (0..16)
+            .map(|_| {
+                let rr = RoundRobin::default();
+                rr.select(&ws, &RequestInfo::unkeyed()).unwrap().index
+            })
+            .collect();
+        assert!(firsts.iter().any(|&f| f != firsts[0]), "{firsts:?}");
+    }
+
     #[tokio::test(start_paused = true)]
     async fn skips_ejected_workers() {
         let ws = test_workers(3);
@@ -68,7 +93,9 @@ mod tests {
             .map(|_| rr.select(&ws, &RequestInfo::unkeyed()).unwrap())
             .collect();
         assert!(picks.iter().all(|s| s.index != 1));
-        assert_eq!(picks[1].outcome, Outcome::Spilled);
+        // Two of six turns start at the ejected worker, wherever the cursor began.
+        let spilled = picks.iter().filter(|s| s.outcome == Outcome::Spilled);
+        assert_eq!(spilled.count(), 2);
         for w in &ws {
             w.eject_for(Duration::from_secs(10));
         }
