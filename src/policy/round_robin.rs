@@ -3,8 +3,8 @@
 //! Algorithm: a shared counter modulo the pool size; an unusable worker is skipped for the next
 //! usable one (outcome `spilled`). The counter starts at a random point: replicas that shared a
 //! starting point would deal the same worker in step, and requests that reach two of them at
-//! once would land on one worker together. O(1) per request when all workers are usable, O(n) at worst.
-//! No parameters. Ignores the prompt, so it throws away KV-cache locality: the baseline to beat.
+//! once would land on one worker together. O(1) per request when all workers are usable, O(n)
+//! at worst. No parameters. Ignores the prompt, so it throws away KV-cache locality: the baseline to beat.
 
 use std::sync::{
     atomic::{AtomicUsize, Ordering},
@@ -24,7 +24,7 @@ impl Default for RoundRobin {
         let start =
             std::hash::BuildHasher::hash_one(&std::collections::hash_map::RandomState::new(), 0u64);
         Self {
-            next: AtomicUsize::new(start as usize >> 1),
+            next: AtomicUsize::new(start as usize),
         }
     }
 }
