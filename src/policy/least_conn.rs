@@ -2,7 +2,7 @@
 //! through this gateway.
 //!
 //! Algorithm: a linear scan for the minimum in-flight count, ties broken by a rotating start so
-//! equal workers share the load. O(n) per request. No parameters. Follows load, ignores prefixes.
+//! equal workers share the load (from a random point, so replicas do not rotate in step). O(n) per request. No parameters. Follows load, ignores prefixes.
 //! Each gateway replica counts only its own requests.
 
 use std::sync::{
@@ -13,9 +13,17 @@ use std::sync::{
 use super::{least_loaded, Outcome, Policy, Selection};
 use crate::{routing_key::RequestInfo, workers::Worker};
 
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct LeastConn {
     tie_break: AtomicUsize,
+}
+
+impl Default for LeastConn {
+    fn default() -> Self {
+        Self {
+            tie_break: super::random_cursor(),
+        }
+    }
 }
 
 impl Policy for LeastConn {

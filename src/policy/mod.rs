@@ -19,6 +19,15 @@ pub use least_conn::LeastConn;
 pub use prefix::Prefix;
 pub use round_robin::RoundRobin;
 
+/// A policy's turn counter (round-robin's cursor, a tie-break's rotation), starting at a random
+/// point: gateway replicas started together would otherwise turn in step, and requests reaching
+/// two of them at once would land on one worker together.
+fn random_cursor() -> std::sync::atomic::AtomicUsize {
+    use std::hash::BuildHasher;
+    let start = std::collections::hash_map::RandomState::new().hash_one(0u64);
+    std::sync::atomic::AtomicUsize::new(start as usize)
+}
+
 /// How a worker was chosen; counted in `kvroute_routing_decisions_total`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Outcome {

@@ -37,7 +37,7 @@ impl Prefix {
     pub fn new(params: PrefixParams) -> Self {
         Self {
             params,
-            tie_break: AtomicUsize::new(0),
+            tie_break: super::random_cursor(),
         }
     }
 

@@ -1,10 +1,10 @@
 //! `round_robin`: each request goes to the next worker in order.
 //!
 //! Algorithm: a shared counter modulo the pool size; an unusable worker is skipped for the next
-//! usable one (outcome `spilled`). The counter starts at a random point: replicas that shared a
-//! starting point would deal the same worker in step, and requests that reach two of them at
-//! once would land on one worker together. O(1) per request when all workers are usable, O(n)
-//! at worst. No parameters. Ignores the prompt, so it throws away KV-cache locality: the baseline to beat.
+//! usable one (outcome `spilled`). The counter starts at a random point, so that replicas do not
+//! deal in step ([`super::random_cursor`]). O(1) per request when all workers are usable, O(n)
+//! at worst. No parameters. Ignores the prompt, so it throws away KV-cache locality: the
+//! baseline to beat.
 
 use std::sync::{
     atomic::{AtomicUsize, Ordering},
@@ -21,10 +21,8 @@ pub struct RoundRobin {
 
 impl Default for RoundRobin {
     fn default() -> Self {
-        let start =
-            std::hash::BuildHasher::hash_one(&std::collections::hash_map::RandomState::new(), 0u64);
         Self {
-            next: AtomicUsize::new(start as usize),
+            next: super::random_cursor(),
         }
     }
 }
@@ -72,7 +70,7 @@ mod tests {
     }
 
     #[test]
-    fn gateways_begin_their_rounds_at_random_workers() {
+    fn gateways_do_not_all_begin_their_rounds_at_one_worker() {
         // Sixteen gateways over four workers all beginning at one worker: 4 in 4^16 by chance.
         let ws = test_workers(4);
         let firsts: Vec<_> = (0..16)
