@@ -261,8 +261,18 @@ impl StepClock {
         let tokens = self.cleared.swap(cleared, Ordering::Relaxed) as f64;
         let mut fit = self.fit.lock();
         let ended = std::mem::replace(&mut fit.gap, if last == 0 { 0.0 } else { gap as f64 });
-        // An idle pause is no step: leave out what is far longer than the steps seen.
-        if ended <= 0.0 || (fit.steps >= 8 && ended > 4.0 * fit.d) {
+        // An idle pause is no step: leave out what is far longer than the steps seen, allowing
+        // for prefill beyond their mean at the fitted time per token (before a fit, at the mean
+        // step's time per mean token, which overstates it): a step that prefills several
+        // prompts after many that prefilled none is long, and no pause.
+        let per_token = f64::from_bits(self.per_token_us.load(Ordering::Relaxed));
+        let slope = if per_token > 0.0 {
+            per_token
+        } else {
+            fit.d / fit.x.max(1.0)
+        };
+        let expected = fit.d + slope * (tokens - fit.x).max(0.0);
+        if ended <= 0.0 || (fit.steps >= 8 && ended > 4.0 * expected) {
             return;
         }
         fit.steps = fit.steps.saturating_add(1);
