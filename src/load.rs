@@ -207,13 +207,19 @@ pub fn now_us() -> u64 {
 /// ahead. The clock gives that wait: a step lasts `base + per_token × prefill` (fitted over the
 /// bursts seen: each step's duration against the prompt tokens whose first token ended it), so
 /// what remains of a step without this gateway's prefill is `base` less the time since the last
-/// burst. The prefill part is the pending prefill a policy already prices.
+/// burst. The prefill part is the pending prefill a policy already prices; of the prefill the step
+/// began with, what its fitted rate has worked through since the base time ended is done
+/// ([`StepClock::prefill_done`]).
 #[derive(Debug, Default)]
 pub struct StepClock {
     /// [`now_us`] when the last burst began; 0 before any.
     last: AtomicU64,
     /// Prompt tokens whose first token came in the burst that began at `last`.
     cleared: AtomicU64,
+    /// This gateway's pending prefill when the step under way began (after the burst that began
+    /// it cleared its first tokens): what that step is prefilling, since vLLM schedules a step
+    /// from what is waiting when it starts.
+    in_step: AtomicU64,
     /// The fit, as `f64` bits: microseconds of a step with no prefill, and per prefill token. Both
     /// 0 while unknown.
     base_us: AtomicU64,
@@ -240,8 +246,8 @@ const STEP_WINDOW: f64 = 32.0;
 
 impl StepClock {
     /// A frame of a stream went by at `now` ([`now_us`]); its first frame cleared `cleared` prompt
-    /// tokens of pending prefill.
-    pub fn frame(&self, now: u64, cleared: u64) {
+    /// tokens of pending prefill, which left `pending` tokens of this gateway's pending there.
+    pub fn frame(&self, now: u64, cleared: u64, pending: u64) {
         let last = self.last.load(Ordering::Relaxed);
         let base = f64::from_bits(self.base_us.load(Ordering::Relaxed));
         let min_gap = MIN_STEP_GAP_US.max((base / 4.0) as u64);
@@ -254,9 +260,15 @@ impl StepClock {
         {
             if cleared > 0 {
                 self.cleared.fetch_add(cleared, Ordering::Relaxed);
+                // Cleared in the burst that began the step: not part of it. A plain load and
+                // store; a race loses a few tokens of an estimate.
+                let in_step = self.in_step.load(Ordering::Relaxed);
+                self.in_step
+                    .store(in_step.saturating_sub(cleared), Ordering::Relaxed);
             }
             return;
         }
+        self.in_step.store(pending, Ordering::Relaxed);
         // A new burst: the step that the last one ended is complete with its tokens.
         let tokens = self.cleared.swap(cleared, Ordering::Relaxed) as f64;
         let mut fit = self.fit.lock();
@@ -310,6 +322,23 @@ impl StepClock {
         let base = f64::from_bits(self.base_us.load(Ordering::Relaxed));
         let since = now.saturating_sub(self.last.load(Ordering::Relaxed)) as i64 as f64;
         (base - since).max(0.0) / per_token
+    }
+
+    /// How much of the step under way's own prefill (this gateway's prompts it began with, no more
+    /// than the `pending` still there) is done at `now`, in prompt tokens: the step spends its
+    /// base time first, as far as the fit can tell, then prefill at the fitted rate. 0 while the
+    /// fit is unknown. Less what [`Self::remaining_tokens`] gives, it is what remains of the
+    /// step with its prefill: pending prefill a step is working through shrinks as it goes.
+    #[inline]
+    pub fn prefill_done(&self, now: u64, pending: u64) -> f64 {
+        let per_token = f64::from_bits(self.per_token_us.load(Ordering::Relaxed));
+        if per_token <= 0.0 {
+            return 0.0;
+        }
+        let base = f64::from_bits(self.base_us.load(Ordering::Relaxed));
+        let since = now.saturating_sub(self.last.load(Ordering::Relaxed)) as i64 as f64;
+        let in_step = self.in_step.load(Ordering::Relaxed).min(pending) as i64 as f64;
+        ((since - base).max(0.0) / per_token).min(in_step)
     }
 
     /// The fitted step without prefill and per prefill token, in microseconds, when known.
@@ -692,9 +721,9 @@ mod tests {
     fn steps(clock: &StepClock, mut t: u64, prefills: impl Iterator<Item = u64>) -> u64 {
         for x in prefills {
             t += 20_000 + 10 * x;
-            clock.frame(t, x);
+            clock.frame(t, x, 0);
             for f in 1..6 {
-                clock.frame(t + 50 * f, 0);
+                clock.frame(t + 50 * f, 0, 0);
             }
         }
         t
@@ -735,6 +764,43 @@ mod tests {
             "per token after a pause {per_token} us"
         );
         assert!(ahead(t + 250) > 1_800.0);
+    }
+
+    #[test]
+    fn a_step_works_through_the_prefill_it_began_with() {
+        let clock = StepClock::default();
+        let mix = [0, 128, 0, 512, 256, 0, 0, 1024];
+        let t = steps(&clock, 1_000, mix.iter().copied().cycle().take(200));
+        assert_eq!(
+            clock.prefill_done(t + 50_000, 1_000),
+            0.0,
+            "nothing began there"
+        );
+        // The next step begins with 1,000 tokens waiting; a frame of the same burst clears 200
+        // of them (their first token ended the step before): 800 are this step's.
+        let t = t + 20_000;
+        clock.frame(t, 0, 1_000);
+        clock.frame(t + 100, 200, 800);
+        let done = |at: u64, pending: u64| clock.prefill_done(at, pending);
+        assert_eq!(done(t + 10_000, 800), 0.0, "still in the base time");
+        assert!(
+            (done(t + 25_000, 800) - 500.0).abs() < 50.0,
+            "{}",
+            done(t + 25_000, 800)
+        );
+        assert!(
+            (done(t + 200_000, 800) - 800.0).abs() < 1e-9,
+            "no more than it began with"
+        );
+        assert!(
+            done(t + 200_000, 300) <= 300.0,
+            "no more than is still pending"
+        );
+        // What remains of the step with its prefill falls as the step goes.
+        let ahead = |at: u64| clock.remaining_tokens(at) - done(at, 800);
+        assert!(ahead(t + 1_000) > ahead(t + 15_000));
+        assert!(ahead(t + 15_000) > ahead(t + 25_000));
+        assert!(ahead(t + 25_000) > ahead(t + 40_000));
     }
 
     #[test]

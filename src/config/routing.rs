@@ -253,6 +253,11 @@ pub struct CacheAwareParams {
     /// of 3): 8 prefixes every worker holds 1.00x round-robin's p95 TTFT against 1.21x; zipf
     /// 0.98x, multi-turn 0.97x, chat and 200 prefixes level (see `docs/measurements.md`).
     pub step_phase: bool,
+    /// With `step_phase`, the step under way works through the prefill it began with: past its
+    /// base time, the part of that prefill its fitted rate says is done no longer counts as
+    /// pending. Without it, a worker half-way through a long prefill step looks as busy as one
+    /// that has just begun it.
+    pub step_prefill: bool,
 }
 
 impl Default for CacheAwareParams {
@@ -275,6 +280,7 @@ impl Default for CacheAwareParams {
             spread_share: 0.125,
             evict_by_capacity: true,
             step_phase: true,
+            step_prefill: true,
         }
     }
 }

@@ -137,7 +137,8 @@ impl Tracker {
             let cleared = f.load.done();
             if sse {
                 let now = crate::load::now_us();
-                self.slot.worker().steps.frame(now, cleared);
+                let w = self.slot.worker();
+                w.steps.frame(now, cleared, w.load.pending_prefill());
             }
             if let Some(u) = find_usage(data) {
                 f.usage = Some(u);

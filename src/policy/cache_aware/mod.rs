@@ -50,7 +50,10 @@
 //! worker's steps are timed from the bursts of this gateway's streams from it
 //! ([`crate::load::StepClock`]: a base time plus a time per prefill token, fitted over recent
 //! steps), and the base time less the time since its last burst counts as that many tokens of
-//! pending prefill.
+//! pending prefill. With `step_prefill`, the prefill the step under way began with (this gateway's
+//! pending prefill when its burst came) shrinks at the fitted rate once the base time is spent:
+//! a worker most of the way through a long prefill step is nearly free, not as busy as one that
+//! has just begun it.
 //!
 //! Several replicas sharing nothing each know only the turns they routed. Once one of them sends
 //! a turn elsewhere for load, it would follow that copy while the others keep to the home, and
@@ -233,6 +236,7 @@ impl CacheAware {
             } else {
                 0
             },
+            step_prefill: self.params.step_prefill,
         }
     }
 

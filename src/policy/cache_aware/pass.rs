@@ -38,6 +38,8 @@ pub(super) struct QueueWeights {
     /// [`crate::load::now_us`] of the decision, to price what remains of each worker's step
     /// (`step_phase`); 0 leaves it out.
     pub(super) now: u64,
+    /// Take off the pending prefill what the step under way has done of its own (`step_prefill`).
+    pub(super) step_prefill: bool,
 }
 
 impl QueueWeights {
@@ -64,10 +66,13 @@ impl QueueWeights {
         };
         // What remains of the step under way delays this request's prefill as much as prefill
         // queued in front of it would.
-        let step = if self.now > 0 {
-            w.steps.remaining_tokens(self.now)
-        } else {
+        let step = if self.now == 0 {
             0.0
+        } else if self.step_prefill {
+            let done = w.steps.prefill_done(self.now, w.load.pending_prefill());
+            w.steps.remaining_tokens(self.now) - done
+        } else {
+            w.steps.remaining_tokens(self.now)
         };
         self.pending * (pending + step) + self.request * queued_f + self.context * context
     }
