@@ -177,6 +177,8 @@ pub struct CacheAware {
     bytes_per_token: AtomicU64,
     /// Answers it was learnt from.
     learnt_from: AtomicU64,
+    /// Rotates ties among requests without a key, and a large pool's load sample; from a random
+    /// point, as every policy's turn counter ([`super::random_cursor`]).
     tie_break: AtomicUsize,
     /// The moving share of recent prompts whose first block some worker was known to hold, as
     /// `f64` bits (`new_prompt_by_reuse`); starts at 1.
@@ -195,7 +197,7 @@ impl CacheAware {
             index: PrefixIndex::with_max_bytes(params.index_max_bytes),
             bytes_per_token: AtomicU64::new(params.bytes_per_token.to_bits()),
             learnt_from: AtomicU64::new(0),
-            tie_break: AtomicUsize::new(0),
+            tie_break: super::random_cursor(),
             reuse: AtomicU64::new(1f64.to_bits()),
             continuing: AtomicU64::new(1f64.to_bits()),
             params,
