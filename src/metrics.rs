@@ -81,6 +81,9 @@ pub struct MetricSet {
     /// `policy`, `arm`: the moving share of recent requests past a prefix most workers hold that
     /// continued something private beyond it, which `fade_by_continuation` scales the fade by.
     pub continuing_share: GaugeVec,
+    /// `policy`, `arm`: the moving share of prompts of which nothing was known that the worker
+    /// reported holding in part, which `reuse_from_usage` bounds other replicas' credit by.
+    pub unseen_reuse_share: GaugeVec,
     /// `worker`, `part` (base, per_prefill_token): the worker's engine step as timed from the
     /// bursts of this gateway's streams ([`crate::load::StepClock`]).
     pub step_seconds: GaugeVec,
@@ -296,6 +299,11 @@ impl Metrics {
             continuing_share: float_gauge(
                 "kvroute_routing_continuing_share",
                 "Moving share (about the last 64) of requests past a prefix most workers hold that continued something private beyond it (a conversation's next turn); with other replicas, the fade of hot_pending_weight back to the home scales with min(1, 2 x share) (fade_by_continuation).",
+                &["policy", "arm"],
+            ),
+            unseen_reuse_share: float_gauge(
+                "kvroute_routing_unseen_reuse_share",
+                "Moving share (about the last 64) of prompts of which nothing was known that the worker they went to reported having cached at least a routing block of; with other replicas, the home's credit for such prompts comes back by no more than min(1, 2 x share) (reuse_from_usage).",
                 &["policy", "arm"],
             ),
             step_seconds: float_gauge(

@@ -345,6 +345,12 @@ pub async fn metrics(State(s): State<AppState>) -> Response {
                 .with_label_values(&[arm.policy.name(), &arm.name])
                 .set(share);
         }
+        if let Some(share) = arm.policy.unseen_reuse_share() {
+            metrics
+                .unseen_reuse_share
+                .with_label_values(&[arm.policy.name(), &arm.name])
+                .set(share);
+        }
     }
     for w in s.upstreams.pool.snapshot().iter() {
         if let Some(feed) = &w.events {

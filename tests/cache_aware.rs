@@ -242,6 +242,49 @@ async fn the_continuation_share_is_exported_while_fade_by_continuation_is_on() {
     assert_eq!(metric(&metrics_text(off.addr).await, series), None);
 }
 
+/// A second gateway in front of one worker: prompts it has never seen that the first sent there
+/// come back from the worker cached, so its share of new prompts the worker held stays at 1;
+/// prompts nobody sent before pull it down, 1/64 a prompt.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_share_of_new_prompts_the_worker_held_is_learnt_from_cached_tokens() {
+    let pool = sim(1).await;
+    let series = r#"kvroute_routing_unseen_reuse_share{arm="cache_aware",policy="cache_aware"}"#;
+    let cfg = config(&pool);
+    let (first, second) = (gateway(cfg.clone()).await, gateway(cfg.clone()).await);
+    let prompt = |c: usize| -> Vec<u8> {
+        let messages = vec![
+            json!({"role": "system", "content": format!("assistant {c}: {}", words(c, 300))}),
+            json!({"role": "user", "content": words(c + 1, 40)}),
+        ];
+        json!({"model": "mistralai/Mistral-7B-Instruct-v0.3", "messages": messages, "max_tokens": 4})
+            .to_string()
+            .into_bytes()
+    };
+    for c in 0..20 {
+        send(first.addr, &prompt(300 + c)).await;
+    }
+    for c in 0..20 {
+        let (_, answer) = send(second.addr, &prompt(300 + c)).await;
+        let cached = answer["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64();
+        assert!(cached.is_some_and(|t| t > 64), "{answer}");
+    }
+    let share = metric(&metrics_text(second.addr).await, series);
+    assert_eq!(share, Some(1.0));
+    for c in 0..40 {
+        send(second.addr, &prompt(400 + c)).await;
+    }
+    // 40 samples of 0: (63/64)^40, about 0.53.
+    let share = metric(&metrics_text(second.addr).await, series).unwrap();
+    assert!((0.45..0.6).contains(&share), "share {share}");
+    let mut cfg = cfg;
+    if let kvroute::config::PolicyConfig::CacheAware(p) = &mut cfg.policy {
+        p.reuse_from_usage = false;
+    }
+    let off = gateway(cfg).await;
+    send(off.addr, &prompt(500)).await;
+    assert_eq!(metric(&metrics_text(off.addr).await, series), None);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn load_signals_are_polled_from_the_workers_metrics() {
     let pool = sim(2).await;

@@ -258,6 +258,13 @@ pub struct CacheAwareParams {
     /// pending. Without it, a worker half-way through a long prefill step looks as busy as one
     /// that has just begun it.
     pub step_prefill: bool,
+    /// With `new_prompt_by_reuse`, the home's credit that other replicas' traffic gives back to a
+    /// prompt of which nothing is known comes back only as far as such prompts turn out to be
+    /// held where they went: the moving share of them whose worker reported at least one routing
+    /// block's worth of `cached_tokens` (`min(1, 2 × share)`, starting at 1). Where prompts are
+    /// never reused, replicas then place them by cost, not by hash. Workers that report no
+    /// `cached_tokens` leave the credit as it was.
+    pub reuse_from_usage: bool,
 }
 
 impl Default for CacheAwareParams {
@@ -281,6 +288,7 @@ impl Default for CacheAwareParams {
             evict_by_capacity: true,
             step_phase: true,
             step_prefill: true,
+            reuse_from_usage: true,
         }
     }
 }

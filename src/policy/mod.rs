@@ -75,6 +75,8 @@ pub struct Prediction {
     pub cached_tokens: u32,
     /// Leading blocks of the routing key the worker was believed to hold.
     pub matched_blocks: u32,
+    /// Nothing of the prompt, not even its first block, was known on any worker.
+    pub fresh: bool,
 }
 
 impl Prediction {
@@ -157,6 +159,13 @@ pub trait Policy: Send + Sync + 'static {
     /// something private beyond it, if the policy keeps one (`cache_aware` with
     /// `fade_by_continuation`).
     fn continuing_share(&self) -> Option<f64> {
+        None
+    }
+
+    /// The moving share of recent prompts of which nothing was known that the worker they went
+    /// to reported it had cached in part, if the policy keeps one (`cache_aware` with
+    /// `reuse_from_usage`).
+    fn unseen_reuse_share(&self) -> Option<f64> {
         None
     }
 

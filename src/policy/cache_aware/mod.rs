@@ -186,6 +186,9 @@ pub struct CacheAware {
     /// The moving share of recent requests past a prefix most workers hold that continued
     /// something private beyond it, as `f64` bits (`fade_by_continuation`); starts at 1.
     continuing: AtomicU64,
+    /// The moving share of recent prompts of which nothing was known that the worker reported
+    /// holding at least a block of, as `f64` bits (`reuse_from_usage`); starts at 1.
+    unseen_reuse: AtomicU64,
 }
 
 /// Requests the reuse share averages over, about.
@@ -200,6 +203,7 @@ impl CacheAware {
             tie_break: super::random_cursor(),
             reuse: AtomicU64::new(1f64.to_bits()),
             continuing: AtomicU64::new(1f64.to_bits()),
+            unseen_reuse: AtomicU64::new(1f64.to_bits()),
             params,
         }
     }
@@ -218,6 +222,11 @@ impl CacheAware {
     /// (see `continuing`).
     fn continuing_now(&self) -> f64 {
         f64::from_bits(self.continuing.load(Ordering::Relaxed))
+    }
+
+    /// The moving share of new prompts the workers held part of (see `unseen_reuse`).
+    fn unseen_reuse_now(&self) -> f64 {
+        f64::from_bits(self.unseen_reuse.load(Ordering::Relaxed))
     }
 
     fn bytes_per_token(&self) -> f64 {
@@ -489,7 +498,11 @@ impl CacheAware {
             1.0
         };
         let h = if gate < 1.0 {
-            h * (gate + (1.0 - gate) * sample.others())
+            let mut back = sample.others();
+            if params.reuse_from_usage {
+                back = back.min((2.0 * self.unseen_reuse_now()).min(1.0));
+            }
+            h * (gate + (1.0 - gate) * back)
         } else {
             h
         };
@@ -569,6 +582,7 @@ fn selection(
             None => known.tokens_at(req, depth).round() as u32,
         },
         matched_blocks: depth as u32,
+        fresh: !known.any(),
     };
     Selection {
         index: chosen.index,
@@ -639,6 +653,12 @@ impl Policy for CacheAware {
             .then(|| self.continuing_now())
     }
 
+    fn unseen_reuse_share(&self) -> Option<f64> {
+        self.params
+            .reuse_from_usage
+            .then(|| self.unseen_reuse_now())
+    }
+
     fn observe(&self, worker: &Worker, req: &RequestInfo, selection: &Selection, result: Observed) {
         let Some(predicted) = selection.prediction else {
             return;
@@ -673,6 +693,16 @@ impl Policy for CacheAware {
             .kv
             .add(uncached + usage.completion_tokens.unwrap_or(0));
         if let Some(cached) = usage.cached_tokens {
+            // A prompt of which nothing was known, of which the worker held at least about one
+            // of the routing key's blocks: another replica (or something else unseen) sent its
+            // beginning there. Where that never happens, other replicas' traffic is no reason
+            // to give such prompts their home's credit back.
+            if predicted.fresh && self.params.reuse_from_usage && usage.prompt_tokens > 0 {
+                let block = usage
+                    .prompt_tokens
+                    .div_ceil(req.block_hashes.len().max(1) as u64);
+                count_into(&self.unseen_reuse, cached >= block.max(1));
+            }
             if predicted.cached_tokens > 0 {
                 worker
                     .load

@@ -155,6 +155,80 @@ fn beside_another_replica_a_new_prompt_keeps_its_home_credit_however_rare_reuse_
     assert_eq!(p.peek(&ws, &r).unwrap().index, home);
 }
 
+/// Routes `n` prompts that are each new (two blocks, 128 tokens; conversations `from` on) and
+/// reports for each that the worker it went to had cached `cached` tokens of it.
+fn route_new_and_report(p: &CacheAware, ws: &[Arc<Worker>], from: u64, n: u64, cached: u64) {
+    for c in from..from + n {
+        let r = convo(c, 0, 2);
+        let s = pick(p, ws, &r);
+        let usage = Usage {
+            prompt_tokens: 128,
+            cached_tokens: Some(cached),
+            completion_tokens: Some(1),
+        };
+        p.observe(&ws[s.index], &r, &s, Observed::Answered(Some(usage)));
+    }
+}
+
+#[test]
+fn beside_another_replica_new_prompts_the_workers_never_held_are_placed_by_cost() {
+    // As above, but every new prompt's worker reports none of it cached: the other replica's
+    // traffic is not conversations reaching this one unseen, and the credit fades after all.
+    let (ws, p, r, home) = new_prompt_and_its_home(true);
+    let _theirs = another_replica_as_busy(&ws);
+    route_new_and_report(&p, &ws, 1_000, 300, 0);
+    assert!(
+        p.unseen_reuse_now() < 0.02,
+        "share {}",
+        p.unseen_reuse_now()
+    );
+    assert_eq!(Policy::unseen_reuse_share(&p), Some(p.unseen_reuse_now()));
+    let _extra = ws[home].acquire();
+    assert_ne!(p.peek(&ws, &r).unwrap().index, home);
+}
+
+#[test]
+fn beside_another_replica_new_prompts_the_workers_held_in_part_keep_their_home_credit() {
+    // Each new prompt's worker held its first block (64 of its 128 tokens): another replica sent
+    // its beginning there, so the home still meets the other replica's turns.
+    let (ws, p, r, home) = new_prompt_and_its_home(true);
+    let _theirs = another_replica_as_busy(&ws);
+    route_new_and_report(&p, &ws, 1_000, 300, 64);
+    assert!(p.reuse_share_now() < 0.02, "share {}", p.reuse_share_now());
+    assert_eq!(p.unseen_reuse_now(), 1.0);
+    let _extra = ws[home].acquire();
+    assert_eq!(p.peek(&ws, &r).unwrap().index, home);
+    // Less than a block cached (a chat template's first tokens, say) is no sign of reuse.
+    route_new_and_report(&p, &ws, 2_000, 300, 16);
+    assert!(
+        p.unseen_reuse_now() < 0.02,
+        "share {}",
+        p.unseen_reuse_now()
+    );
+    assert_ne!(p.peek(&ws, &r).unwrap().index, home);
+}
+
+#[test]
+fn without_reuse_from_usage_other_replicas_restore_the_credit_whatever_the_workers_report() {
+    let ws = test_workers(8);
+    let r = convo(9, 0, 3);
+    let home = (0..ws.len())
+        .max_by_key(|&i| mix(r.block_hashes[0], ws[i].id_hash))
+        .unwrap();
+    let p = CacheAware::new(CacheAwareParams {
+        miss_weight: 1.0,
+        request_cost_tokens: 80.0,
+        context_weight: 0.0,
+        reuse_from_usage: false,
+        ..CacheAwareParams::default()
+    });
+    let _theirs = another_replica_as_busy(&ws);
+    route_new_and_report(&p, &ws, 1_000, 300, 0);
+    assert_eq!(Policy::unseen_reuse_share(&p), None);
+    let _extra = ws[home].acquire();
+    assert_eq!(p.peek(&ws, &r).unwrap().index, home);
+}
+
 #[test]
 fn without_the_flag_the_reuse_share_is_not_kept_and_a_new_prompt_goes_home() {
     let ws = test_workers(8);
