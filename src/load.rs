@@ -327,7 +327,7 @@ impl StepClock {
     /// How much of the step under way's own prefill (this gateway's prompts it began with, no more
     /// than the `pending` still there) is done at `now`, in prompt tokens: the step spends its
     /// base time first, as far as the fit can tell, then prefill at the fitted rate. 0 while the
-    /// fit is unknown. Less what [`Self::remaining_tokens`] gives, it is what remains of the
+    /// fit is unknown, and once the step has run twice its fitted length. Less what [`Self::remaining_tokens`] gives, it is what remains of the
     /// step with its prefill: pending prefill a step is working through shrinks as it goes.
     #[inline]
     pub fn prefill_done(&self, now: u64, pending: u64) -> f64 {
@@ -338,7 +338,13 @@ impl StepClock {
         let base = f64::from_bits(self.base_us.load(Ordering::Relaxed));
         let since = now.saturating_sub(self.last.load(Ordering::Relaxed)) as i64 as f64;
         let in_step = self.in_step.load(Ordering::Relaxed).min(pending) as i64 as f64;
-        ((since - base).max(0.0) / per_token).min(in_step)
+        let worked = (since - base).max(0.0) / per_token;
+        // A step twice as long as its fit allows is not the step the fit describes (a stalled
+        // worker, a preemption): what it began with is not taken for done.
+        if worked > 2.0 * in_step + base / per_token {
+            return 0.0;
+        }
+        worked.min(in_step)
     }
 
     /// The fitted step without prefill and per prefill token, in microseconds, when known.
@@ -789,13 +795,15 @@ mod tests {
             done(t + 25_000, 800)
         );
         assert!(
-            (done(t + 200_000, 800) - 800.0).abs() < 1e-9,
+            (done(t + 40_000, 800) - 800.0).abs() < 1e-9,
             "no more than it began with"
         );
         assert!(
-            done(t + 200_000, 300) <= 300.0,
+            done(t + 40_000, 300) <= 300.0,
             "no more than is still pending"
         );
+        // Twice the step's fitted length (20 ms and 8 ms of prefill) and more: stalled.
+        assert_eq!(done(t + 60_000, 800), 0.0, "an overdue step is not trusted");
         // What remains of the step with its prefill falls as the step goes.
         let ahead = |at: u64| clock.remaining_tokens(at) - done(at, 800);
         assert!(ahead(t + 1_000) > ahead(t + 15_000));
