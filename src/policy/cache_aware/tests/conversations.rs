@@ -210,15 +210,7 @@ fn beside_another_replica_new_prompts_the_workers_held_in_part_keep_their_home_c
 
 #[test]
 fn without_reuse_from_usage_other_replicas_restore_the_credit_whatever_the_workers_report() {
-    let ws = test_workers(8);
-    let r = convo(9, 0, 3);
-    let home = (0..ws.len())
-        .max_by_key(|&i| mix(r.block_hashes[0], ws[i].id_hash))
-        .unwrap();
-    let p = CacheAware::new(CacheAwareParams {
-        miss_weight: 1.0,
-        request_cost_tokens: 80.0,
-        context_weight: 0.0,
+    let (ws, p, r, home) = new_prompt_and_its_home_with(CacheAwareParams {
         reuse_from_usage: false,
         ..CacheAwareParams::default()
     });

@@ -266,6 +266,16 @@ fn unusable_workers_are_never_chosen_and_no_key_means_least_work() {
 pub(super) fn new_prompt_and_its_home(
     new_prompt_by_reuse: bool,
 ) -> (Vec<Arc<Worker>>, CacheAware, RequestInfo, usize) {
+    new_prompt_and_its_home_with(CacheAwareParams {
+        new_prompt_by_reuse,
+        ..CacheAwareParams::default()
+    })
+}
+
+/// As [`new_prompt_and_its_home`], with the policy's other params from `params`.
+pub(super) fn new_prompt_and_its_home_with(
+    params: CacheAwareParams,
+) -> (Vec<Arc<Worker>>, CacheAware, RequestInfo, usize) {
     let ws = test_workers(8);
     let r = convo(9, 0, 3);
     let home = (0..ws.len())
@@ -275,8 +285,7 @@ pub(super) fn new_prompt_and_its_home(
         miss_weight: 1.0,
         request_cost_tokens: 80.0,
         context_weight: 0.0,
-        new_prompt_by_reuse,
-        ..CacheAwareParams::default()
+        ..params
     });
     (ws, p, r, home)
 }
