@@ -76,7 +76,7 @@ fn pool(n: usize, metrics: &Metrics) -> Vec<Arc<Worker>> {
                 let mut t = kvroute::load::now_us() - total - (i as u64 * 7_919) % 40_000;
                 for k in 0..32 {
                     t += 40_000 + 400 * prefill(k);
-                    w.steps.frame(t, prefill(k), 0);
+                    w.steps.frame(t, prefill(k), || 0);
                 }
             }
             Arc::new(w)

@@ -246,8 +246,9 @@ const STEP_WINDOW: f64 = 32.0;
 
 impl StepClock {
     /// A frame of a stream went by at `now` ([`now_us`]); its first frame cleared `cleared` prompt
-    /// tokens of pending prefill, which left `pending` tokens of this gateway's pending there.
-    pub fn frame(&self, now: u64, cleared: u64, pending: u64) {
+    /// tokens of pending prefill, which left `pending()` tokens of this gateway's pending there
+    /// (read only when the frame begins a burst: every frame of every stream comes here).
+    pub fn frame(&self, now: u64, cleared: u64, pending: impl FnOnce() -> u64) {
         let last = self.last.load(Ordering::Relaxed);
         let base = f64::from_bits(self.base_us.load(Ordering::Relaxed));
         let min_gap = MIN_STEP_GAP_US.max((base / 4.0) as u64);
@@ -268,7 +269,7 @@ impl StepClock {
             }
             return;
         }
-        self.in_step.store(pending, Ordering::Relaxed);
+        self.in_step.store(pending(), Ordering::Relaxed);
         // A new burst: the step that the last one ended is complete with its tokens.
         let tokens = self.cleared.swap(cleared, Ordering::Relaxed) as f64;
         let mut fit = self.fit.lock();
@@ -337,6 +338,24 @@ impl StepClock {
         }
         let base = f64::from_bits(self.base_us.load(Ordering::Relaxed));
         let since = now.saturating_sub(self.last.load(Ordering::Relaxed)) as i64 as f64;
+        self.done_at(base, per_token, since, pending)
+    }
+
+    /// What remains of the step under way with its own prefill, in prompt tokens:
+    /// [`Self::remaining_tokens`] less [`Self::prefill_done`], reading the clock's atomics once
+    /// (the pricing pass calls it for every worker of every decision).
+    #[inline]
+    pub fn remaining_less_done(&self, now: u64, pending: u64) -> f64 {
+        let per_token = f64::from_bits(self.per_token_us.load(Ordering::Relaxed));
+        if per_token <= 0.0 {
+            return 0.0;
+        }
+        let base = f64::from_bits(self.base_us.load(Ordering::Relaxed));
+        let since = now.saturating_sub(self.last.load(Ordering::Relaxed)) as i64 as f64;
+        (base - since).max(0.0) / per_token - self.done_at(base, per_token, since, pending)
+    }
+
+    fn done_at(&self, base: f64, per_token: f64, since: f64, pending: u64) -> f64 {
         let in_step = self.in_step.load(Ordering::Relaxed).min(pending) as i64 as f64;
         let worked = (since - base).max(0.0) / per_token;
         // A step twice as long as its fit allows is not the step the fit describes (a stalled
@@ -727,9 +746,9 @@ mod tests {
     fn steps(clock: &StepClock, mut t: u64, prefills: impl Iterator<Item = u64>) -> u64 {
         for x in prefills {
             t += 20_000 + 10 * x;
-            clock.frame(t, x, 0);
+            clock.frame(t, x, || 0);
             for f in 1..6 {
-                clock.frame(t + 50 * f, 0, 0);
+                clock.frame(t + 50 * f, 0, || 0);
             }
         }
         t
@@ -785,8 +804,8 @@ mod tests {
         // The next step begins with 1,000 tokens waiting; a frame of the same burst clears 200
         // of them (their first token ended the step before): 800 are this step's.
         let t = t + 20_000;
-        clock.frame(t, 0, 1_000);
-        clock.frame(t + 100, 200, 800);
+        clock.frame(t, 0, || 1_000);
+        clock.frame(t + 100, 200, || 800);
         let done = |at: u64, pending: u64| clock.prefill_done(at, pending);
         assert_eq!(done(t + 10_000, 800), 0.0, "still in the base time");
         assert!(
@@ -805,7 +824,11 @@ mod tests {
         // Twice the step's fitted length (20 ms and 8 ms of prefill) and more: stalled.
         assert_eq!(done(t + 60_000, 800), 0.0, "an overdue step is not trusted");
         // What remains of the step with its prefill falls as the step goes.
-        let ahead = |at: u64| clock.remaining_tokens(at) - done(at, 800);
+        let ahead = |at: u64| clock.remaining_less_done(at, 800);
+        for at in [1_000, 15_000, 25_000, 40_000, 60_000] {
+            let apart = clock.remaining_tokens(t + at) - done(t + at, 800);
+            assert_eq!(ahead(t + at), apart, "at {at} us");
+        }
         assert!(ahead(t + 1_000) > ahead(t + 15_000));
         assert!(ahead(t + 15_000) > ahead(t + 25_000));
         assert!(ahead(t + 25_000) > ahead(t + 40_000));

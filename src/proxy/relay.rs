@@ -138,7 +138,7 @@ impl Tracker {
             if sse {
                 let now = crate::load::now_us();
                 let w = self.slot.worker();
-                w.steps.frame(now, cleared, w.load.pending_prefill());
+                w.steps.frame(now, cleared, || w.load.pending_prefill());
             }
             if let Some(u) = find_usage(data) {
                 f.usage = Some(u);

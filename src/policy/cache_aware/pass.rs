@@ -50,7 +50,8 @@ impl QueueWeights {
         // Counts go through `i64`: one instruction to a float on x86-64, where `u64` takes
         // several, and this runs for every worker of every decision (all are far below 2^63).
         let own = w.load.context_tokens() as i64 as f64;
-        let own_pending = w.load.pending_prefill() as i64 as f64;
+        let own_pending_tokens = w.load.pending_prefill();
+        let own_pending = own_pending_tokens as i64 as f64;
         let queued_f = queued as i64 as f64;
         // Tokens read per decode step on behalf of the queue, and prefill not started. Other
         // replicas' requests there are taken to be like this gateway's on average, or, with none
@@ -69,8 +70,7 @@ impl QueueWeights {
         let step = if self.now == 0 {
             0.0
         } else if self.step_prefill {
-            let done = w.steps.prefill_done(self.now, w.load.pending_prefill());
-            w.steps.remaining_tokens(self.now) - done
+            w.steps.remaining_less_done(self.now, own_pending_tokens)
         } else {
             w.steps.remaining_tokens(self.now)
         };

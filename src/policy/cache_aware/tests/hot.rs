@@ -283,8 +283,8 @@ fn stepping(w: &Worker, now: u64, ago: u64) {
     for i in 0..40 {
         let x = prefills[i % 8];
         t += 200_000 + 10 * x;
-        w.steps.frame(t, x, 0);
-        w.steps.frame(t + 100, 0, 0);
+        w.steps.frame(t, x, || 0);
+        w.steps.frame(t + 100, 0, || 0);
     }
     assert_eq!(t, now - ago);
 }
