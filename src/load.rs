@@ -332,13 +332,9 @@ impl StepClock {
     /// step with its prefill: pending prefill a step is working through shrinks as it goes.
     #[inline]
     pub fn prefill_done(&self, now: u64, pending: u64) -> f64 {
-        let per_token = f64::from_bits(self.per_token_us.load(Ordering::Relaxed));
-        if per_token <= 0.0 {
-            return 0.0;
-        }
-        let base = f64::from_bits(self.base_us.load(Ordering::Relaxed));
-        let since = now.saturating_sub(self.last.load(Ordering::Relaxed)) as i64 as f64;
-        self.done_at(base, per_token, since, pending)
+        self.phase(now).map_or(0.0, |(base, per_token, since)| {
+            self.done_at(base, per_token, since, pending)
+        })
     }
 
     /// What remains of the step under way with its own prefill, in prompt tokens:
@@ -346,13 +342,22 @@ impl StepClock {
     /// (the pricing pass calls it for every worker of every decision).
     #[inline]
     pub fn remaining_less_done(&self, now: u64, pending: u64) -> f64 {
+        self.phase(now).map_or(0.0, |(base, per_token, since)| {
+            (base - since).max(0.0) / per_token - self.done_at(base, per_token, since, pending)
+        })
+    }
+
+    /// The fit's base and time per token and the microseconds since the last burst at `now`;
+    /// `None` while the fit is unknown.
+    #[inline]
+    fn phase(&self, now: u64) -> Option<(f64, f64, f64)> {
         let per_token = f64::from_bits(self.per_token_us.load(Ordering::Relaxed));
         if per_token <= 0.0 {
-            return 0.0;
+            return None;
         }
         let base = f64::from_bits(self.base_us.load(Ordering::Relaxed));
         let since = now.saturating_sub(self.last.load(Ordering::Relaxed)) as i64 as f64;
-        (base - since).max(0.0) / per_token - self.done_at(base, per_token, since, pending)
+        Some((base, per_token, since))
     }
 
     fn done_at(&self, base: f64, per_token: f64, since: f64, pending: u64) -> f64 {
