@@ -231,3 +231,61 @@ fn the_continuation_share_is_reported_only_while_fade_by_continuation_is_on() {
     );
     assert_eq!(Policy::continuing_share(&off), None);
 }
+
+/// Two replicas over one pool, where nothing is ever reused (both reuse shares at 0, as on the
+/// random workload): how many of `prompts` new prompts, each priced by both at the same moment,
+/// they send to the same worker.
+fn same_choices(ws: &[Arc<Worker>], replica_jitter: f64, prompts: u64) -> usize {
+    let replica = || {
+        let p = CacheAware::new(CacheAwareParams {
+            replica_jitter,
+            ..CacheAwareParams::default()
+        });
+        p.reuse.store(0f64.to_bits(), Ordering::Relaxed);
+        p.unseen_reuse.store(0f64.to_bits(), Ordering::Relaxed);
+        p
+    };
+    let (a, b) = (replica(), replica());
+    (0..prompts)
+        .filter(|&c| {
+            let r = convo(1000 + c, 0, 2);
+            a.peek(ws, &r).unwrap().index == b.peek(ws, &r).unwrap().index
+        })
+        .count()
+}
+
+#[test]
+fn replicas_that_see_the_same_pool_draw_apart_and_one_gateway_does_not_draw() {
+    let ws = test_workers(4);
+    // Alone in the pool, with or without the draw, both rank the equal workers alike.
+    assert_eq!(same_choices(&ws, 0.0, 200), 200);
+    assert_eq!(same_choices(&ws, 1.0, 200), 200);
+    // Beside another replica as busy: without the draw they still do; with it, each picks at
+    // random among workers that cost the same, one time in four alike (about 50 of 200).
+    let _mine = another_replica_as_busy(&ws);
+    assert_eq!(same_choices(&ws, 0.0, 200), 200);
+    let same = same_choices(&ws, 1.0, 200);
+    assert!((20..=100).contains(&same), "{same} of 200 alike");
+}
+
+/// The draw spans at most this request's pending cost: a worker whose queue costs more than
+/// that above another's is never chosen over it, however the draws fall.
+#[test]
+fn the_draw_never_outweighs_a_gap_wider_than_the_requests_own_prefill() {
+    let ws = test_workers(4);
+    let _mine = another_replica_as_busy(&ws);
+    let p = CacheAware::new(CacheAwareParams {
+        replica_jitter: 1.0,
+        ..CacheAwareParams::default()
+    });
+    p.reuse.store(0f64.to_bits(), Ordering::Relaxed);
+    p.unseen_reuse.store(0f64.to_bits(), Ordering::Relaxed);
+    // Two blocks of 64 tokens each: the request's pending cost is 0.5 x 128 = 64 tokens, so the
+    // draw is under that. A 200-token prefill waiting on three of the workers costs each of them
+    // 0.5 x 200 x 9 / 5 (this gateway's pending prefill there scaled to the 9 requests the poll
+    // puts beside its 5) = 180 tokens more than the fourth.
+    let _waiting: Vec<_> = (1..4).map(|i| hold(&ws[i], 200, 0)).collect();
+    for c in 0..200 {
+        assert_eq!(pick(&p, &ws, &convo(1000 + c, 0, 2)).index, 0);
+    }
+}
