@@ -265,14 +265,6 @@ pub struct CacheAwareParams {
     /// never reused, replicas then place them by cost, not by hash. Workers that report no
     /// `cached_tokens` leave the credit as it was.
     pub reuse_from_usage: bool,
-    /// Beside other replicas (a share `f` of the pool's requests in flight, seen in the
-    /// workers' polled load), each worker's cost gets a random addition, drawn afresh for every
-    /// decision, of up to `replica_jitter` times `min(1, 2f)` times the pending cost of this
-    /// request's prefill (its tokens no worker is known to hold). Replicas see the same step
-    /// ends and the same polls, so without it they rank workers alike and send what arrives at
-    /// the same moment to the same worker, each blind to the other's prefill there. 0 turns it
-    /// off; one gateway (`f = 0`) never draws.
-    pub replica_jitter: f64,
 }
 
 impl Default for CacheAwareParams {
@@ -297,7 +289,6 @@ impl Default for CacheAwareParams {
             step_phase: true,
             step_prefill: true,
             reuse_from_usage: true,
-            replica_jitter: 0.0,
         }
     }
 }
@@ -321,11 +312,9 @@ impl CacheAwareParams {
             && self.hot_pending_weight.is_finite()
             && self.hot_pending_weight >= 0.0
             && (0.0..=1.0).contains(&self.spread_share)
-            && self.replica_jitter.is_finite()
-            && self.replica_jitter >= 0.0
             && (self.load_bound == 0.0 || (self.load_bound.is_finite() && self.load_bound >= 1.0));
         if !ok {
-            return Err("cache_aware: request_cost_tokens >= 0, context_weight >= 0, bytes_per_token > 0, home_affinity and reuse_affinity in [0, 1], miss_weight > 0, pending_weight >= 0, hot_pending_weight >= 0, spread_share in [0, 1], replica_jitter >= 0, load_bound 0 or >= 1".into());
+            return Err("cache_aware: request_cost_tokens >= 0, context_weight >= 0, bytes_per_token > 0, home_affinity and reuse_affinity in [0, 1], miss_weight > 0, pending_weight >= 0, hot_pending_weight >= 0, spread_share in [0, 1], load_bound 0 or >= 1".into());
         }
         Ok(())
     }

@@ -189,9 +189,6 @@ pub struct CacheAware {
     /// The moving share of recent prompts of which nothing was known that the worker reported
     /// holding at least a block of, as `f64` bits (`reuse_from_usage`); starts at 1.
     unseen_reuse: AtomicU64,
-    /// Counts the decisions that draw a random addition to each worker's cost
-    /// (`replica_jitter`); hashed into each one's draw.
-    draws: AtomicUsize,
 }
 
 /// Requests the reuse share averages over, about.
@@ -207,7 +204,6 @@ impl CacheAware {
             reuse: AtomicU64::new(1f64.to_bits()),
             continuing: AtomicU64::new(1f64.to_bits()),
             unseen_reuse: AtomicU64::new(1f64.to_bits()),
-            draws: super::random_cursor(),
             params,
         }
     }
@@ -397,19 +393,6 @@ impl CacheAware {
         };
         let mut weights = self.queue_weights();
         weights.pending += self.params.hot_pending_weight * alone;
-        // Replicas that see the same pool rank its workers alike; each draws its own addition of
-        // up to this request's pending cost, by other replicas' share (`replica_jitter`).
-        let jitter = if self.params.replica_jitter > 0.0 {
-            self.params.replica_jitter * sample.others() * weights.pending * known.unknown
-        } else {
-            0.0
-        };
-        let nonce = if jitter > 0.0 {
-            let draw = self.draws.fetch_add(1, Ordering::Relaxed);
-            xxhash_rust::xxh3::xxh3_64(&(draw as u64).to_le_bytes())
-        } else {
-            0
-        };
         Pass {
             workers,
             key: known.key,
@@ -422,8 +405,6 @@ impl CacheAware {
             miss,
             idle_credit,
             weights,
-            jitter,
-            nonce,
         }
     }
 

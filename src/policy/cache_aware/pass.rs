@@ -94,17 +94,6 @@ pub(super) struct Pass<'a> {
     pub(super) miss: f64,
     pub(super) idle_credit: f64,
     pub(super) weights: QueueWeights,
-    /// The span of each worker's random addition (`replica_jitter`), in the cost's units; 0
-    /// draws none.
-    pub(super) jitter: f64,
-    /// This decision's draw: each worker's addition is `jitter` times a uniform number from it
-    /// and the worker's id.
-    pub(super) nonce: u64,
-}
-
-/// A uniform number in [0, 1) from the top 53 bits of `x`.
-fn unit_interval(x: u64) -> f64 {
-    (x >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
 }
 
 /// What the pass found: the cheapest worker and the key's home.
@@ -139,8 +128,6 @@ impl Pass<'_> {
             miss,
             idle_credit,
             weights,
-            jitter,
-            nonce,
         } = *self;
         let everyone = matches.everyone;
         let mut best = Candidate {
@@ -180,11 +167,6 @@ impl Pass<'_> {
             // shared by the requests that follow it there (see `amortize_hot_copies`).
             if IDLE && held == 0.0 && queued == 0 {
                 cost -= idle_credit;
-            }
-            // Beside other replicas, which rank the workers as this one does: a fresh draw, so
-            // that what arrives at both at once is not sent to one worker.
-            if jitter > 0.0 {
-                cost += jitter * unit_interval(mix(nonce, w.id_hash));
             }
             let score = mix(key, w.id_hash);
             let c = Candidate {
