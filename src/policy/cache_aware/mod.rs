@@ -191,6 +191,19 @@ pub struct CacheAware {
     unseen_reuse: AtomicU64,
 }
 
+/// The mean tokens of one of the routing key's blocks, from the worker's count of the prompt's
+/// tokens: in proportion to the bytes the key covers, which for a prompt longer than the key
+/// (past `max_blocks`) are fewer than the prompt's. At least 1.
+fn mean_block_tokens(req: &RequestInfo, usage: &super::Usage) -> u64 {
+    let blocks = req.block_hashes.len().max(1) as u64;
+    let key_bytes = req.bytes_at_depth(req.block_hashes.len());
+    if req.prompt_bytes == 0 || key_bytes == 0 {
+        return usage.prompt_tokens.div_ceil(blocks).max(1);
+    }
+    let key_tokens = (usage.prompt_tokens * key_bytes.min(req.prompt_bytes)) / req.prompt_bytes;
+    key_tokens.div_ceil(blocks).max(1)
+}
+
 /// Requests the reuse share averages over, about.
 const REUSE_WINDOW: f64 = 64.0;
 
@@ -698,10 +711,7 @@ impl Policy for CacheAware {
             // beginning there. Where that never happens, other replicas' traffic is no reason
             // to give such prompts their home's credit back.
             if predicted.fresh && self.params.reuse_from_usage && usage.prompt_tokens > 0 {
-                let block = usage
-                    .prompt_tokens
-                    .div_ceil(req.block_hashes.len().max(1) as u64);
-                count_into(&self.unseen_reuse, cached >= block.max(1));
+                count_into(&self.unseen_reuse, cached >= mean_block_tokens(req, &usage));
             }
             if predicted.cached_tokens > 0 {
                 worker

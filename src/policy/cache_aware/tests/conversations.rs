@@ -209,6 +209,41 @@ fn beside_another_replica_new_prompts_the_workers_held_in_part_keep_their_home_c
 }
 
 #[test]
+fn a_block_is_judged_by_the_part_of_the_prompt_the_key_covers() {
+    // A prompt ten times longer than its two-block key (1,280 tokens, the key's 512 bytes 128 of
+    // them): one block is 64 tokens, not 640. A worker that held 64 held a block; 32 is less.
+    let p = policy();
+    let ws = test_workers(4);
+    let held = |c: u64, cached: u64| {
+        let mut r = convo(c, 0, 2);
+        r.prompt_bytes *= 10;
+        let s = pick(&p, &ws, &r);
+        let usage = Usage {
+            prompt_tokens: 1_280,
+            cached_tokens: Some(cached),
+            completion_tokens: Some(1),
+        };
+        p.observe(&ws[s.index], &r, &s, Observed::Answered(Some(usage)));
+    };
+    for c in 0..300 {
+        held(1_000 + c, 32);
+    }
+    assert!(
+        p.unseen_reuse_now() < 0.02,
+        "share {}",
+        p.unseen_reuse_now()
+    );
+    for c in 0..300 {
+        held(2_000 + c, 64);
+    }
+    assert!(
+        p.unseen_reuse_now() > 0.98,
+        "share {}",
+        p.unseen_reuse_now()
+    );
+}
+
+#[test]
 fn without_reuse_from_usage_other_replicas_restore_the_credit_whatever_the_workers_report() {
     let (ws, p, r, home) = new_prompt_and_its_home_with(CacheAwareParams {
         reuse_from_usage: false,
