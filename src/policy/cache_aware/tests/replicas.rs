@@ -231,3 +231,60 @@ fn the_continuation_share_is_reported_only_while_fade_by_continuation_is_on() {
     );
     assert_eq!(Policy::continuing_share(&off), None);
 }
+
+/// Two replicas over one pool where nothing is ever reused (both reuse shares at 0, as on the
+/// random workload), each with its place among two when `ranked`: of `prompts` new prompts, each
+/// priced by both at the same moment, how many they send to the same worker.
+fn same_choices(ws: &[Arc<Worker>], ranked: bool, prompts: u64) -> usize {
+    let replica = |rank| {
+        let p = CacheAware::new(CacheAwareParams {
+            replica_rank: rank,
+            replica_count: if ranked { 2 } else { 0 },
+            ..CacheAwareParams::default()
+        });
+        p.reuse.store(0f64.to_bits(), Ordering::Relaxed);
+        p.unseen_reuse.store(0f64.to_bits(), Ordering::Relaxed);
+        p
+    };
+    let (a, b) = (replica(0), replica(1));
+    (0..prompts)
+        .filter(|&c| {
+            let r = convo(1000 + c, 0, 2);
+            a.peek(ws, &r).unwrap().index == b.peek(ws, &r).unwrap().index
+        })
+        .count()
+}
+
+#[test]
+fn replicas_that_know_their_places_send_simultaneous_new_prompts_apart() {
+    let ws = test_workers(4);
+    // Alone in the pool, a place changes nothing: both rank the equal workers alike.
+    assert_eq!(same_choices(&ws, false, 200), 200);
+    assert_eq!(same_choices(&ws, true, 200), 200);
+    // Beside another replica as busy: without places they still pick alike; with them, each
+    // prefers the workers from its own place on, and no choice is shared.
+    let _mine = another_replica_as_busy(&ws);
+    assert_eq!(same_choices(&ws, false, 200), 200);
+    assert_eq!(same_choices(&ws, true, 200), 0);
+}
+
+#[test]
+fn a_replicas_place_yields_to_a_queue_longer_than_its_preference() {
+    let ws = test_workers(4);
+    let _theirs = another_replica_as_busy(&ws);
+    let p = CacheAware::new(CacheAwareParams {
+        replica_rank: 0,
+        replica_count: 2,
+        ..CacheAwareParams::default()
+    });
+    p.reuse.store(0f64.to_bits(), Ordering::Relaxed);
+    p.unseen_reuse.store(0f64.to_bits(), Ordering::Relaxed);
+    let r = convo(7, 0, 2);
+    assert_eq!(p.peek(&ws, &r).unwrap().index, 0, "its own place first");
+    // A request sent to worker 0 whose prefill, as long as this one's, has not started: the
+    // preference (a quarter of this request's pending cost per place) gives way to the next
+    // place, not to the far side of the pool.
+    let tokens = r.prompt_bytes as u64 / 4;
+    let _sent = hold(&ws[0], tokens, tokens);
+    assert_eq!(p.peek(&ws, &r).unwrap().index, 1);
+}
