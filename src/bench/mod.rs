@@ -321,15 +321,7 @@ async fn start_gateway(
         .validate()
         .map_err(|e| BenchError::Setup(e.to_string()))?;
     let mut urls = Vec::new();
-    for rank in 0..replicas.max(1) {
-        // An arm that asks its replicas to know their places (`replica_count` set) gets them.
-        let mut config = config.clone();
-        if let crate::config::PolicyConfig::CacheAware(p) = &mut config.policy {
-            if p.replica_count > 0 {
-                p.replica_rank = rank as u32;
-                p.replica_count = replicas.max(1) as u32;
-            }
-        }
+    for _ in 0..replicas.max(1) {
         let listener = TcpListener::bind((host, 0))
             .await
             .map_err(|e| BenchError::Setup(e.to_string()))?;

@@ -265,16 +265,6 @@ pub struct CacheAwareParams {
     /// never reused, replicas then place them by cost, not by hash. Workers that report no
     /// `cached_tokens` leave the credit as it was.
     pub reuse_from_usage: bool,
-    /// This gateway's place among `replica_count` replicas (0-based; experimental). Replicas
-    /// that share nothing see the same pool and rank its workers alike, so what arrives at
-    /// several of them at once goes to the same worker. With a count above 1, each replica
-    /// prefers the workers from its own place in the pool's order onwards: worker `k` places past
-    /// that start costs `replica_spread × k / n` of this request's own pending prefill more.
-    /// 0 for both: no preference.
-    pub replica_rank: u32,
-    pub replica_count: u32,
-    /// See `replica_rank`.
-    pub replica_spread: f64,
 }
 
 impl Default for CacheAwareParams {
@@ -299,9 +289,6 @@ impl Default for CacheAwareParams {
             step_phase: true,
             step_prefill: true,
             reuse_from_usage: true,
-            replica_rank: 0,
-            replica_count: 0,
-            replica_spread: 1.0,
         }
     }
 }

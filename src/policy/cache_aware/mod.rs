@@ -406,19 +406,6 @@ impl CacheAware {
         };
         let mut weights = self.queue_weights();
         weights.pending += self.params.hot_pending_weight * alone;
-        // Replicas that know their places prefer the workers from their own place onwards, each
-        // place a share of this request's own pending cost dearer (`replica_rank`).
-        let (count, n) = (self.params.replica_count as usize, workers.len());
-        let (ring_step, ring_start) = if count > 1 && n > 1 {
-            let span =
-                self.params.replica_spread * sample.others() * weights.pending * known.unknown;
-            (
-                span / n as f64,
-                self.params.replica_rank as usize % count * n / count,
-            )
-        } else {
-            (0.0, 0)
-        };
         Pass {
             workers,
             key: known.key,
@@ -431,8 +418,6 @@ impl CacheAware {
             miss,
             idle_credit,
             weights,
-            ring_step,
-            ring_start,
         }
     }
 

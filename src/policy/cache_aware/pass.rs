@@ -94,10 +94,6 @@ pub(super) struct Pass<'a> {
     pub(super) miss: f64,
     pub(super) idle_credit: f64,
     pub(super) weights: QueueWeights,
-    /// With replicas that know their places (`replica_rank`): each place in the pool past
-    /// `ring_start` costs this much more; 0 for none.
-    pub(super) ring_step: f64,
-    pub(super) ring_start: usize,
 }
 
 /// What the pass found: the cheapest worker and the key's home.
@@ -132,11 +128,8 @@ impl Pass<'_> {
             miss,
             idle_credit,
             weights,
-            ring_step,
-            ring_start,
         } = *self;
         let everyone = matches.everyone;
-        let n = self.workers.len();
         let mut best = Candidate {
             index: NONE,
             cost: f64::INFINITY,
@@ -174,9 +167,6 @@ impl Pass<'_> {
             // shared by the requests that follow it there (see `amortize_hot_copies`).
             if IDLE && held == 0.0 && queued == 0 {
                 cost -= idle_credit;
-            }
-            if ring_step > 0.0 {
-                cost += ring_step * ((index + n - ring_start) % n) as f64;
             }
             let score = mix(key, w.id_hash);
             let c = Candidate {
