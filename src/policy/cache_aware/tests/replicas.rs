@@ -231,3 +231,55 @@ fn the_continuation_share_is_reported_only_while_fade_by_continuation_is_on() {
     );
     assert_eq!(Policy::continuing_share(&off), None);
 }
+
+/// Times `w`'s steps as the L4 preset's, 40 ms plus 0.4 ms per prefill token, its last burst
+/// `ago` microseconds before `now`.
+fn stepping_like_l4(w: &Worker, now: u64, ago: u64) {
+    let prefills = [0u64, 128, 0, 512, 256, 0, 0, 1024];
+    let step = |x: u64| 40_000 + 400 * x;
+    let total: u64 = (0..40).map(|i| step(prefills[i % 8])).sum();
+    let mut t = now - ago - total;
+    for i in 0..40 {
+        let x = prefills[i % 8];
+        t += step(x);
+        w.steps.frame(t, x, || 0);
+        w.steps.frame(t + 100, 0, || 0);
+    }
+}
+
+/// Four workers whose steps are timed; the one at `late` last sent its streams' tokens 60 ms
+/// ago, past its 40 ms step with nothing of this gateway's to prefill, the others 30 ms ago.
+/// Where a new 512-token prompt goes, with and without `foreign_steps`, nothing ever reused.
+fn with_a_late_step(ws: &[Arc<Worker>], late: usize, foreign_steps: bool) -> usize {
+    let now = crate::load::now_us();
+    for (i, w) in ws.iter().enumerate() {
+        stepping_like_l4(w, now, if i == late { 60_000 } else { 30_000 });
+    }
+    let p = CacheAware::new(CacheAwareParams {
+        foreign_steps,
+        ..CacheAwareParams::default()
+    });
+    p.reuse.store(0f64.to_bits(), Ordering::Relaxed);
+    p.unseen_reuse.store(0f64.to_bits(), Ordering::Relaxed);
+    p.peek(ws, &convo(77, 0, 8)).unwrap().index
+}
+
+#[test]
+fn beside_another_replica_a_step_past_its_own_prefill_is_presumed_to_prefill_theirs() {
+    let ws = test_workers(4);
+    let _theirs = another_replica_as_busy(&ws);
+    // Without the flag the late worker's step looks about to end: the cheapest wait.
+    assert_eq!(with_a_late_step(&ws, 1, false), 1);
+    // With it, the step is presumed to prefill another replica's prompt as long as this one
+    // (205 ms at 0.4 ms a token), of which 185 ms remain: against 10 ms elsewhere.
+    assert_ne!(with_a_late_step(&ws, 1, true), 1);
+}
+
+#[test]
+fn alone_a_step_past_its_base_is_not_presumed_to_prefill_anything() {
+    // No other replica's load in the poll: a late step is this gateway's to explain, and it
+    // had nothing there, so the flag changes nothing.
+    let ws = test_workers(4);
+    assert_eq!(with_a_late_step(&ws, 1, false), 1);
+    assert_eq!(with_a_late_step(&ws, 1, true), 1);
+}
