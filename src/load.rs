@@ -371,25 +371,6 @@ impl StepClock {
         worked.min(in_step)
     }
 
-    /// What remains at `now` of a step that has outrun what this gateway's own prefill explains,
-    /// presumed to be prefilling `unseen` tokens that another replica sent, in prompt tokens of
-    /// prefill time. The step under way is expected to take its base time plus its own prefill
-    /// (of the `pending` still there, what it began with); once it has run past that by a
-    /// quarter of its base time, it is presumed to be prefilling `unseen` more, and what of that
-    /// remains is returned. 0 while the step is within what it explains, once it has outrun the
-    /// presumed prefill too, and while the fit is unknown.
-    #[inline]
-    pub fn foreign_remaining(&self, now: u64, pending: u64, unseen: f64) -> f64 {
-        self.phase(now).map_or(0.0, |(base, per_token, since)| {
-            let own = self.in_step.load(Ordering::Relaxed).min(pending) as i64 as f64;
-            let explained = base + per_token * own;
-            if since <= explained + base / 4.0 {
-                return 0.0;
-            }
-            ((explained + per_token * unseen - since) / per_token).max(0.0)
-        })
-    }
-
     /// The fitted step without prefill and per prefill token, in microseconds, when known.
     pub fn fit(&self) -> Option<(f64, f64)> {
         let per_token = f64::from_bits(self.per_token_us.load(Ordering::Relaxed));

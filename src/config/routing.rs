@@ -265,12 +265,6 @@ pub struct CacheAwareParams {
     /// never reused, replicas then place them by cost, not by hash. Workers that report no
     /// `cached_tokens` leave the credit as it was.
     pub reuse_from_usage: bool,
-    /// With `step_phase` and other replicas (share `f` of the pool's load): a worker's step
-    /// that has run past its base time and this gateway's own prefill in it (by a quarter of the
-    /// base) is presumed to be prefilling another replica's prompt, as long as this request's
-    /// part no worker is known to hold, times `min(1, 2f)`, and what remains of that is priced
-    /// as pending prefill. Without it such a worker looks as if its step were about to end.
-    pub foreign_steps: bool,
 }
 
 impl Default for CacheAwareParams {
@@ -295,7 +289,6 @@ impl Default for CacheAwareParams {
             step_phase: true,
             step_prefill: true,
             reuse_from_usage: true,
-            foreign_steps: false,
         }
     }
 }

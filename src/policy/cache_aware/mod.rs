@@ -261,7 +261,6 @@ impl CacheAware {
                 0
             },
             step_prefill: self.params.step_prefill,
-            foreign: 0.0,
         }
     }
 
@@ -407,11 +406,6 @@ impl CacheAware {
         };
         let mut weights = self.queue_weights();
         weights.pending += self.params.hot_pending_weight * alone;
-        // Beside other replicas, a step that outruns this gateway's own prefill is presumed to
-        // prefill a prompt of theirs like this one's part no worker is known to hold.
-        if self.params.foreign_steps && weights.now != 0 {
-            weights.foreign = sample.others() * known.unknown;
-        }
         Pass {
             workers,
             key: known.key,

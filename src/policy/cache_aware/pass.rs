@@ -40,10 +40,6 @@ pub(super) struct QueueWeights {
     pub(super) now: u64,
     /// Take off the pending prefill what the step under way has done of its own (`step_prefill`).
     pub(super) step_prefill: bool,
-    /// Beside other replicas (`foreign_steps`): the prompt tokens a step that outruns this
-    /// gateway's own prefill is presumed to be prefilling for them, times how far other replicas
-    /// decide (`min(1, 2f)`); 0 leaves it out.
-    pub(super) foreign: f64,
 }
 
 impl QueueWeights {
@@ -77,15 +73,6 @@ impl QueueWeights {
             w.steps.remaining_less_done(self.now, own_pending_tokens)
         } else {
             w.steps.remaining_tokens(self.now)
-        };
-        // A step running past what this gateway's own prefill explains is prefilling another
-        // replica's prompt: what remains of it delays this request as much.
-        let step = if self.foreign > 0.0 && self.now != 0 {
-            step + w
-                .steps
-                .foreign_remaining(self.now, own_pending_tokens, self.foreign)
-        } else {
-            step
         };
         self.pending * (pending + step) + self.request * queued_f + self.context * context
     }
