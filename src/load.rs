@@ -469,9 +469,33 @@ pub struct KvClock {
     /// prompt token counter and its process's start time.
     prompt_tokens: AtomicU64,
     started: AtomicU64,
+    /// Tokens written lately: a sum that decays by `e` every [`RECENT_TAU_US`], as `f64` bits,
+    /// and when it last moved ([`now_us`]). What conversations live on the worker, roughly.
+    recent: AtomicU64,
+    recent_at: AtomicU64,
 }
 
+/// The time constant of [`KvClock::recent`]: a minute.
+pub const RECENT_TAU_US: u64 = 60_000_000;
+
 impl KvClock {
+    /// Tokens this gateway has had the worker write lately (decaying by `e` a minute), at `now`
+    /// ([`now_us`]).
+    pub fn recent(&self, now: u64) -> f64 {
+        let sum = f64::from_bits(self.recent.load(Ordering::Relaxed));
+        let at = self.recent_at.load(Ordering::Relaxed);
+        sum * (-(now.saturating_sub(at) as f64) / RECENT_TAU_US as f64).exp()
+    }
+
+    /// Adds `tokens` to the recent sum. Two writers at once may lose one's tokens: a moving sum,
+    /// cheaper than a retry loop.
+    fn add_recent(&self, tokens: u64) {
+        let now = now_us();
+        let next = self.recent(now) + tokens as f64;
+        self.recent.store(next.to_bits(), Ordering::Relaxed);
+        self.recent_at.store(now, Ordering::Relaxed);
+    }
+
     /// Tokens the worker's KV cache holds, once a poll has shown it.
     pub fn capacity(&self) -> Option<u64> {
         Some(self.capacity.load(Ordering::Relaxed)).filter(|&c| c > 0)
@@ -482,6 +506,7 @@ impl KvClock {
     pub fn add(&self, tokens: u64) {
         if tokens > 0 {
             self.sent.fetch_add(tokens, Ordering::Relaxed);
+            self.add_recent(tokens);
         }
     }
 
@@ -653,6 +678,19 @@ mod tests {
         c.store(None);
         c.store(Some(&Polled::default()));
         assert_eq!(c.capacity(), Some(4096), "a failed or blank poll keeps it");
+    }
+
+    #[test]
+    fn the_recent_writes_decay_by_e_each_time_constant() {
+        let c = KvClock::default();
+        assert_eq!(c.recent(now_us()), 0.0);
+        c.add(1_000);
+        let then = now_us();
+        let fresh = c.recent(then);
+        assert!((999.0..=1_000.0).contains(&fresh), "{fresh}");
+        let later = c.recent(then + RECENT_TAU_US);
+        let e = std::f64::consts::E;
+        assert!((later - 1_000.0 / e).abs() < 1.0, "{later}");
     }
 
     #[test]

@@ -47,11 +47,14 @@ pub enum Outcome {
     Fallback,
     /// The worker whose KV cache events show it holds the prompt's longest prefix.
     ExactMatch,
+    /// No worker holds any of the prompt, and no other replica needs it at its home: the worker
+    /// this gateway has had write the fewest tokens lately, where the fewest conversations live.
+    LeastWritten,
 }
 
 impl Outcome {
     /// How many outcomes there are.
-    pub const COUNT: usize = Outcome::ExactMatch as usize + 1;
+    pub const COUNT: usize = Outcome::LeastWritten as usize + 1;
 
     pub fn as_str(self) -> &'static str {
         match self {
@@ -63,6 +66,7 @@ impl Outcome {
             Outcome::Replicated => "replicated",
             Outcome::Fallback => "fallback",
             Outcome::ExactMatch => "exact_match",
+            Outcome::LeastWritten => "least_written",
         }
     }
 }

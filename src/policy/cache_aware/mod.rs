@@ -71,6 +71,11 @@
 //! It comes back by `min(1, 2f)`, because other replicas' conversations reach this one with
 //! nothing known.
 //!
+//! With `fresh_by_writes`, a lone gateway gives that credit for a prompt of which nothing at all
+//! is known to the worker it has had write the fewest tokens lately instead of to the hash home
+//! (unless a prompt already waits to prefill there): a new conversation starts where the fewest
+//! live. Replicas keep the home, where they meet.
+//!
 //! What follows from the cost: a conversation stays with its deepest blocks until the load gap
 //! exceeds what moving would cost in prefill; a prefix shared by everyone (a system prompt)
 //! starts on its home and is copied to another worker whenever the home's queue exceeds the
@@ -120,7 +125,8 @@
 //! pool, only for a decision on a popular prefix.
 //!
 //! Outcomes: `longest_match` (the chosen worker holds the longest known prefix), `hash_home` (no
-//! worker holds any of it; the home took it), `replicated` (someone holds it, the chosen worker
+//! worker holds any of it; the home took it), `least_written` (no worker holds any of it; the
+//! worker written to least lately took it, `fresh_by_writes`), `replicated` (someone holds it, the chosen worker
 //! held none of it), `spilled` (a worker holding less than the longest, or not the home, for
 //! load), `fallback` (no routing key). Learning ([`Policy::observe`]): a request that failed
 //! takes back what it added to the index; an answer's usage updates bytes per token and the
@@ -315,10 +321,11 @@ impl CacheAware {
         let pass = self.pass(workers, req, &known, &sample, alone);
         let held_by = |index: usize, w: &Worker, depth: usize| known.held_by(req, index, w, depth);
         let Priced { best, home } = self.price(&pass, &known, &held_by)?;
+        let (home, lightest) = self.lightest_for_new(&pass, &known, &sample, home, &held_by);
         let (credited, presumed) = self.credit_home(workers, req, &known, &sample, home, alone);
         let chosen = if credited.beats(&best) { home } else { best };
         let listed = known.matches.depth_of(workers[chosen.index].id_hash);
-        let selection = selection(req, &known, chosen, listed, home, presumed);
+        let selection = selection(req, &known, chosen, listed, (home, lightest), presumed);
         let seen = Seen {
             any: known.any(),
             continues: (known.key_depth > 0 && !known.all_exact)
@@ -458,6 +465,53 @@ impl CacheAware {
         (priced.best.index != NONE).then_some(priced)
     }
 
+    /// With `fresh_by_writes`, for a prompt of which nothing is known on a lone gateway: the
+    /// usable worker written to least lately, priced, in the home's place, and `true`. Else
+    /// `home` and `false`.
+    fn lightest_for_new(
+        &self,
+        pass: &Pass,
+        known: &Known,
+        sample: &PoolSample,
+        home: Candidate,
+        held_by: &impl Fn(usize, &Worker, usize) -> f64,
+    ) -> (Candidate, bool) {
+        let workers = pass.workers;
+        if !self.params.fresh_by_writes
+            || known.any()
+            || workers.len() > PRICE_ALL_UP_TO
+            || sample.others() > 0.0
+        {
+            return (home, false);
+        }
+        let now = crate::load::now_us();
+        let lightest = (0..workers.len())
+            .filter(|&i| workers[i].is_usable())
+            .map(|i| (workers[i].kv.recent(now), i))
+            .min_by(|a, b| a.0.total_cmp(&b.0));
+        // The home where it is among the lightest (an idle pool's first prompts: by hash).
+        let Some((least, i)) = lightest else {
+            return (home, false);
+        };
+        // Nor where a prompt already waits to prefill on the lightest: a burst of new prompts
+        // (conversations that end together) would otherwise all go there, its credit outweighing
+        // the prefill they queue; the rest go by hash, as without the flag.
+        if workers[home.index].kv.recent(now) <= least || workers[i].load.pending_prefill() > 0 {
+            return (home, false);
+        }
+        let flags = (
+            known.any_exact(),
+            pass.idle_credit > 0.0,
+            known.matches.everyone > 0,
+        );
+        let priced = pass.price(std::iter::once((i, &workers[i])), flags, held_by);
+        if priced.best.index == NONE {
+            (home, false)
+        } else {
+            (priced.best, true)
+        }
+    }
+
     /// The home as the choice weighs it against the cheapest worker, and the tokens it is
     /// presumed to hold beyond what it is known to.
     ///
@@ -571,7 +625,7 @@ fn selection(
     known: &Known,
     chosen: Candidate,
     listed: usize,
-    home: Candidate,
+    (home, lightest): (Candidate, bool),
     presumed: f64,
 ) -> Selection {
     let exact = known.exacts.get(chosen.index).copied().flatten();
@@ -581,6 +635,7 @@ fn selection(
     let outcome = match (known.deepest, chosen.depth) {
         _ if exact.is_some_and(|t| t > 0) => Outcome::ExactMatch,
         _ if copied => Outcome::Replicated,
+        (0, _) if chosen.index == home.index && lightest => Outcome::LeastWritten,
         (0, _) if chosen.index == home.index => Outcome::HashHome,
         (d, c) if c < d && presumed > 0.0 && chosen.index == home.index => Outcome::HashHome,
         (0, _) => Outcome::Spilled,

@@ -44,8 +44,10 @@ fn with_reuse_affinity_a_next_turn_keeps_its_home_through_a_gap_that_moves_new_a
 
 fn reuse_affinity_through_a_gap(amortize_hot_copies: bool) {
     let ws = test_workers(4);
+    // The first turn at its hash home, which both policies below share a pool to find.
     let half = CacheAware::new(CacheAwareParams {
         amortize_hot_copies,
+        fresh_by_writes: false,
         ..unit().params
     });
     let p = CacheAware::new(CacheAwareParams {
@@ -63,7 +65,10 @@ fn reuse_affinity_through_a_gap(amortize_hot_copies: bool) {
         pick(&half, &ws, &convo(c, 0, 1));
     }
     // Another 2-block prompt with the same home, found by a policy that has seen nothing.
-    let probe = unit();
+    let probe = CacheAware::new(CacheAwareParams {
+        fresh_by_writes: false,
+        ..unit().params
+    });
     let new = (100..)
         .map(|c| convo(c, 0, 2))
         .find(|r| pick(&probe, &ws, r).index == home)
@@ -92,12 +97,13 @@ fn reuse_affinity_through_a_gap(amortize_hot_copies: bool) {
 
 #[test]
 fn a_new_prefix_goes_home_and_replicas_agree_on_the_home() {
-    let ws = test_workers(8);
+    // Each replica has its own view of the workers (what it had them write, among the rest).
+    let (ours, theirs) = (test_workers(8), test_workers(8));
     let (a, b) = (policy(), policy());
     let r = convo(7, 0, 6);
-    let sa = pick(&a, &ws, &r);
+    let sa = pick(&a, &ours, &r);
     assert_eq!(sa.outcome, Outcome::HashHome);
-    assert_eq!(sa.index, pick(&b, &ws, &r).index);
+    assert_eq!(sa.index, pick(&b, &theirs, &r).index);
 }
 
 /// Routes `n` prompts that are each new (first blocks never seen) and end at once.
@@ -261,6 +267,7 @@ fn without_the_flag_the_reuse_share_is_not_kept_and_a_new_prompt_goes_home() {
     let ws = test_workers(8);
     let p = CacheAware::new(CacheAwareParams {
         new_prompt_by_reuse: false,
+        fresh_by_writes: false,
         ..CacheAwareParams::default()
     });
     route_never_reused(&p, &ws, 300);
@@ -272,4 +279,29 @@ fn without_the_flag_the_reuse_share_is_not_kept_and_a_new_prompt_goes_home() {
     );
     let r = convo(9, 0, 3);
     assert_eq!(pick(&p, &ws, &r).outcome, Outcome::HashHome);
+}
+
+#[test]
+fn with_fresh_by_writes_a_lone_gateway_starts_a_new_prompt_where_least_was_written_lately() {
+    let (ws, p, r, home) = new_prompt_and_its_home_with(CacheAwareParams {
+        fresh_by_writes: true,
+        ..CacheAwareParams::default()
+    });
+    let light = (home + 3) % ws.len();
+    for (i, w) in ws.iter().enumerate() {
+        if i != light {
+            w.kv.add(1_000);
+        }
+    }
+    let s = p.peek(&ws, &r).unwrap();
+    assert_eq!(s.index, light, "home {home}");
+    // The credit is the home's: one request's queue (80 tokens) is within it (96), two are not.
+    let _one = ws[light].acquire();
+    assert_eq!(p.peek(&ws, &r).unwrap().index, light);
+    let _two = ws[light].acquire();
+    assert_ne!(p.peek(&ws, &r).unwrap().index, light);
+    drop((_one, _two));
+    // Beside another replica, which sends this conversation's later turns to the hash home.
+    let _theirs = another_replica_as_busy(&ws);
+    assert_eq!(p.peek(&ws, &r).unwrap().index, home);
 }

@@ -383,18 +383,35 @@ fn past_a_prefix_on_a_full_holder_list_a_conversation_follows_its_own_blocks() {
 
 /// Routes `rounds` passes over `prefixes` prefixes (6 blocks each, then a block of the request's
 /// own), each request held in flight, its prefill pending, for the next `inflight` decisions:
-/// the workers each prefix went to, and how many decisions were copies.
+/// the workers each prefix went to, and how many decisions were copies. Each prefix's first
+/// request goes to its hash home (`fresh_by_writes` off), so that the prefixes start unevenly
+/// spread, as they do where other replicas place them.
 fn spread_over(
     spread_share: f64,
     prefixes: u64,
     rounds: u64,
     inflight: usize,
 ) -> (Vec<usize>, usize) {
+    spread_over_with(
+        CacheAwareParams {
+            spread_share,
+            fresh_by_writes: false,
+            ..CacheAwareParams::default()
+        },
+        prefixes,
+        rounds,
+        inflight,
+    )
+}
+
+fn spread_over_with(
+    params: CacheAwareParams,
+    prefixes: u64,
+    rounds: u64,
+    inflight: usize,
+) -> (Vec<usize>, usize) {
     let ws = test_workers(4);
-    let p = CacheAware::new(CacheAwareParams {
-        spread_share,
-        ..CacheAwareParams::default()
-    });
+    let p = CacheAware::new(params);
     let mut went = vec![std::collections::BTreeSet::new(); prefixes as usize];
     let mut held = std::collections::VecDeque::new();
     let mut copies = 0;
@@ -440,6 +457,20 @@ fn a_popular_prefix_spreads_over_every_worker_and_a_rare_one_stays_on_its_first(
     // 200 prefixes, one request in 200 each: none is copied.
     let (workers, copies) = spread_over(0.125, 200, 3, 32);
     assert_eq!((workers.iter().max(), copies), (Some(&1), 0));
+}
+
+#[test]
+fn with_fresh_by_writes_new_prefixes_start_evenly_and_need_no_copy_to_spread() {
+    // Placed by hash, eight prefixes at 8 in flight a worker leave some worker with three and
+    // a prefix takes a second worker (above). Placed where least was written lately, they
+    // start two a worker, and with the spreading off none is ever copied.
+    let params = CacheAwareParams {
+        spread_share: 0.0,
+        ..CacheAwareParams::default()
+    };
+    assert!(params.fresh_by_writes);
+    let (workers, copies) = spread_over_with(params, 8, 50, 32);
+    assert_eq!((workers, copies), (vec![1; 8], 0));
 }
 
 #[test]

@@ -261,13 +261,15 @@ fn unusable_workers_are_never_chosen_and_no_key_means_least_work() {
 }
 
 /// Eight workers, a policy whose queued request costs 80 tokens (`new_prompt_by_reuse` as
-/// given), a 192-token prompt nothing of which is known, and its home (by rendezvous over its
-/// first block).
+/// given; `fresh_by_writes` off, so the credit goes to the home whatever was written where), a
+/// 192-token prompt nothing of which is known, and its home (by rendezvous over its first
+/// block).
 pub(super) fn new_prompt_and_its_home(
     new_prompt_by_reuse: bool,
 ) -> (Vec<Arc<Worker>>, CacheAware, RequestInfo, usize) {
     new_prompt_and_its_home_with(CacheAwareParams {
         new_prompt_by_reuse,
+        fresh_by_writes: false,
         ..CacheAwareParams::default()
     })
 }
