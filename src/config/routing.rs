@@ -275,7 +275,7 @@ pub struct CacheAwareParams {
     /// the prefill they queue), nor beside other replicas (polled load beyond this gateway's own),
     /// which meet a conversation's turns at its hash home, nor in pools of more than 128 workers.
     /// On multi-turn, against it off (medians of 3, one gateway): p95 TTFT 0.93x with output
-    /// lengths ± 50%, 0.96x with equal lengths, at the same throughput (see
+    /// lengths ± 50%, 0.92x with pauses, 0.96x with equal lengths, at the same throughput (see
     /// `docs/measurements.md`, "New conversations where the fewest live").
     pub fresh_by_writes: bool,
 }
