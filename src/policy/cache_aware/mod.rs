@@ -126,11 +126,11 @@
 //!
 //! Outcomes: `longest_match` (the chosen worker holds the longest known prefix), `hash_home` (no
 //! worker holds any of it; the home took it), `least_written` (no worker holds any of it; the
-//! worker written to least lately took it, `fresh_by_writes`), `replicated` (someone holds it, the chosen worker
-//! held none of it), `spilled` (a worker holding less than the longest, or not the home, for
-//! load), `fallback` (no routing key). Learning ([`Policy::observe`]): a request that failed
-//! takes back what it added to the index; an answer's usage updates bytes per token and the
-//! worker's trust. With `evict_by_capacity`, each write to the index is dated on the chosen
+//! worker written to least lately took it, `fresh_by_writes`), `replicated` (someone holds it,
+//! the chosen worker held none of it), `spilled` (a worker holding less than the longest, or not
+//! the home, for load), `fallback` (no routing key). Learning ([`Policy::observe`]): a request
+//! that failed takes back what it added to the index; an answer's usage updates bytes per token
+//! and the worker's trust. With `evict_by_capacity`, each write to the index is dated on the chosen
 //! worker's KV clock ([`crate::load::KvClock`]: its prompt's uncached part counts at once, its
 //! answer's generated tokens when it ends), so that what the worker has written a KV cache's
 //! worth of tokens after no longer counts as held there.
@@ -444,11 +444,7 @@ impl CacheAware {
         held_by: &impl Fn(usize, &Worker, usize) -> f64,
     ) -> Option<Priced> {
         let workers = pass.workers;
-        let flags = (
-            known.any_exact(),
-            pass.idle_credit > 0.0,
-            known.matches.everyone > 0,
-        );
+        let flags = price_flags(pass, known);
         let sampled = (workers.len() > PRICE_ALL_UP_TO
             && !known.any_exact()
             && pass.cap == usize::MAX)
@@ -499,11 +495,7 @@ impl CacheAware {
         if workers[home.index].kv.recent(now) <= least || workers[i].load.pending_prefill() > 0 {
             return (home, false);
         }
-        let flags = (
-            known.any_exact(),
-            pass.idle_credit > 0.0,
-            known.matches.everyone > 0,
-        );
+        let flags = price_flags(pass, known);
         let priced = pass.price(std::iter::once((i, &workers[i])), flags, held_by);
         if priced.best.index == NONE {
             (home, false)
@@ -592,6 +584,16 @@ impl CacheAware {
         };
         (credited, presumed)
     }
+}
+
+/// What the pricing pass is compiled for ([`Pass::price`]): any events at all, an idle worker's
+/// credit for a hot prefix, blocks presumed on every worker.
+fn price_flags(pass: &Pass, known: &Known) -> (bool, bool, bool) {
+    (
+        known.any_exact(),
+        pass.idle_credit > 0.0,
+        known.matches.everyone > 0,
+    )
 }
 
 /// What a decision saw of the prompt, for the moving shares it feeds.
