@@ -294,7 +294,17 @@ fn with_fresh_by_writes_a_lone_gateway_starts_a_new_prompt_where_least_was_writt
         }
     }
     let s = p.peek(&ws, &r).unwrap();
-    assert_eq!(s.index, light, "home {home}");
+    assert_eq!(
+        (s.index, s.outcome),
+        (light, Outcome::LeastWritten),
+        "home {home}"
+    );
+    // A prompt already waiting to prefill there: this one goes to its hash home, or a burst of
+    // new prompts would all go to the lightest.
+    let waiting = hold(&ws[light], 40, 0);
+    let s = p.peek(&ws, &r).unwrap();
+    assert_eq!((s.index, s.outcome), (home, Outcome::HashHome));
+    drop(waiting);
     // The credit is the home's: one request's queue (80 tokens) is within it (96), two are not.
     let _one = ws[light].acquire();
     assert_eq!(p.peek(&ws, &r).unwrap().index, light);
