@@ -392,26 +392,12 @@ fn spread_over(
     rounds: u64,
     inflight: usize,
 ) -> (Vec<usize>, usize) {
-    spread_over_with(
-        CacheAwareParams {
-            spread_share,
-            fresh_by_writes: false,
-            ..CacheAwareParams::default()
-        },
-        prefixes,
-        rounds,
-        inflight,
-    )
-}
-
-fn spread_over_with(
-    params: CacheAwareParams,
-    prefixes: u64,
-    rounds: u64,
-    inflight: usize,
-) -> (Vec<usize>, usize) {
     let ws = test_workers(4);
-    let p = CacheAware::new(params);
+    let p = CacheAware::new(CacheAwareParams {
+        spread_share,
+        fresh_by_writes: false,
+        ..CacheAwareParams::default()
+    });
     let mut went = vec![std::collections::BTreeSet::new(); prefixes as usize];
     let mut held = std::collections::VecDeque::new();
     let mut copies = 0;
@@ -459,18 +445,34 @@ fn a_popular_prefix_spreads_over_every_worker_and_a_rare_one_stays_on_its_first(
     assert_eq!((workers.iter().max(), copies), (Some(&1), 0));
 }
 
+/// Eight new prefixes (6 blocks each) one after another, each held in flight with its prefill
+/// under way (none pending): how many went to each of 4 workers.
+fn new_prefixes_per_worker(params: CacheAwareParams) -> [usize; 4] {
+    let ws = test_workers(4);
+    let p = CacheAware::new(params);
+    let mut held = Vec::new();
+    let mut per_worker = [0; 4];
+    for prefix in 0..8u64 {
+        let r = RequestInfo::keyed((0..6).map(|b| prefix << 32 | b).collect(), 256);
+        let s = pick(&p, &ws, &r);
+        per_worker[s.index] += 1;
+        held.push(hold(&ws[s.index], 0, 448));
+    }
+    per_worker
+}
+
 #[test]
-fn with_fresh_by_writes_new_prefixes_start_evenly_and_need_no_copy_to_spread() {
-    // Placed by hash, eight prefixes at 8 in flight a worker leave some worker with three and
-    // a prefix takes a second worker (above). Placed where least was written lately, they
-    // start two a worker, and with the spreading off none is ever copied.
-    let params = CacheAwareParams {
-        spread_share: 0.0,
+fn with_fresh_by_writes_new_prefixes_start_two_a_worker_where_their_hashes_do_not() {
+    let on = new_prefixes_per_worker(CacheAwareParams::default());
+    assert_eq!(on, [2; 4]);
+    let off = new_prefixes_per_worker(CacheAwareParams {
+        fresh_by_writes: false,
         ..CacheAwareParams::default()
-    };
-    assert!(params.fresh_by_writes);
-    let (workers, copies) = spread_over_with(params, 8, 50, 32);
-    assert_eq!((workers, copies), (vec![1; 8], 0));
+    });
+    assert_ne!(
+        off, [2; 4],
+        "by hash, the home's credit outweighs a request's queue"
+    );
 }
 
 #[test]
