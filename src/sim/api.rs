@@ -398,6 +398,8 @@ fn sse(v: &Value) -> Bytes {
 struct StreamState {
     reply: Reply,
     events: mpsc::UnboundedReceiver<Event>,
+    /// An event taken off the channel early, to be rendered next.
+    held: Option<Event>,
     sent_tokens: usize,
     role_sent: bool,
     drop_after: Option<usize>,
@@ -460,6 +462,7 @@ fn stream_response(
     let state = StreamState {
         reply,
         events,
+        held: None,
         sent_tokens: 0,
         role_sent: false,
         drop_after,
@@ -470,18 +473,35 @@ fn stream_response(
         if st.done {
             return None;
         }
-        let event = st.events.recv().await;
+        let event = match st.held.take() {
+            Some(e) => Some(e),
+            None => st.events.recv().await,
+        };
         // Fail on the event after the k-th token, so the k tokens before it have been flushed.
         if st.drop_after.is_some_and(|k| st.sent_tokens >= k) {
             st.done = true;
+            // That event may have been queued already (an engine catching up runs steps back to
+            // back): a body that waits once lets the server write out the chunks it has before
+            // the error closes the connection.
+            tokio::task::yield_now().await;
             let err = std::io::Error::other("injected fault: connection dropped mid-stream");
             return Some((Err(err), st));
         }
         let bytes = match event {
             None => return None,
             Some(Event::Token { text }) => {
-                // The engine sends a request's last token and its finish in the same step.
-                let finish = st.events.try_recv().ok();
+                // The engine sends a request's last token and its finish in the same step, so a
+                // finish already queued behind a token goes out in its chunk. Whatever else is
+                // queued (the next step's token, when the engine ran ahead of this stream) waits
+                // for the next chunk.
+                let finish = match st.events.try_recv() {
+                    Ok(e @ Event::Finished { .. }) => Some(e),
+                    Ok(next) => {
+                        st.held = Some(next);
+                        None
+                    }
+                    Err(_) => None,
+                };
                 st.render(Some(text), finish)
             }
             Some(finish) => st.render(None, Some(finish)),
