@@ -509,3 +509,57 @@ async fn a_stream_relayed_by_the_gateway_matches_the_workers_direct_answer() {
     assert!(!text.is_empty());
     gw.shutdown.cancel();
 }
+
+/// A host busy with other work wakes the engine loop late between steps (here a task that holds
+/// the test's only thread for 3 ms at a time, 60 ms of model time at this scale, against steps of
+/// about 20 ms). A GPU would not wait for the host, so neither does the modelled engine: the
+/// worker's own inter-token latencies add up to exactly the steps the cost model prices, decode
+/// step by decode step, not to the time the loop took to wake.
+#[tokio::test]
+async fn a_host_that_wakes_the_engine_late_does_not_slow_the_modelled_engine() {
+    let s = one().await;
+    let hog = tokio::spawn(async {
+        loop {
+            std::thread::sleep(Duration::from_millis(3));
+            tokio::task::yield_now().await;
+        }
+    });
+    let tokens = 40;
+    let body = json!({
+        "prompt": "Tell me about the history of the Roman Empire.",
+        "max_tokens": tokens,
+        "ignore_eos": true,
+    })
+    .to_string();
+    let answer = request(s.addrs[0], "POST", "/v1/completions", body.as_bytes())
+        .await
+        .json();
+    hog.abort();
+    assert_eq!(answer["usage"]["completion_tokens"], tokens);
+    let prompt = answer["usage"]["prompt_tokens"].as_u64().unwrap() as usize;
+
+    // The first token comes from the prefill step; each later one from a step decoding this one
+    // sequence, whose context has grown by one token each time.
+    let cost = (sim::presets::find(sim::presets::DEFAULT_PRESET)
+        .unwrap()
+        .params)()
+    .cost;
+    let decode_ms: f64 = (1..tokens as usize)
+        .map(|j| cost.step_ms(0, 1, prompt + j))
+        .sum();
+    let m = metrics_text(s.addrs[0]).await;
+    let label = format!("{{engine=\"0\",model_name=\"{MODEL}\"}}");
+    let itl_ms =
+        1000.0 * metric(&m, &format!("vllm:inter_token_latency_seconds_sum{label}")).unwrap();
+    assert_eq!(
+        metric(
+            &m,
+            &format!("vllm:inter_token_latency_seconds_count{label}")
+        ),
+        Some((tokens - 1) as f64)
+    );
+    assert!(
+        (itl_ms - decode_ms).abs() < 1e-6 * decode_ms,
+        "inter-token latencies add up to {itl_ms:.3} ms of model time, the steps to {decode_ms:.3} ms"
+    );
+}
