@@ -749,3 +749,36 @@ async fn an_events_arm_predicts_the_workers_cache_and_its_replicas_agree() {
         "replicas fed the same events agree: {a:?}"
     );
 }
+
+/// A kvroute arm's gateway runs on a thread of its own, as a gateway in its own process would,
+/// not on the runtime of the simulated workers and the load generator. Here the test's runtime
+/// (a single thread, which also runs the pool's workers) is held for as long as a client on
+/// another thread waits for the gateway's `/metrics`: the gateway answers all the same. On the
+/// bench's runtime it could not answer until the runtime was free, and the client's 5 s read
+/// timeout would fail the test.
+#[tokio::test(flavor = "current_thread")]
+async fn a_bench_gateway_answers_while_the_benchs_runtime_is_held() {
+    use std::io::{Read, Write};
+    let sim = SimConfig {
+        workers: 1,
+        engine: Some(small_engine(2048)),
+        ..SimConfig::default()
+    };
+    let pool = bench::start_pool(&sim, "round_robin").await.unwrap();
+    let addr: std::net::SocketAddr = pool.gateway.trim_start_matches("http://").parse().unwrap();
+    let client = std::thread::spawn(move || -> std::io::Result<String> {
+        let mut conn = std::net::TcpStream::connect(addr)?;
+        conn.set_read_timeout(Some(Duration::from_secs(5)))?;
+        conn.write_all(b"GET /metrics HTTP/1.1\r\nhost: gw\r\nconnection: close\r\n\r\n")?;
+        let mut answer = String::new();
+        conn.read_to_string(&mut answer)?;
+        Ok(answer)
+    });
+    // Holds this runtime's only thread until the client is done.
+    let answer = client
+        .join()
+        .unwrap()
+        .expect("the gateway answered in time");
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    assert!(answer.contains("kvroute_"), "{answer}");
+}

@@ -272,7 +272,7 @@ async fn start_gateway(
         time_scale,
     }: Gateway,
     cancel: CancellationToken,
-    mut tasks: JoinSet<()>,
+    tasks: JoinSet<()>,
     exact: &Exact,
 ) -> Result<Pool, BenchError> {
     if let Some((name, template)) = external::parse(arm) {
@@ -329,12 +329,7 @@ async fn start_gateway(
             .local_addr()
             .map_err(|e| BenchError::Setup(e.to_string()))?;
         urls.push(format!("http://{addr}"));
-        let (stop, config) = (cancel.clone(), config.clone());
-        tasks.spawn(async move {
-            if let Err(e) = crate::server::serve(listener, config, stop).await {
-                tracing::warn!("bench gateway stopped: {e}");
-            }
-        });
+        spawn_gateway(listener, config.clone(), cancel.clone())?;
     }
     let gateway = urls.join(",");
     Ok(Pool {
@@ -344,6 +339,39 @@ async fn start_gateway(
         _tasks: tasks,
         _router: None,
     })
+}
+
+/// Runs one gateway on a thread and runtime of its own until `stop`, as it would run in a
+/// process of its own beside the workers: on the bench's runtime its tasks queued with the
+/// simulated engines' and the load generator's, so the gateway's work delayed their wake-ups
+/// (costing the in-process arms throughput that routers measured as external arms, in their own
+/// processes, were not charged), and theirs delayed its decisions and relays.
+fn spawn_gateway(
+    listener: TcpListener,
+    config: Config,
+    stop: CancellationToken,
+) -> Result<(), BenchError> {
+    let listener = listener
+        .into_std()
+        .map_err(|e| BenchError::Setup(e.to_string()))?;
+    std::thread::Builder::new()
+        .name("bench-gateway".into())
+        .spawn(move || {
+            let served = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .and_then(|rt| {
+                    rt.block_on(async move {
+                        let listener = TcpListener::from_std(listener)?;
+                        crate::server::serve(listener, config, stop).await
+                    })
+                });
+            if let Err(e) = served {
+                tracing::warn!("bench gateway stopped: {e}");
+            }
+        })
+        .map_err(|e| BenchError::Setup(e.to_string()))?;
+    Ok(())
 }
 
 /// Points a `+events` arm's gateway at each worker's KV event endpoints and gives it the workers'
