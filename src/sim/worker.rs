@@ -128,7 +128,7 @@ async fn run(
         // host busy with other processes: at time scale 5 a millisecond late is 5 ms of model
         // time), so a busy engine's next step begins where its last one ended, not when the loop
         // woke, and the host's delays do not cost the modelled engine throughput (they had cost
-        // it 6-8% at time scale 5, more behind a router that shared the host's cores). A step
+        // it 6-10% at time scale 5, more behind a router that shared the host's cores). A step
         // still never begins before a request it may take arrived, nor ahead of the wall clock.
         let t = match busy_until {
             Some(end) => newest.map_or(end, |arrived| end.max(arrived)),
