@@ -167,23 +167,38 @@ pub fn spawn_admin(
     state: AppState,
     shutdown: CancellationToken,
 ) -> std::io::Result<()> {
-    listener.set_nonblocking(true)?;
     let limits = state.upstreams.config.limits.clone();
+    spawn_on_own_thread("kvroute-admin", listener, move |listener| async move {
+        let app = crate::dispatch::Gateway::router_only(admin_app(state));
+        crate::listener::serve(listener, app, &limits, shutdown).await
+    })
+}
+
+/// Runs `serve` on the listener from a thread of its own (named `name`) with a single-threaded
+/// runtime, out of reach of whatever else the process's runtimes are busy with; logs its error
+/// if it fails.
+pub fn spawn_on_own_thread<F, Fut>(
+    name: &str,
+    listener: std::net::TcpListener,
+    serve: F,
+) -> std::io::Result<()>
+where
+    F: FnOnce(TcpListener) -> Fut + Send + 'static,
+    Fut: std::future::Future<Output = std::io::Result<()>>,
+{
+    listener.set_nonblocking(true)?;
+    let what = name.to_string();
     std::thread::Builder::new()
-        .name("kvroute-admin".into())
+        .name(name.into())
         .spawn(move || {
             let served = tokio::runtime::Builder::new_current_thread()
                 .enable_all()
                 .build()
                 .and_then(|rt| {
-                    rt.block_on(async move {
-                        let listener = TcpListener::from_std(listener)?;
-                        let app = crate::dispatch::Gateway::router_only(admin_app(state));
-                        crate::listener::serve(listener, app, &limits, shutdown).await
-                    })
+                    rt.block_on(async move { serve(TcpListener::from_std(listener)?).await })
                 });
             if let Err(e) = served {
-                tracing::error!(error = %e, "the admin listener failed");
+                tracing::error!(error = %e, thread = %what, "a listener on its own thread failed");
             }
         })?;
     Ok(())

@@ -354,24 +354,10 @@ fn spawn_gateway(
     let listener = listener
         .into_std()
         .map_err(|e| BenchError::Setup(e.to_string()))?;
-    std::thread::Builder::new()
-        .name("bench-gateway".into())
-        .spawn(move || {
-            let served = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .and_then(|rt| {
-                    rt.block_on(async move {
-                        let listener = TcpListener::from_std(listener)?;
-                        crate::server::serve(listener, config, stop).await
-                    })
-                });
-            if let Err(e) = served {
-                tracing::warn!("bench gateway stopped: {e}");
-            }
-        })
-        .map_err(|e| BenchError::Setup(e.to_string()))?;
-    Ok(())
+    crate::server::spawn_on_own_thread("bench-gateway", listener, move |listener| {
+        crate::server::serve(listener, config, stop)
+    })
+    .map_err(|e| BenchError::Setup(e.to_string()))
 }
 
 /// Points a `+events` arm's gateway at each worker's KV event endpoints and gives it the workers'
