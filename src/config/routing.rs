@@ -278,14 +278,6 @@ pub struct CacheAwareParams {
     /// lengths ± 50%, 0.92x with pauses, 0.96x with equal lengths, at the same throughput (see
     /// `docs/measurements.md`, "New conversations where the fewest live").
     pub fresh_by_writes: bool,
-    /// What a worker's uncached prefill costs the requests already in flight there, in prompt
-    /// tokens per uncached token per request: every prefill token scheduled into a step
-    /// lengthens that step for each sequence decoding in it (on an L4 with a 7B model, a
-    /// 2,048-token prefill adds about 0.8 s to one step of every stream there). `miss_weight`
-    /// prices a miss the same on every worker; this prices it by who would wait for it, so a
-    /// long prompt that no worker holds goes where the fewest answers are under way. 0 turns it
-    /// off.
-    pub decode_harm: f64,
 }
 
 impl Default for CacheAwareParams {
@@ -311,7 +303,6 @@ impl Default for CacheAwareParams {
             step_prefill: true,
             reuse_from_usage: true,
             fresh_by_writes: true,
-            decode_harm: 0.0,
         }
     }
 }
@@ -335,11 +326,9 @@ impl CacheAwareParams {
             && self.hot_pending_weight.is_finite()
             && self.hot_pending_weight >= 0.0
             && (0.0..=1.0).contains(&self.spread_share)
-            && self.decode_harm.is_finite()
-            && self.decode_harm >= 0.0
             && (self.load_bound == 0.0 || (self.load_bound.is_finite() && self.load_bound >= 1.0));
         if !ok {
-            return Err("cache_aware: request_cost_tokens >= 0, context_weight >= 0, bytes_per_token > 0, home_affinity and reuse_affinity in [0, 1], miss_weight > 0, pending_weight >= 0, hot_pending_weight >= 0, spread_share in [0, 1], decode_harm >= 0, load_bound 0 or >= 1".into());
+            return Err("cache_aware: request_cost_tokens >= 0, context_weight >= 0, bytes_per_token > 0, home_affinity and reuse_affinity in [0, 1], miss_weight > 0, pending_weight >= 0, hot_pending_weight >= 0, spread_share in [0, 1], load_bound 0 or >= 1".into());
         }
         Ok(())
     }

@@ -5,19 +5,17 @@
 //! the prompt it was recently sent (blocks end at message ends too, so a conversation's earlier
 //! turns are whole blocks of its later ones). For each usable worker `w`, in prompt tokens:
 //!
-//! `cost(w) = miss_weight × uncached(w) + pending_weight × pending_prefill(w)
-//!           + (request_cost + context_weight × context(w) + decode_harm × uncached(w)) × queued(w)`
+//! `cost(w) = miss_weight × (prompt − trust(w) × held(w)) + pending_weight × pending_prefill(w)
+//!           + (request_cost + context_weight × context(w)) × queued(w)`
 //!
-//! where `uncached(w) = prompt − trust(w) × held(w)`, `held` is the matched prefix, `trust` the
-//! share of predicted cached tokens the worker has been confirming (its
-//! `usage.prompt_tokens_details.cached_tokens`), `pending_prefill` the
+//! where `held` is the matched prefix, `trust` the share of predicted cached tokens the worker
+//! has been confirming (its `usage.prompt_tokens_details.cached_tokens`), `pending_prefill` the
 //! uncached prompt tokens this gateway sent it that it has not started answering, `context` the
 //! mean prompt tokens of this gateway's requests in flight there (each decode step reads their KV
 //! cache, so a long conversation queued costs more than a short question), and `queued` this
 //! gateway's live in-flight count plus what the worker's own running + waiting showed beyond it
-//! at the last poll ([`crate::load::Load::queued`]). `decode_harm` (off by default) prices what
-//! the request's prefill costs the requests already there: each of them waits out the steps it
-//! lengthens. Bytes become tokens at the ratio the workers' `usage` reports teach (start: `bytes_per_token`).
+//! at the last poll ([`crate::load::Load::queued`]). Bytes
+//! become tokens at the ratio the workers' `usage` reports teach (start: `bytes_per_token`).
 //!
 //! The request's rendezvous home (highest `mix(key, worker)`, where `key` is the hash of the
 //! first block past the part of the prompt that most workers hold, with `shared_home`:
@@ -426,7 +424,6 @@ impl CacheAware {
             prompt: known.prompt,
             miss,
             idle_credit,
-            harm: self.params.decode_harm,
             weights,
         }
     }

@@ -93,8 +93,6 @@ pub(super) struct Pass<'a> {
     pub(super) prompt: f64,
     pub(super) miss: f64,
     pub(super) idle_credit: f64,
-    /// `decode_harm`: what each uncached token costs each request in flight on the worker.
-    pub(super) harm: f64,
     pub(super) weights: QueueWeights,
 }
 
@@ -129,7 +127,6 @@ impl Pass<'_> {
             prompt,
             miss,
             idle_credit,
-            harm,
             weights,
         } = *self;
         let everyone = matches.everyone;
@@ -166,10 +163,6 @@ impl Pass<'_> {
                 held = held_by(index, w, depth);
             }
             cost -= miss * held;
-            // Its prefill stalls every request in flight there for as long (`decode_harm`).
-            if harm > 0.0 {
-                cost += harm * (prompt - held).max(0.0) * queued as i64 as f64;
-            }
             // An idle worker holding none of a hot prefix while the others are busy: the copy is
             // shared by the requests that follow it there (see `amortize_hot_copies`).
             if IDLE && held == 0.0 && queued == 0 {

@@ -291,33 +291,3 @@ pub(super) fn new_prompt_and_its_home_with(
     });
     (ws, p, r, home)
 }
-
-#[test]
-fn decode_harm_sends_an_uncached_prompt_where_fewer_requests_would_wait_for_its_prefill() {
-    // Unit weights, no home credit: a new 512-token prompt (8 blocks of 256 bytes) costs its
-    // prefill on either worker. Worker 0 has 4 requests in flight and no prefill waiting (256
-    // tokens of queue); worker 1 has 2 and 300 tokens waiting to prefill (428).
-    let harmful = |decode_harm| {
-        CacheAware::new(CacheAwareParams {
-            home_affinity: 0.0,
-            fresh_by_writes: false,
-            decode_harm,
-            ..unit().params
-        })
-    };
-    let ws = test_workers(2);
-    let mut held: Vec<_> = (0..4).map(|_| hold(&ws[0], 0, 0)).collect();
-    held.push(hold(&ws[1], 300, 0));
-    held.push(hold(&ws[1], 0, 0));
-    let new = convo(3, 0, 8);
-    // Without the term the queue decides: worker 0.
-    assert_eq!(pick(&harmful(0.0), &ws, &new).index, 0);
-    // At 1 its prefill costs each request in flight as much: 256 + 4 × 512 against
-    // 428 + 2 × 512, worker 1.
-    assert_eq!(pick(&harmful(1.0), &ws, &new).index, 1);
-    // A prompt that worker 0 holds whole stalls nobody there: it stays.
-    let p = harmful(1.0);
-    p.index.insert(&new.block_hashes, ws[0].id_hash);
-    assert_eq!(pick(&p, &ws, &new).index, 0);
-    drop(held);
-}
