@@ -1,9 +1,10 @@
 //! kvroute in front of real vLLM servers (CPU build, random weights): relay, abort, prefix-cache
 //! hits, model listing, error pass-through and `kvroute bench` against the real thing.
 //!
-//! Skipped (each test returns at once) unless `KVROUTE_VLLM_URLS` names the workers, as
-//! `tests/vllm/pool.sh --workers 2 -- cargo test --test real_vllm` does. The tests share the
-//! workers' counters, so they take turns (`SERIAL`).
+//! Ignored by a plain `cargo test` (they need the workers); run them with
+//! `tests/vllm/pool.sh --workers 2 --kv-events -- cargo test --test real_vllm -- --ignored`, which
+//! names the workers in `KVROUTE_VLLM_URLS`. Run without them, each test fails rather than pass
+//! having checked nothing. The tests share the workers' counters, so they take turns (`SERIAL`).
 
 mod common;
 
@@ -23,19 +24,19 @@ struct Pool {
 }
 
 impl Pool {
-    fn from_env() -> Option<Self> {
+    fn from_env() -> Self {
         let urls: Vec<String> = std::env::var("KVROUTE_VLLM_URLS")
             .unwrap_or_default()
             .split(',')
             .filter(|s| !s.is_empty())
             .map(str::to_owned)
             .collect();
-        if urls.is_empty() {
-            eprintln!("skipped: KVROUTE_VLLM_URLS is unset (tests/vllm/pool.sh sets it)");
-            return None;
-        }
+        assert!(
+            !urls.is_empty(),
+            "KVROUTE_VLLM_URLS names no workers: run these tests under tests/vllm/pool.sh"
+        );
         let model = std::env::var("KVROUTE_VLLM_MODEL").unwrap_or_else(|_| "tiny-llama".into());
-        Some(Self { urls, model })
+        Self { urls, model }
     }
 
     fn addr(&self, i: usize) -> SocketAddr {
@@ -271,8 +272,9 @@ fn summarise_stream(body: &str) -> StreamSummary {
 }
 
 #[tokio::test]
+#[ignore = "needs real vLLM workers: tests/vllm/pool.sh --kv-events -- cargo test --test real_vllm -- --ignored"]
 async fn relays_real_vllm_streams_event_for_event() {
-    let Some(pool) = Pool::from_env() else { return };
+    let pool = Pool::from_env();
     let _turn = SERIAL.lock().await;
     let cases = [
         (
@@ -329,8 +331,9 @@ async fn relays_real_vllm_streams_event_for_event() {
 }
 
 #[tokio::test]
+#[ignore = "needs real vLLM workers: tests/vllm/pool.sh --kv-events -- cargo test --test real_vllm -- --ignored"]
 async fn client_disconnect_through_kvroute_aborts_the_request_in_vllm() {
-    let Some(pool) = Pool::from_env() else { return };
+    let pool = Pool::from_env();
     let _turn = SERIAL.lock().await;
     let gw = pool.gateway(&[1 % pool.urls.len()], "round_robin").await;
     let worker = pool.addr(1 % pool.urls.len());
@@ -420,12 +423,13 @@ async fn cached_tokens_of_repeats(pool: &Pool, policy: &str, seed: u64) -> (Vec<
 }
 
 #[tokio::test]
+#[ignore = "needs real vLLM workers: tests/vllm/pool.sh --kv-events -- cargo test --test real_vllm -- --ignored"]
 async fn prefix_routing_gets_real_cache_hits_where_round_robin_does_not() {
-    let Some(pool) = Pool::from_env() else { return };
-    if pool.urls.len() < 2 {
-        eprintln!("skipped: needs 2 workers");
-        return;
-    }
+    let pool = Pool::from_env();
+    assert!(
+        pool.urls.len() >= 2,
+        "needs 2 workers (tests/vllm/pool.sh --workers 2)"
+    );
     let _turn = SERIAL.lock().await;
     let (rr, rr_hits) = cached_tokens_of_repeats(&pool, "round_robin", 1).await;
     let (px, px_hits) = cached_tokens_of_repeats(&pool, "prefix", 2).await;
@@ -444,8 +448,9 @@ async fn prefix_routing_gets_real_cache_hits_where_round_robin_does_not() {
 }
 
 #[tokio::test]
+#[ignore = "needs real vLLM workers: tests/vllm/pool.sh --kv-events -- cargo test --test real_vllm -- --ignored"]
 async fn cache_aware_keeps_conversations_and_its_predictions_match_vllms_cached_tokens() {
-    let Some(pool) = Pool::from_env() else { return };
+    let pool = Pool::from_env();
     let _turn = SERIAL.lock().await;
     let gw = pool.gateway_all("cache_aware").await;
     pool.reset_caches().await;
@@ -508,8 +513,9 @@ async fn cache_aware_keeps_conversations_and_its_predictions_match_vllms_cached_
 /// The gateway reads real vLLM's KV cache size from `vllm:cache_config_info`
 /// (`evict_by_capacity`), and a gateway in front of it learns it from its poll.
 #[tokio::test]
+#[ignore = "needs real vLLM workers: tests/vllm/pool.sh --kv-events -- cargo test --test real_vllm -- --ignored"]
 async fn real_vllms_metrics_give_its_kv_capacity_and_what_shows_a_restart() {
-    let Some(pool) = Pool::from_env() else { return };
+    let pool = Pool::from_env();
     let _turn = SERIAL.lock().await;
     let text = worker_metrics(pool.addr(0)).await;
     let polled = kvroute::load::parse_vllm_metrics(&text).unwrap();
@@ -526,8 +532,9 @@ async fn real_vllms_metrics_give_its_kv_capacity_and_what_shows_a_restart() {
 }
 
 #[tokio::test]
+#[ignore = "needs real vLLM workers: tests/vllm/pool.sh --kv-events -- cargo test --test real_vllm -- --ignored"]
 async fn models_are_merged_from_real_workers() {
-    let Some(pool) = Pool::from_env() else { return };
+    let pool = Pool::from_env();
     let _turn = SERIAL.lock().await;
     let gw = pool.gateway_all("prefix").await;
     let direct = request(pool.addr(0), "GET", "/v1/models", b"").await.json();
@@ -541,8 +548,9 @@ async fn models_are_merged_from_real_workers() {
 }
 
 #[tokio::test]
+#[ignore = "needs real vLLM workers: tests/vllm/pool.sh --kv-events -- cargo test --test real_vllm -- --ignored"]
 async fn errors_from_vllm_reach_the_client_unchanged() {
-    let Some(pool) = Pool::from_env() else { return };
+    let pool = Pool::from_env();
     let _turn = SERIAL.lock().await;
     let gw = pool.gateway(&[0], "prefix").await;
     let cases = [
@@ -566,8 +574,9 @@ async fn errors_from_vllm_reach_the_client_unchanged() {
 }
 
 #[tokio::test]
+#[ignore = "needs real vLLM workers: tests/vllm/pool.sh --kv-events -- cargo test --test real_vllm -- --ignored"]
 async fn bench_run_works_unchanged_against_real_workers() {
-    let Some(pool) = Pool::from_env() else { return };
+    let pool = Pool::from_env();
     let _turn = SERIAL.lock().await;
     let gw = pool.gateway_all("prefix").await;
     let dir = tempdir();
@@ -688,8 +697,9 @@ fn metric_labels(text: &str) -> std::collections::BTreeMap<String, Vec<String>> 
 }
 
 #[tokio::test]
+#[ignore = "needs real vLLM workers: tests/vllm/pool.sh --kv-events -- cargo test --test real_vllm -- --ignored"]
 async fn simulator_answers_in_real_vllms_shapes() {
-    let Some(pool) = Pool::from_env() else { return };
+    let pool = Pool::from_env();
     let _turn = SERIAL.lock().await;
     let sim_cfg = kvroute::sim::SimConfig {
         workers: 1,
@@ -818,14 +828,13 @@ fn kv_event_source() -> Option<kvroute::kv_events::EventSource> {
 }
 
 #[tokio::test]
+#[ignore = "needs real vLLM workers: tests/vllm/pool.sh --kv-events -- cargo test --test real_vllm -- --ignored"]
 async fn real_vllm_kv_events_name_the_blocks_of_the_prompt_it_served() {
     use kvroute::kv_events::{follow, Feed};
     use std::sync::{atomic::Ordering, Arc};
-    let Some(pool) = Pool::from_env() else { return };
-    let Some(source) = kv_event_source() else {
-        eprintln!("skipped: the pool publishes no KV events (tests/vllm/pool.sh --kv-events)");
-        return;
-    };
+    let pool = Pool::from_env();
+    let source = kv_event_source()
+        .expect("the pool publishes no KV events: start it with tests/vllm/pool.sh --kv-events");
     let _turn = SERIAL.lock().await;
     pool.reset_caches().await;
     let feed = Arc::new(Feed::new(1 << 20));
@@ -906,13 +915,12 @@ async fn real_vllm_kv_events_name_the_blocks_of_the_prompt_it_served() {
 }
 
 #[tokio::test]
+#[ignore = "needs real vLLM workers: tests/vllm/pool.sh --kv-events -- cargo test --test real_vllm -- --ignored"]
 async fn tokenizing_like_the_worker_matches_vllms_tokenize_endpoint() {
     use kvroute::tokenize::ModelTokenizer;
-    let Some(pool) = Pool::from_env() else { return };
-    let Ok(tokenizer_json) = std::env::var("KVROUTE_VLLM_TOKENIZER") else {
-        eprintln!("skipped: KVROUTE_VLLM_TOKENIZER is unset (tests/vllm/pool.sh sets it)");
-        return;
-    };
+    let pool = Pool::from_env();
+    let tokenizer_json = std::env::var("KVROUTE_VLLM_TOKENIZER")
+        .expect("KVROUTE_VLLM_TOKENIZER is unset (tests/vllm/pool.sh sets it)");
     let config = concat!(
         env!("CARGO_MANIFEST_DIR"),
         "/tests/vllm/model/tokenizer_config.json"
@@ -978,23 +986,21 @@ async fn tokenizing_like_the_worker_matches_vllms_tokenize_endpoint() {
 }
 
 #[tokio::test]
+#[ignore = "needs real vLLM workers: tests/vllm/pool.sh --kv-events -- cargo test --test real_vllm -- --ignored"]
 async fn cache_aware_routes_on_real_vllm_kv_events_to_a_prefix_it_never_routed() {
-    let Some(pool) = Pool::from_env() else { return };
+    let pool = Pool::from_env();
     let events: Vec<String> = std::env::var("KVROUTE_VLLM_KV_EVENTS")
         .unwrap_or_default()
         .split(',')
         .filter(|s| !s.is_empty())
         .map(str::to_owned)
         .collect();
-    let (Ok(tokenizer_json), true) = (
-        std::env::var("KVROUTE_VLLM_TOKENIZER"),
+    assert!(
         events.len() == pool.urls.len() && pool.urls.len() >= 2,
-    ) else {
-        eprintln!(
-            "skipped: needs 2+ workers publishing KV events (tests/vllm/pool.sh --kv-events)"
-        );
-        return;
-    };
+        "needs 2+ workers publishing KV events (tests/vllm/pool.sh --workers 2 --kv-events)"
+    );
+    let tokenizer_json = std::env::var("KVROUTE_VLLM_TOKENIZER")
+        .expect("KVROUTE_VLLM_TOKENIZER is unset (tests/vllm/pool.sh sets it)");
     let _turn = SERIAL.lock().await;
     pool.reset_caches().await;
     let mut config = Config {
@@ -1119,8 +1125,9 @@ async fn cache_aware_routes_on_real_vllm_kv_events_to_a_prefix_it_never_routed()
 /// base time and a time per prefill token, both positive, from waves of streamed prompts of
 /// different lengths.
 #[tokio::test]
+#[ignore = "needs real vLLM workers: tests/vllm/pool.sh --kv-events -- cargo test --test real_vllm -- --ignored"]
 async fn the_gateway_times_real_vllms_steps_from_its_streams() {
-    let Some(pool) = Pool::from_env() else { return };
+    let pool = Pool::from_env();
     let _turn = SERIAL.lock().await;
     let gw = pool.gateway(&[0], "cache_aware").await;
     pool.reset_caches().await;
