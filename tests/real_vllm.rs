@@ -15,6 +15,7 @@ use kvroute::config::{Config, Overrides, WorkerConfig};
 use parking_lot::Mutex;
 use serde_json::{json, Value};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio_util::task::AbortOnDropHandle;
 
 static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
@@ -99,7 +100,7 @@ type Replies = Arc<Mutex<Vec<Arc<Mutex<Vec<u8>>>>>>;
 struct Tap {
     url: String,
     replies: Replies,
-    task: tokio::task::JoinHandle<()>,
+    _task: AbortOnDropHandle<()>,
 }
 
 impl Tap {
@@ -133,43 +134,33 @@ impl Tap {
                 });
             }
         });
-        Self { url, replies, task }
+        Self {
+            url,
+            replies,
+            _task: AbortOnDropHandle::new(task),
+        }
     }
 
     /// The one event-stream reply the worker sent through the tap, head and de-chunked body.
     fn stream_reply(&self) -> common::RawResponse {
-        let replies = self.replies.lock();
-        let found: Vec<common::RawResponse> = replies
-            .iter()
-            .flat_map(|conn| {
-                let raw = conn.lock().clone();
-                let starts: Vec<usize> = raw
-                    .windows(9)
-                    .enumerate()
-                    .filter(|(_, w)| *w == b"HTTP/1.1 ")
-                    .map(|(i, _)| i)
-                    .collect();
-                starts
-                    .into_iter()
-                    .filter(|&i| {
-                        let rest = &raw[i..];
-                        rest.windows(4)
-                            .position(|w| w == b"\r\n\r\n")
-                            .map(|end| String::from_utf8_lossy(&rest[..end]).to_ascii_lowercase())
-                            .is_some_and(|head| head.contains("content-type: text/event-stream"))
-                    })
-                    .map(|i| common::parse_response(&raw[i..]))
-                    .collect::<Vec<_>>()
-            })
-            .collect();
+        let is_stream = |head: &[u8]| {
+            String::from_utf8_lossy(head)
+                .to_ascii_lowercase()
+                .contains("content-type: text/event-stream")
+        };
+        let mut found = Vec::new();
+        for conn in self.replies.lock().iter() {
+            let raw = conn.lock();
+            for start in (0..raw.len()).filter(|&i| raw[i..].starts_with(b"HTTP/1.1 ")) {
+                let reply = &raw[start..];
+                let head_end = reply.windows(4).position(|w| w == b"\r\n\r\n");
+                if head_end.is_some_and(|end| is_stream(&reply[..end])) {
+                    found.push(common::parse_response(reply));
+                }
+            }
+        }
         assert_eq!(found.len(), 1, "one stream went through the tap");
-        found.into_iter().next().unwrap()
-    }
-}
-
-impl Drop for Tap {
-    fn drop(&mut self) {
-        self.task.abort();
+        found.pop().unwrap()
     }
 }
 
