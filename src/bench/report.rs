@@ -87,6 +87,17 @@ pub fn table(runs: &[Run]) -> String {
         let t = &r.summary.ttft;
         format!("{} / {} / {}", ms(t.p50), ms(t.p95), ms(t.p99))
     });
+    // A workload of several classes (`mixed`): each one's TTFT, p50 / p95, in class order.
+    if runs.iter().any(|r| r.summary.ttft_by_class.len() > 1) {
+        row("TTFT p50 / p95 ms by class", &|r| {
+            r.summary
+                .ttft_by_class
+                .iter()
+                .map(|(class, t)| format!("{class} {} / {}", ms(t.p50), ms(t.p95)))
+                .collect::<Vec<_>>()
+                .join(", ")
+        });
+    }
     row("ITL p50 / p99 ms", &|r| {
         format!("{} / {}", ms(r.summary.itl.p50), ms(r.summary.itl.p99))
     });
@@ -590,6 +601,39 @@ mod tests {
         let t = table(&[zero, some]);
         let row = t.lines().find(|l| l.contains("tokenized")).unwrap();
         assert!(row.contains("12 / 3") && row.contains(" - "), "{row}");
+    }
+
+    #[test]
+    fn the_class_row_shows_only_for_workloads_of_several_classes() {
+        let one = |class: &str, p50: f64, p95: f64| {
+            let mut r = run("least_conn", 1.0, p95);
+            r.summary.ttft_by_class.insert(
+                class.into(),
+                Percentiles {
+                    p50,
+                    p95,
+                    ..Percentiles::default()
+                },
+            );
+            r
+        };
+        assert!(!table(&[one("chat", 0.1, 0.2)]).contains("by class"));
+        let mut mixed = one("long-short", 0.8, 1.2);
+        mixed.summary.ttft_by_class.insert(
+            "short-short".into(),
+            Percentiles {
+                p50: 0.09,
+                p95: 0.3,
+                ..Percentiles::default()
+            },
+        );
+        let t = table(&[one("chat", 0.1, 0.2), mixed]);
+        let row = t.lines().find(|l| l.contains("by class")).unwrap();
+        assert!(
+            row.contains("long-short 800 / 1200, short-short 90 / 300")
+                && row.contains("chat 100 / 200"),
+            "{row}"
+        );
     }
 
     #[test]

@@ -5,6 +5,8 @@
 //! behind therefore shows the wait it caused instead of hiding it (coordinated omission). Only
 //! requests intended inside the window `[warmup, warmup + duration)` are counted.
 
+use std::collections::BTreeMap;
+
 use serde::Serialize;
 
 /// One request's outcome; times in seconds since the run started.
@@ -112,6 +114,9 @@ pub struct Summary {
     pub goodput_per_s: f64,
     /// Largest lag between a request's intended and actual send time (the generator's own delay).
     pub max_send_lag: f64,
+    /// TTFT of the completed requests of each workload class (`mixed`'s four, a trace's one),
+    /// by class name: a policy can win the mean mix and lose its short questions.
+    pub ttft_by_class: BTreeMap<String, Percentiles>,
 }
 
 pub fn summarize(samples: &[Sample], warmup: f64, duration: f64, slo: (f64, f64)) -> Summary {
@@ -151,6 +156,17 @@ pub fn summarize(samples: &[Sample], warmup: f64, duration: f64, slo: (f64, f64)
             .iter()
             .map(|s| s.sent - s.intended)
             .fold(0.0, f64::max),
+        ttft_by_class: {
+            let mut by: BTreeMap<String, Vec<f64>> = BTreeMap::new();
+            for s in &done {
+                if let Some(t) = s.ttft() {
+                    by.entry(s.class.clone()).or_default().push(t);
+                }
+            }
+            by.into_iter()
+                .map(|(class, v)| (class, Percentiles::of(v)))
+                .collect()
+        },
     }
 }
 
@@ -229,5 +245,33 @@ mod tests {
         );
         assert!((s.ttft.p50 - 0.1).abs() < 1e-9);
         assert!((s.goodput - 0.5).abs() < 1e-9, "the error misses its SLO");
+    }
+
+    #[test]
+    fn ttft_is_also_summarized_per_class() {
+        let mut long = sample(2.0, 2.0, &[2.9]);
+        long.class = "long".into();
+        let mut failed = sample(2.0, 2.0, &[]);
+        failed.class = "failed".into();
+        failed.ok = false;
+        let s = summarize(
+            &[
+                sample(2.0, 2.0, &[2.1]),
+                sample(3.0, 3.0, &[3.3]),
+                long,
+                failed,
+            ],
+            0.0,
+            10.0,
+            (1e6, 1e6),
+        );
+        let classes: Vec<&str> = s.ttft_by_class.keys().map(String::as_str).collect();
+        assert_eq!(
+            classes,
+            ["c", "long"],
+            "a class with no completed request has no TTFT"
+        );
+        assert!((s.ttft_by_class["c"].p95 - 0.3).abs() < 1e-9);
+        assert!((s.ttft_by_class["long"].p50 - 0.9).abs() < 1e-9);
     }
 }
