@@ -227,22 +227,96 @@ pub struct StepClock {
     fit: parking_lot::Mutex<StepFit>,
 }
 
-/// Moving moments of (prefill tokens, duration) over recent steps.
+/// Moving moments of recent windows of steps: (steps, prefill tokens, duration) each.
+///
+/// A step's duration cannot be paired with the prompt tokens whose first token ended it alone:
+/// vLLM prefills a prompt longer than its token budget (`max_num_batched_tokens`, 2,048 on many
+/// setups) in chunks, one a step, and only the last chunk's step returns a first token. Paired
+/// step by step, a long chunk's step counts as a long step without prefill and the last chunk's
+/// as a short one with the whole prompt, which fits a base several times too long and a time per
+/// token a tenth of the true one (seen on the simulated L4 at 2,048-token prompts). So steps are
+/// summed into windows that end where none of this gateway's prefill is outstanding: every
+/// prompt whose first token came in a window was prefilled in it, whatever its chunks, and the
+/// fit is `duration = base × steps + per_token × tokens` over the windows. A window that runs
+/// [`MAX_WINDOW_STEPS`] steps without such a moment ends anyway, off by at most the chunk
+/// under way at its end.
 #[derive(Debug, Default)]
 struct StepFit {
     /// The duration of the step that the burst at `last` ended; its tokens are counted since.
     gap: f64,
-    steps: u32,
+    /// This gateway's prefill pending when that step began: what it could prefill.
+    began: f64,
+    /// The window being summed: steps, prompt tokens cleared, duration.
+    open: (f64, f64, f64),
+    /// Windows in the moments, and the moments' moving means.
+    windows: u32,
+    n: f64,
     x: f64,
     d: f64,
+    nn: f64,
+    nx: f64,
     xx: f64,
+    nd: f64,
     xd: f64,
 }
 
 /// Bursts closer together than this are one (a step's frames spread as they are relayed).
 const MIN_STEP_GAP_US: u64 = 500;
-/// Steps in the fit's moving window.
+/// Windows in the fit's moving means.
 const STEP_WINDOW: f64 = 32.0;
+/// Steps after which a window ends even with prefill outstanding (a worker that never drains).
+const MAX_WINDOW_STEPS: f64 = 16.0;
+
+impl StepFit {
+    /// What a step that began with `began` tokens pending and cleared `tokens` should take, by
+    /// the fit (`base`, `per_token`) or before one by the mean step, at the mean step's time per
+    /// mean token (which overstates it): a step that prefills several prompts after many that
+    /// prefilled none is long, and no pause.
+    fn expected(&self, base: f64, per_token: f64, began: f64, tokens: f64) -> f64 {
+        let x = tokens.max(began);
+        if per_token > 0.0 {
+            return base + per_token * x;
+        }
+        let n = self.n.max(1e-9);
+        let (step, mean_x) = (self.d / n, self.x / n);
+        step + step / mean_x.max(1.0) * (x - mean_x).max(0.0)
+    }
+
+    /// Adds a complete step; returns the fit's `(base, per_token)` once a window closes, `(0, 0)`
+    /// while unknown; `None` while the window is still open.
+    fn step(&mut self, ended: f64, tokens: f64, outstanding: bool) -> Option<(f64, f64)> {
+        let open = &mut self.open;
+        *open = (open.0 + 1.0, open.1 + tokens, open.2 + ended);
+        if outstanding && open.0 < MAX_WINDOW_STEPS {
+            return None;
+        }
+        let (n, x, d) = std::mem::take(open);
+        self.windows = self.windows.saturating_add(1);
+        let a = 1.0 / STEP_WINDOW.min(f64::from(self.windows));
+        let mv = |m: &mut f64, v: f64| *m += a * (v - *m);
+        mv(&mut self.n, n);
+        mv(&mut self.x, x);
+        mv(&mut self.d, d);
+        mv(&mut self.nn, n * n);
+        mv(&mut self.nx, n * x);
+        mv(&mut self.xx, x * x);
+        mv(&mut self.nd, n * d);
+        mv(&mut self.xd, x * d);
+        // Least squares through the origin in two variables; steps whose prefill is always in the
+        // same proportion to their count cannot tell base from tokens.
+        let det = self.nn * self.xx - self.nx * self.nx;
+        if self.windows < 8 || det <= 1e-6 * self.nn * self.xx {
+            return Some((0.0, 0.0));
+        }
+        let base = (self.nd * self.xx - self.xd * self.nx) / det;
+        let per_token = (self.xd * self.nn - self.nd * self.nx) / det;
+        Some(if per_token > 0.0 && base > 0.0 {
+            (base, per_token)
+        } else {
+            (0.0, 0.0)
+        })
+    }
+}
 
 impl StepClock {
     /// A frame of a stream went by at `now` ([`now_us`]); its first frame cleared `cleared` prompt
@@ -269,43 +343,25 @@ impl StepClock {
             }
             return;
         }
-        self.in_step.store(pending(), Ordering::Relaxed);
+        // What the step that the burst at `last` began started with: the prefill left once that
+        // burst's first tokens had cleared.
+        let began = self.in_step.swap(pending(), Ordering::Relaxed) as f64;
         // A new burst: the step that the last one ended is complete with its tokens.
         let tokens = self.cleared.swap(cleared, Ordering::Relaxed) as f64;
         let mut fit = self.fit.lock();
         let ended = std::mem::replace(&mut fit.gap, if last == 0 { 0.0 } else { gap as f64 });
-        // An idle pause is no step: leave out what is far longer than the steps seen, allowing
-        // for prefill beyond their mean at the fitted time per token (before a fit, at the mean
-        // step's time per mean token, which overstates it): a step that prefills several
-        // prompts after many that prefilled none is long, and no pause.
+        let began_ended = std::mem::replace(&mut fit.began, began);
+        // An idle pause is no step: leave out what is far longer than the step should be, and the
+        // window it falls in.
         let per_token = f64::from_bits(self.per_token_us.load(Ordering::Relaxed));
-        let slope = if per_token > 0.0 {
-            per_token
-        } else {
-            fit.d / fit.x.max(1.0)
-        };
-        let expected = fit.d + slope * (tokens - fit.x).max(0.0);
-        if ended <= 0.0 || (fit.steps >= 8 && ended > 4.0 * expected) {
+        let expected = fit.expected(base, per_token, began_ended, tokens);
+        if ended <= 0.0 || (fit.windows >= 8 && ended > 4.0 * expected) {
+            fit.open = Default::default();
             return;
         }
-        fit.steps = fit.steps.saturating_add(1);
-        let a = 1.0 / STEP_WINDOW.min(f64::from(fit.steps));
-        let mv = |m: &mut f64, v: f64| *m += a * (v - *m);
-        mv(&mut fit.x, tokens);
-        mv(&mut fit.d, ended);
-        mv(&mut fit.xx, tokens * tokens);
-        mv(&mut fit.xd, tokens * ended);
-        let var = fit.xx - fit.x * fit.x;
-        let (base, per_token) = if fit.steps < 8 || var < 1.0 {
-            (0.0, 0.0)
-        } else {
-            let per_token = (fit.xd - fit.x * fit.d) / var;
-            let base = fit.d - per_token * fit.x;
-            if per_token > 0.0 && base > 0.0 {
-                (base, per_token)
-            } else {
-                (0.0, 0.0)
-            }
+        // The window ends where nothing of this gateway's is left to prefill after the step.
+        let Some((base, per_token)) = fit.step(ended, tokens, began > 0.0) else {
+            return;
         };
         self.base_us.store(base.to_bits(), Ordering::Relaxed);
         self.per_token_us
@@ -832,6 +888,45 @@ mod tests {
             "per token after a pause {per_token} us"
         );
         assert!(ahead(t + 250) > 1_800.0);
+    }
+
+    #[test]
+    fn prompts_prefilled_in_chunks_over_several_steps_do_not_skew_the_fit() {
+        // A worker that prefills at most 2,048 tokens a step (vLLM's chunked prefill), its steps
+        // 20 ms plus 10 us per token prefilled. Prompts of 3,000 and 5,000 tokens take two and
+        // three steps, and only the last returns their first token; every step also decodes, so
+        // every step ends in a burst.
+        let clock = StepClock::default();
+        let arrivals = [3_000u64, 128, 0, 5_000, 256, 0, 512, 0, 2_048, 64, 0, 0];
+        // (tokens left to prefill, the prompt's tokens), in arrival order.
+        let mut queue: std::collections::VecDeque<(u64, u64)> = Default::default();
+        let mut t = 1_000;
+        for x in arrivals.iter().copied().cycle().take(600) {
+            let mut budget = 2_048;
+            let (mut prefilled, mut cleared) = (0, 0);
+            while let Some(front) = queue.front_mut() {
+                let chunk = front.0.min(budget);
+                (front.0, budget, prefilled) = (front.0 - chunk, budget - chunk, prefilled + chunk);
+                if front.0 > 0 {
+                    break;
+                }
+                cleared += front.1;
+                queue.pop_front();
+            }
+            t += 20_000 + 10 * prefilled;
+            // Arrivals while the step ran wait for the next one, which the burst begins.
+            if x > 0 {
+                queue.push_back((x, x));
+            }
+            let pending: u64 = queue.iter().map(|p| p.1).sum();
+            clock.frame(t, cleared, || pending);
+            for f in 1..6 {
+                clock.frame(t + 50 * f, 0, || pending);
+            }
+        }
+        let (base, per_token) = clock.fit().expect("fitted");
+        assert!((base - 20_000.0).abs() < 1_000.0, "base {base} us");
+        assert!((per_token - 10.0).abs() < 0.5, "per token {per_token} us");
     }
 
     #[test]
