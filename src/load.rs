@@ -205,7 +205,9 @@ pub fn now_us() -> u64 {
 /// the end of a step (its first tokens clear pending prefill, its finished answers leave), that
 /// is just as a new step begins, and would keep choosing the worker with the longest wait still
 /// ahead. The clock gives that wait: a step lasts `base + per_token × prefill` (fitted over the
-/// bursts seen: each step's duration against the prompt tokens whose first token ended it), so
+/// bursts seen, in windows of steps that end where none of this gateway's prefill is left
+/// outstanding, so that a prompt prefilled in chunks over several steps counts whole: see
+/// [`StepFit`]), so
 /// what remains of a step without this gateway's prefill is `base` less the time since the last
 /// burst. The prefill part is the pending prefill a policy already prices; of the prefill the step
 /// began with, what its fitted rate has worked through since the base time ended is done
