@@ -352,11 +352,12 @@ impl StepClock {
         let tokens = self.cleared.swap(cleared, Ordering::Relaxed) as f64;
         let mut fit = self.fit.lock();
         let ended = std::mem::replace(&mut fit.gap, if last == 0 { 0.0 } else { gap as f64 });
-        let began_ended = std::mem::replace(&mut fit.began, began);
+        // And what the step that has just ended (the one the burst at `last` ended) began with.
+        let ended_began = std::mem::replace(&mut fit.began, began);
         // An idle pause is no step: leave out what is far longer than the step should be, and the
         // window it falls in.
         let per_token = f64::from_bits(self.per_token_us.load(Ordering::Relaxed));
-        let expected = fit.expected(base, per_token, began_ended, tokens);
+        let expected = fit.expected(base, per_token, ended_began, tokens);
         if ended <= 0.0 || (fit.windows >= 8 && ended > 4.0 * expected) {
             fit.open = Default::default();
             return;
