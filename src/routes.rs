@@ -167,25 +167,75 @@ async fn keyed(
     Ok((body, info))
 }
 
-/// Any other `/v1/*` path, sent as it is to the least-loaded worker.
+/// vLLM's serving routes outside `/v1/` (its tokenizer, pooling, scoring and SageMaker APIs),
+/// passed through as the other `/v1/*` paths are; the same in [`needs_client_key`]. Not its
+/// operator routes (`/reset_prefix_cache`, `/sleep`, `/wake_up`, profiling, `/load`,
+/// `/metrics`, ...): sent to one worker of many they would act on that one alone, so they stay
+/// the operator's, on each worker.
+pub const VLLM_SERVING_PATHS: &[&str] = &[
+    "/tokenize",
+    "/detokenize",
+    "/pooling",
+    "/classify",
+    "/score",
+    "/rerank",
+    "/invocations",
+];
+
+/// vLLM's serving prefixes other than `/v1/` (`/v2/rerank`, `/inference/v1/generate`).
+pub const VLLM_SERVING_PREFIXES: &[&str] = &["/v2/", "/inference/"];
+
+/// Whether client keys, where configured, guard `path`: every path the gateway proxies to a
+/// worker, and the routing debug routes. Not the probes (`/health`, `/ready`, `/metrics`).
+pub fn needs_client_key(path: &str) -> bool {
+    path.starts_with("/v1/")
+        || path.starts_with("/debug/")
+        || VLLM_SERVING_PREFIXES.iter().any(|p| path.starts_with(p))
+        || VLLM_SERVING_PATHS.contains(&path)
+}
+
+/// Any other `/v1/*` path, and vLLM's serving routes outside it ([`VLLM_SERVING_PATHS`]), sent
+/// as they are to the least-loaded worker; to one that serves the body's `model`, when the body
+/// is a JSON object that names one and the workers list theirs (404 when none does, as for a
+/// completion).
 pub async fn passthrough(State(s): State<AppState>, req: Request) -> Response {
     let up = &s.upstreams;
     let (parts, body) = req.into_parts();
     let result = async {
         let body = read_body(&parts.headers, body, &up.config).await?;
-        forward(
-            up,
-            &s.passthrough,
-            Route::Passthrough,
-            &parts,
-            body,
-            RequestInfo::unkeyed(),
-        )
-        .await
+        let info = RequestInfo {
+            model: named_model(&parts.headers, &body),
+            ..RequestInfo::unkeyed()
+        };
+        forward(up, &s.passthrough, Route::Passthrough, &parts, body, info).await
     }
     .await;
     let labels = (s.passthrough.policy.name(), &*s.passthrough.name);
     respond(&s, Route::Passthrough, labels, result)
+}
+
+/// The `model` a JSON request body names, if it is a JSON object with a string `model`;
+/// anything else (not JSON, a multipart upload, invalid) names none and is left for the worker
+/// to judge, as before the gateway looked.
+fn named_model(headers: &http::HeaderMap, body: &[u8]) -> Option<String> {
+    #[derive(serde::Deserialize)]
+    struct Named<'a> {
+        #[serde(borrow, default)]
+        model: Option<std::borrow::Cow<'a, str>>,
+    }
+    let json = headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_none_or(|v| {
+            v.trim_start()
+                .to_ascii_lowercase()
+                .starts_with("application/json")
+        });
+    if !json || body.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
+        return None;
+    }
+    let named: Named = serde_json::from_slice(body).ok()?;
+    named.model.map(std::borrow::Cow::into_owned)
 }
 
 /// Counts gateway-made errors (proxied responses are counted by the proxy) and renders them.
@@ -405,8 +455,9 @@ pub fn check_head<B>(req: &http::Request<B>) -> Result<(), ApiError> {
     Ok(())
 }
 
-/// With client keys configured, a `/v1/` request needs a valid one (401) and room in its
-/// client's quota (429); the client's place is held until its response body has ended.
+/// With client keys configured, a request the gateway proxies ([`needs_client_key`]) needs a
+/// valid one (401) and room in its client's quota (429); the client's place is held until its
+/// response body has ended.
 pub async fn authenticate(
     State(s): State<AppState>,
     req: Request,
@@ -414,7 +465,7 @@ pub async fn authenticate(
 ) -> Response {
     let auth = &s.upstreams.auth;
     let path = req.uri().path();
-    if !auth.enabled() || !(path.starts_with("/v1/") || path.starts_with("/debug/")) {
+    if !auth.enabled() || !needs_client_key(path) {
         return next.run(req).await;
     }
     let permit = match auth.admit(req.headers()) {

@@ -67,6 +67,7 @@ pub fn app(state: AppState) -> Router {
         .route("/v1/chat/completions", post(routes::chat_completions))
         .route("/v1/models", get(routes::models))
         .route("/v1/{*rest}", any(routes::passthrough))
+        .merge(vllm_serving_routes())
         .route(
             "/debug/route/v1/completions",
             post(routes::debug_route_completions),
@@ -139,6 +140,21 @@ pub async fn serve_reloading(
         spawn_admin(admin, state.clone(), reloads)?;
     }
     serve_state_on(listener, loops, state, drain, shutdown).await
+}
+
+/// vLLM's serving routes outside `/v1/` ([`routes::VLLM_SERVING_PATHS`] and
+/// [`routes::VLLM_SERVING_PREFIXES`]), passed through.
+fn vllm_serving_routes() -> Router<AppState> {
+    let paths = routes::VLLM_SERVING_PATHS.iter().copied();
+    let prefixes = routes::VLLM_SERVING_PREFIXES
+        .iter()
+        .map(|p| format!("{p}{{*rest}}"));
+    paths
+        .map(str::to_owned)
+        .chain(prefixes)
+        .fold(Router::new(), |r, path| {
+            r.route(&path, any(routes::passthrough))
+        })
 }
 
 /// `/health`, `/ready` and `/metrics`: on the gateway's listener and on the admin listener.

@@ -210,7 +210,7 @@ fn keyed_config(up: &Upstream, max_inflight: usize) -> kvroute::config::Config {
 }
 
 #[tokio::test]
-async fn client_keys_are_required_on_v1_paths_only() {
+async fn client_keys_are_required_on_proxied_paths_only() {
     std::env::set_var("KVROUTE_TEST_TEAM_B_KEY", "sk-team-b");
     let up = upstream("w0", &[]).await;
     let gw = gateway(keyed_config(&up, 0)).await;
@@ -241,12 +241,28 @@ async fn client_keys_are_required_on_v1_paths_only() {
         assert_eq!(ok.json()["authorization"], key);
     }
     assert_eq!(up.requests.load(std::sync::atomic::Ordering::SeqCst), 2);
+    // vLLM's serving routes outside `/v1/` need a key too (vLLM itself guards only `/v1`,
+    // `/v2` and `/inference`, and `/invocations` serves completions).
+    for path in ["/invocations", "/tokenize", "/pooling", "/v2/rerank"] {
+        let none = request(gw.addr, "POST", path, &prompt).await;
+        assert_eq!(none.status, 401, "{path}");
+        let ok = request_with(
+            gw.addr,
+            "POST",
+            path,
+            &[("authorization", "Bearer sk-team-a")],
+            &prompt,
+        )
+        .await;
+        assert_eq!(ok.status, 200, "{path}");
+    }
+    assert_eq!(up.requests.load(std::sync::atomic::Ordering::SeqCst), 6);
     // Health and metrics stay open to probes and scrapers.
     assert_eq!(request(gw.addr, "GET", "/health", b"").await.status, 200);
     let m = metrics_text(gw.addr).await;
     assert_eq!(
         metric(&m, r#"kvroute_client_requests_total{client="team-a"}"#),
-        Some(1.0)
+        Some(5.0)
     );
 }
 

@@ -545,6 +545,111 @@ async fn other_v1_paths_pass_through() {
 }
 
 #[tokio::test]
+async fn vllms_serving_routes_outside_v1_pass_through_and_its_operator_routes_do_not() {
+    let up = upstream("w0", &[]).await;
+    let gw = gateway(config_for(&[&up], "prefix")).await;
+    let b = body(json!({"prompt": "hi"}));
+    let paths = [
+        "/tokenize",
+        "/detokenize",
+        "/pooling",
+        "/classify",
+        "/score",
+        "/rerank",
+        "/invocations",
+        "/v2/rerank",
+        "/inference/v1/generate",
+    ];
+    for path in paths {
+        let r = request(gw.addr, "POST", path, &b).await;
+        assert_eq!(
+            r.status,
+            200,
+            "{path}: {}",
+            String::from_utf8_lossy(&r.body)
+        );
+        assert_eq!(r.json()["path"], path);
+        assert_eq!(r.header("x-kvroute-worker"), Some("w0"), "{path}");
+    }
+    let seen = up.requests.load(std::sync::atomic::Ordering::SeqCst);
+    assert_eq!(seen, paths.len());
+    // The worker serves this one, but on one worker of a pool it would reset that one alone.
+    let r = request(gw.addr, "POST", "/reset_prefix_cache", b"").await;
+    assert_eq!(r.status, 404);
+    assert_eq!(r.json()["error"]["type"], "NotFoundError");
+    assert_eq!(up.requests.load(std::sync::atomic::Ordering::SeqCst), seen);
+}
+
+#[tokio::test]
+async fn a_passed_through_request_goes_to_a_worker_that_serves_its_model() {
+    let a = upstream("a", &[]).await;
+    let b = upstream("b", &[]).await;
+    let mut cfg = config_for(&[&a, &b], "prefix");
+    cfg.workers[0].models = vec!["chat-model".into()];
+    cfg.workers[1].models = vec!["embed-model".into()];
+    let gw = gateway(cfg).await;
+    for (path, model, worker) in [
+        ("/v1/embeddings", "embed-model", "b"),
+        ("/pooling", "embed-model", "b"),
+        ("/tokenize", "chat-model", "a"),
+        ("/v1/embeddings", "chat-model", "a"),
+    ] {
+        for _ in 0..3 {
+            let r = request(
+                gw.addr,
+                "POST",
+                path,
+                &body(json!({"model": model, "input": "x"})),
+            )
+            .await;
+            assert_eq!(r.status, 200, "{path} {model}");
+            assert_eq!(r.header("x-kvroute-worker"), Some(worker), "{path} {model}");
+        }
+    }
+    let before = a.requests.load(std::sync::atomic::Ordering::SeqCst)
+        + b.requests.load(std::sync::atomic::Ordering::SeqCst);
+    let r = request(
+        gw.addr,
+        "POST",
+        "/v1/embeddings",
+        &body(json!({"model": "other", "input": "x"})),
+    )
+    .await;
+    assert_eq!(r.status, 404);
+    assert_eq!(r.json()["error"]["param"], "model");
+    let after = a.requests.load(std::sync::atomic::Ordering::SeqCst)
+        + b.requests.load(std::sync::atomic::Ordering::SeqCst);
+    assert_eq!(
+        after, before,
+        "a request for a model no worker serves reached one"
+    );
+    // A body that is not a JSON object names no model: it goes through as before, to either.
+    for (content_type, b) in [
+        (
+            "multipart/form-data; boundary=x",
+            &b"--x\r\nmodel: other\r\n--x--\r\n"[..],
+        ),
+        ("application/json", &b"[\"model\", \"other\"]"[..]),
+        ("application/json", &b"{\"model\": 7"[..]),
+    ] {
+        let r = request_with(
+            gw.addr,
+            "POST",
+            "/v1/audio/transcriptions",
+            &[("content-type", content_type)],
+            b,
+        )
+        .await;
+        assert_eq!(
+            r.status,
+            200,
+            "{content_type}: {}",
+            String::from_utf8_lossy(b)
+        );
+    }
+}
+
+#[tokio::test]
 async fn metrics_exposition_lists_every_metric() {
     let up = upstream("w0", &[]).await;
     let gw = gateway(config_for(&[&up], "prefix")).await;

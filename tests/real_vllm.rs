@@ -540,6 +540,62 @@ async fn models_are_merged_from_real_workers() {
 
 #[tokio::test]
 #[ignore = "needs real vLLM workers: tests/vllm/pool.sh --kv-events -- cargo test --test real_vllm -- --ignored"]
+async fn vllms_tokenizer_routes_answer_through_kvroute_as_they_do_directly() {
+    let pool = Pool::from_env();
+    let _turn = SERIAL.lock().await;
+    // The worker listed with its model, so that the gateway knows which models it serves.
+    let mut config = Config {
+        workers: vec![WorkerConfig::from_url(pool.urls[0].clone())],
+        ..Config::default()
+    };
+    config.workers[0].models = vec![pool.model.clone()];
+    let gw = gateway(config).await;
+    let tokenize =
+        json!({"model": pool.model, "prompt": "Routing on the prefix, through the gateway."});
+    let direct = request(
+        pool.addr(0),
+        "POST",
+        "/tokenize",
+        tokenize.to_string().as_bytes(),
+    )
+    .await;
+    let via = request(
+        gw.addr,
+        "POST",
+        "/tokenize",
+        tokenize.to_string().as_bytes(),
+    )
+    .await;
+    assert_eq!(
+        direct.status,
+        200,
+        "{}",
+        String::from_utf8_lossy(&direct.body)
+    );
+    assert_eq!(via.status, 200, "{}", String::from_utf8_lossy(&via.body));
+    assert_eq!(via.json(), direct.json());
+    let tokens = common::token_ids(&via);
+    assert!(!tokens.is_empty());
+    let detokenize = json!({"model": pool.model, "tokens": tokens}).to_string();
+    let direct = request(pool.addr(0), "POST", "/detokenize", detokenize.as_bytes()).await;
+    let via = request(gw.addr, "POST", "/detokenize", detokenize.as_bytes()).await;
+    assert_eq!(via.status, 200, "{}", String::from_utf8_lossy(&via.body));
+    assert_eq!(via.json(), direct.json());
+    assert!(
+        via.json()["prompt"]
+            .as_str()
+            .is_some_and(|p| p.contains("through the gateway")),
+        "{}",
+        via.json()
+    );
+    // A model no worker serves is the gateway's own 404.
+    let other = json!({"model": "no-such-model", "prompt": "x"}).to_string();
+    let r = request(gw.addr, "POST", "/tokenize", other.as_bytes()).await;
+    assert_eq!(r.status, 404, "{}", String::from_utf8_lossy(&r.body));
+}
+
+#[tokio::test]
+#[ignore = "needs real vLLM workers: tests/vllm/pool.sh --kv-events -- cargo test --test real_vllm -- --ignored"]
 async fn errors_from_vllm_reach_the_client_unchanged() {
     let pool = Pool::from_env();
     let _turn = SERIAL.lock().await;

@@ -76,10 +76,25 @@ pub async fn upstream(name: &str, models: &[&str]) -> Upstream {
         gate: Arc::new(Notify::new()),
         models: models.iter().map(|s| s.to_string()).collect(),
     };
-    let app = Router::new()
-        .route("/v1/models", get(models_handler))
-        .route("/v1/{*rest}", any(generate))
-        .with_state(state.clone());
+    // vLLM's serving routes outside `/v1/` answer as the others do; its operator routes (and
+    // `/health`) are not served, as before.
+    let app = [
+        "/v1/{*rest}",
+        "/v2/{*rest}",
+        "/inference/{*rest}",
+        "/tokenize",
+        "/detokenize",
+        "/pooling",
+        "/classify",
+        "/score",
+        "/rerank",
+        "/invocations",
+        "/reset_prefix_cache",
+    ]
+    .into_iter()
+    .fold(Router::new(), |r, path| r.route(path, any(generate)))
+    .route("/v1/models", get(models_handler))
+    .with_state(state.clone());
     let stop = CancellationToken::new();
     let token = stop.clone();
     tokio::spawn(async move {
