@@ -223,15 +223,13 @@ fn named_model(headers: &http::HeaderMap, body: &[u8]) -> Option<String> {
         #[serde(borrow, default)]
         model: Option<std::borrow::Cow<'a, str>>,
     }
-    let json = headers
-        .get(header::CONTENT_TYPE)
-        .and_then(|v| v.to_str().ok())
-        .is_none_or(|v| {
-            v.trim_start()
-                .to_ascii_lowercase()
-                .starts_with("application/json")
-        });
-    if !json || body.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
+    const JSON: &[u8] = b"application/json";
+    let json = headers.get(header::CONTENT_TYPE).is_none_or(|v| {
+        let v = v.as_bytes().trim_ascii_start();
+        v.get(..JSON.len())
+            .is_some_and(|p| p.eq_ignore_ascii_case(JSON))
+    });
+    if !json || body.trim_ascii_start().first() != Some(&b'{') {
         return None;
     }
     let named: Named = serde_json::from_slice(body).ok()?;
