@@ -26,6 +26,7 @@ pub mod policy;
 pub mod proxy;
 pub mod reload;
 pub mod request_tokens;
+pub mod responses;
 pub mod routes;
 pub mod routing_key;
 pub mod server;

@@ -111,6 +111,11 @@ pub struct MetricSet {
     pub queue_depth: prometheus::IntGauge,
     /// `client`: requests refused with 401 have no client; this counts accepted keys' requests.
     pub client_requests: IntCounterVec,
+    /// `how` (remembered, found, unknown): requests for a stored response, by how its worker was
+    /// known.
+    pub responses_followed: IntCounterVec,
+    /// Stored responses whose worker is remembered (set at scrape time).
+    pub responses_remembered: prometheus::IntGauge,
 }
 
 /// `kvroute_tokenized_requests_total`'s series (`how`).
@@ -193,7 +198,21 @@ impl Metrics {
         registry
             .register(Box::new(queue_depth.clone()))
             .expect("metric registered once");
+        let responses_remembered = prometheus::IntGauge::new(
+            "kvroute_responses_remembered",
+            "Stored Responses API responses whose worker this gateway remembers.",
+        )
+        .expect("static metric definition");
+        registry
+            .register(Box::new(responses_remembered.clone()))
+            .expect("metric registered once");
         Self(std::sync::Arc::new(MetricSet {
+            responses_followed: counter(
+                "kvroute_responses_followed_total",
+                "Requests for a stored Responses API response (previous_response_id, /v1/responses/{id}), by how its worker was known: remembered, found (asked of every worker), unknown (no worker had it; sent to the least-loaded worker).",
+                &["how"],
+            ),
+            responses_remembered,
             shed: counter(
                 "kvroute_shed_total",
                 "Requests refused for lack of room, by reason (queue_full, wait_timeout: 503; client_quota: 429).",
@@ -540,7 +559,7 @@ pub struct WorkerSeries {
     pub ttfb: Histogram,
     pub duration: Histogram,
     /// `requests` with status 200, by route (`Route as usize`).
-    answered: [OnceLock<IntCounter>; 3],
+    answered: [OnceLock<IntCounter>; 4],
     predicted_cached: OnceLock<IntCounter>,
     reported_cached: OnceLock<IntCounter>,
 }

@@ -68,11 +68,17 @@ async fn tokens_of(
         #[serde(borrow)]
         prompt: Option<std::borrow::Cow<'a, str>>,
         messages: Option<serde_json::Value>,
+        instructions: Option<serde_json::Value>,
+        input: Option<serde_json::Value>,
     }
     let p: Prompt = serde_json::from_slice(body).ok()?;
     let pending = match field {
         PromptField::Prompt => Ok(tokenizer.prepare_prompt(&p.prompt?)),
         PromptField::Messages => tokenizer.prepare_chat(&p.messages?),
+        PromptField::Input => tokenizer.prepare_chat(&crate::responses::chat_messages(
+            p.instructions.as_ref(),
+            &p.input?,
+        )?),
     };
     let tokens = match pending {
         Ok(p) if p.uncached_bytes() > 2 * HEAD_BYTES && tokenizer.encodes_heads() => {

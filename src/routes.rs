@@ -16,7 +16,8 @@ use crate::{
     config::RoutingConfig,
     error::{error_response, ApiError},
     policy::arms::{Arm, Arms},
-    proxy::{forward, Route, Upstreams},
+    proxy::{forward, forward_to, Route, Upstreams, WORKER_HEADER},
+    responses,
     routing_key::{self, PromptField, RequestInfo},
 };
 
@@ -49,6 +50,8 @@ pub struct Shared {
     pub passthrough: Arc<Arm>,
     /// Name resolution for `dns` discovery (replaceable in tests).
     pub resolver: Arc<dyn crate::discovery::Resolve>,
+    /// Which worker holds each stored Responses API response this gateway has seen.
+    pub responses: Arc<crate::responses::Homes>,
 }
 
 pub async fn completions(State(s): State<AppState>, req: Request) -> Response {
@@ -101,6 +104,128 @@ async fn routed(s: AppState, route: Route, field: PromptField, req: Request) -> 
     let arm = arms.pick(&parts.headers, &info);
     let result = forward(up, arm, route, &parts, body, info).await;
     respond(&s, route, (arm.policy.name(), &arm.name), result)
+}
+
+/// `POST /v1/responses`: keyed on its instructions and input and routed as a chat is; one that
+/// continues a stored response (`previous_response_id`) goes to the worker that holds it
+/// ([`crate::responses`]). The worker that makes a response is remembered as its home.
+pub async fn responses_create(State(s): State<AppState>, req: Request) -> Response {
+    let up = &s.upstreams;
+    let arms = s.arms.load_full();
+    let (parts, body) = req.into_parts();
+    let (body, info) = match keyed(up, &parts, body, PromptField::Input).await {
+        Ok(x) => x,
+        Err(e) => return respond(&s, Route::Responses, arms.unpicked_labels(), Err(e)),
+    };
+    let (arm, result) = match responses::previous_response_id(&body) {
+        Some(id) => {
+            let arm = &*s.passthrough;
+            (
+                arm,
+                follow(&s, &id, Route::Responses, &parts, body, info).await,
+            )
+        }
+        None => {
+            let arm = arms.pick(&parts.headers, &info);
+            (
+                arm,
+                forward(up, arm, Route::Responses, &parts, body, info).await,
+            )
+        }
+    };
+    let labels = (arm.policy.name(), &*arm.name);
+    respond(
+        &s,
+        Route::Responses,
+        labels,
+        result.map(|r| learn_home(&s, r)),
+    )
+}
+
+/// `/v1/responses/{id}` and the routes under it (`cancel`, `input_items`), any method: to the
+/// worker that holds that response.
+pub async fn stored_response(State(s): State<AppState>, req: Request) -> Response {
+    let up = &s.upstreams;
+    let (parts, body) = req.into_parts();
+    let result = async {
+        let body = read_body(&parts.headers, body, &up.config).await?;
+        let path = parts.uri.path();
+        let id =
+            responses::id_in_path(path).ok_or_else(|| ApiError::RouteNotFound(path.to_owned()))?;
+        let info = RequestInfo::unkeyed();
+        follow(&s, id, Route::Passthrough, &parts, body, info).await
+    }
+    .await;
+    let labels = (s.passthrough.policy.name(), &*s.passthrough.name);
+    respond(&s, Route::Passthrough, labels, result)
+}
+
+/// Sends a request for stored response `id` to the worker remembered for it, or found holding
+/// it; where none is, as routing would send any request, and that worker's answer (vLLM's 404)
+/// is the client's.
+async fn follow(
+    s: &AppState,
+    id: &str,
+    route: Route,
+    parts: &http::request::Parts,
+    body: Bytes,
+    info: RequestInfo,
+) -> Result<Response, ApiError> {
+    let up = &s.upstreams;
+    let snapshot = up.pool.snapshot();
+    let workers = crate::workers::eligible(&snapshot, info.model.as_deref())?;
+    let remembered = s
+        .responses
+        .home(id)
+        .filter(|home| workers.iter().any(|w| *w.name == **home));
+    let (home, how) = match remembered {
+        Some(home) => (Some(home), "remembered"),
+        None => match responses::locate(up, &workers, id).await {
+            Some(home) => {
+                s.responses.remember(id, &home);
+                (Some(home), "found")
+            }
+            None => (None, "unknown"),
+        },
+    };
+    up.metrics
+        .responses_followed
+        .with_label_values(&[how])
+        .inc();
+    match home {
+        Some(home) => forward_to(up, &s.passthrough, route, parts, body, info, &home).await,
+        None => forward(up, &s.passthrough, route, parts, body, info).await,
+    }
+}
+
+/// Remembers the worker that answered a Responses request as the home of the response it made,
+/// whose id is in the answer's first bytes (its JSON, or its stream's `response.created` event).
+fn learn_home(s: &AppState, resp: Response) -> Response {
+    let worker = resp
+        .headers()
+        .get(WORKER_HEADER)
+        .and_then(|v| v.to_str().ok());
+    let Some(worker) = worker.filter(|_| resp.status().is_success()) else {
+        return resp;
+    };
+    let worker: Arc<str> = worker.into();
+    let homes = Arc::clone(&s.responses);
+    // The id comes in the first frame or two; later frames are not searched.
+    let mut frames_left = 2u8;
+    resp.map(|body| {
+        Body::new(body.map_frame(move |frame| {
+            if frames_left > 0 {
+                if let Some(data) = frame.data_ref() {
+                    frames_left -= 1;
+                    if let Some(id) = responses::response_id_in(data) {
+                        homes.remember(id, &worker);
+                        frames_left = 0;
+                    }
+                }
+            }
+            frame
+        }))
+    })
 }
 
 /// `POST /debug/route/v1/completions` (and `.../chat/completions`): where the request would be
@@ -377,6 +502,9 @@ pub async fn metrics(State(s): State<AppState>) -> Response {
     metrics
         .queue_depth
         .set(s.upstreams.pool.freed.waiting() as i64);
+    metrics
+        .responses_remembered
+        .set(i64::try_from(s.responses.len()).unwrap_or(i64::MAX));
     for arm in s.arms.load().iter() {
         if let Some(stats) = arm.policy.index_stats() {
             metrics.publish_index(arm.policy.name(), &arm.name, stats);

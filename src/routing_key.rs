@@ -4,7 +4,11 @@
 //! - `prompt` as a string: its UTF-8 bytes; a list of strings: joined by 0x1E;
 //!   token ids (or lists of them): each id as 4 little-endian bytes;
 //! - `messages`: for each message `role 0x1F content 0x1E`, where a list of content parts
-//!   contributes each text part's text and each other part's JSON with sorted keys.
+//!   contributes each text part's text and each other part's JSON with sorted keys;
+//! - the Responses API's `instructions` and `input`: as the messages a worker renders from them
+//!   (the instructions as a system message, a string input as a user message, each message item
+//!   as its role and content), and any other item (a function call, its output, reasoning) as
+//!   `type 0x1F JSON 0x1E` with sorted keys.
 //!
 //! Field order in the JSON and whitespace never change the bytes, so the same conversation prefix
 //! always gives the same leading hashes. Only `block_bytes × max_blocks` bytes are ever produced,
@@ -80,6 +84,8 @@ impl RequestInfo {
 pub enum PromptField {
     Prompt,
     Messages,
+    /// The Responses API's `instructions` and `input`.
+    Input,
 }
 
 #[derive(Deserialize)]
@@ -90,6 +96,17 @@ struct RequestView<'a> {
     prompt: Option<PromptView<'a>>,
     #[serde(default, borrow)]
     messages: Option<Vec<MessageView<'a>>>,
+}
+
+/// A Responses API request (`POST /v1/responses`), as far as routing reads it.
+#[derive(Deserialize)]
+struct ResponsesView<'a> {
+    #[serde(default, borrow)]
+    model: Option<Cow<'a, str>>,
+    #[serde(default, borrow)]
+    instructions: Option<Cow<'a, str>>,
+    #[serde(default)]
+    input: Option<serde_json::Value>,
 }
 
 /// `prompt` as the worker accepts it: a string, a list of strings, a list of token ids, or a
@@ -263,41 +280,45 @@ impl Capped {
     }
 }
 
-/// Parses a completions or chat body and computes its routing key.
+/// Parses a completions, chat or Responses body and computes its routing key.
 pub fn extract(
     body: &[u8],
     field: PromptField,
     cfg: &RoutingKeyConfig,
 ) -> Result<RequestInfo, ApiError> {
-    let view: RequestView = serde_json::from_slice(body).map_err(|e| {
-        if e.is_data() {
-            ApiError::InvalidRequest(format!("invalid request: {e}"))
-        } else {
-            ApiError::InvalidJson(e.to_string())
-        }
-    })?;
     let cap = cfg.block_bytes.saturating_mul(cfg.max_blocks);
     let mut out = Capped::new(cap, body.len() + 64);
-    match field {
-        PromptField::Prompt => {
-            let prompt = view
-                .prompt
-                .ok_or_else(|| ApiError::InvalidRequest("`prompt` is required".into()))?;
-            write_prompt(&prompt, &mut out);
-        }
-        PromptField::Messages => {
-            let messages = view
-                .messages
-                .ok_or_else(|| ApiError::InvalidRequest("`messages` is required".into()))?;
-            if messages.is_empty() {
-                return Err(ApiError::InvalidRequest(
-                    "`messages` must not be empty".into(),
-                ));
+    let model = match field {
+        PromptField::Prompt | PromptField::Messages => {
+            let view: RequestView = parse(body)?;
+            if field == PromptField::Prompt {
+                let prompt = view
+                    .prompt
+                    .ok_or_else(|| ApiError::InvalidRequest("`prompt` is required".into()))?;
+                write_prompt(&prompt, &mut out);
+            } else {
+                let messages = view
+                    .messages
+                    .ok_or_else(|| ApiError::InvalidRequest("`messages` is required".into()))?;
+                if messages.is_empty() {
+                    return Err(ApiError::InvalidRequest(
+                        "`messages` must not be empty".into(),
+                    ));
+                }
+                write_messages(&messages, &mut out);
             }
-            write_messages(&messages, &mut out);
+            view.model
         }
-    }
-    let model = view.model.map(Cow::into_owned);
+        PromptField::Input => {
+            let view: ResponsesView = parse(body)?;
+            let input = view
+                .input
+                .ok_or_else(|| ApiError::InvalidRequest("`input` is required".into()))?;
+            write_messages(&input_messages(view.instructions, input)?, &mut out);
+            view.model
+        }
+    };
+    let model = model.map(Cow::into_owned);
     let seed = xxh3_64(model.as_deref().unwrap_or("").as_bytes());
     let (block_hashes, block_ends) =
         chain_blocks(&out.buf, &out.cuts, cfg.block_bytes, cfg.max_blocks, seed);
@@ -308,6 +329,17 @@ pub fn extract(
         prompt_bytes: out.total,
         tokens: None,
         tokens_after: 0,
+    })
+}
+
+/// The body as `T`: a 400 for JSON of the wrong shape, an invalid-JSON 400 otherwise.
+fn parse<'a, T: Deserialize<'a>>(body: &'a [u8]) -> Result<T, ApiError> {
+    serde_json::from_slice(body).map_err(|e| {
+        if e.is_data() {
+            ApiError::InvalidRequest(format!("invalid request: {e}"))
+        } else {
+            ApiError::InvalidJson(e.to_string())
+        }
     })
 }
 
@@ -348,8 +380,8 @@ fn write_messages(messages: &[MessageView], out: &mut Capped) {
             }
             Some(ContentView::Parts(parts)) => {
                 for p in parts {
-                    match p.get("text").and_then(|t| t.as_str()) {
-                        Some(text) if p.get("type").and_then(|t| t.as_str()) == Some("text") => {
+                    match part_text(p) {
+                        Some(text) => {
                             out.push(text.as_bytes());
                         }
                         _ if out.full() => {}
@@ -365,6 +397,85 @@ fn write_messages(messages: &[MessageView], out: &mut Capped) {
         out.push(b"\x1e");
         out.cut();
     }
+}
+
+/// The text of a content part that is text: chat's `text`, the Responses API's `input_text` and
+/// `output_text`.
+pub(crate) fn part_text(part: &serde_json::Value) -> Option<&str> {
+    let kind = part.get("type")?.as_str()?;
+    if matches!(kind, "text" | "input_text" | "output_text") {
+        part.get("text")?.as_str()
+    } else {
+        None
+    }
+}
+
+/// A Responses API request's `instructions` and `input` as the messages a worker renders from
+/// them: the instructions first as a system message, a string input as one user message, a list's
+/// items in order (a message item as its role and content; any other item under its `type`, its
+/// whole JSON as the content).
+fn input_messages<'a>(
+    instructions: Option<Cow<'a, str>>,
+    input: serde_json::Value,
+) -> Result<Vec<MessageView<'a>>, ApiError> {
+    use serde_json::Value;
+    let mut messages = Vec::new();
+    if let Some(text) = instructions {
+        messages.push(MessageView {
+            role: Cow::Borrowed("system"),
+            content: Some(ContentView::Text(text)),
+        });
+    }
+    match input {
+        Value::String(text) => messages.push(MessageView {
+            role: Cow::Borrowed("user"),
+            content: Some(ContentView::Text(Cow::Owned(text))),
+        }),
+        Value::Array(items) => {
+            for item in items {
+                let Value::Object(mut fields) = item else {
+                    return Err(ApiError::InvalidRequest(
+                        "`input` items must be objects".into(),
+                    ));
+                };
+                let message = match fields.remove("role") {
+                    Some(Value::String(role)) => MessageView {
+                        role: Cow::Owned(role),
+                        content: match fields.remove("content") {
+                            Some(Value::String(text)) => Some(ContentView::Text(Cow::Owned(text))),
+                            Some(Value::Array(parts)) => Some(ContentView::Parts(parts)),
+                            _ => None,
+                        },
+                    },
+                    Some(_) => {
+                        return Err(ApiError::InvalidRequest(
+                            "an `input` item's `role` must be a string".into(),
+                        ))
+                    }
+                    None => {
+                        let kind = match fields.get("type") {
+                            Some(Value::String(kind)) => kind.clone(),
+                            _ => String::from("item"),
+                        };
+                        MessageView {
+                            role: Cow::Owned(kind),
+                            content: Some(ContentView::Parts(vec![Value::Object(fields)])),
+                        }
+                    }
+                };
+                messages.push(message);
+            }
+        }
+        _ => {
+            return Err(ApiError::InvalidRequest(
+                "`input` must be a string or a list of items".into(),
+            ))
+        }
+    }
+    if messages.is_empty() {
+        return Err(ApiError::InvalidRequest("`input` must not be empty".into()));
+    }
+    Ok(messages)
 }
 
 /// `v` as JSON with every object's keys sorted, so the client's key order does not change the key.
@@ -459,6 +570,99 @@ mod tests {
             &cfg(8, 64),
         )
         .unwrap()
+    }
+
+    fn input_key(body: serde_json::Value) -> RequestInfo {
+        extract(body.to_string().as_bytes(), PromptField::Input, &cfg(8, 64)).unwrap()
+    }
+
+    #[test]
+    fn a_responses_request_keys_as_the_chat_it_renders_to() {
+        // Instructions are the system message, a string input the user's: the same blocks as
+        // the chat completion a worker renders them to.
+        let responses = input_key(serde_json::json!({
+            "model": "m", "instructions": "You are terse.", "input": "What is KV?"
+        }));
+        let chat = chat_key(serde_json::json!({"model": "m", "messages": [
+            {"role": "system", "content": "You are terse."},
+            {"role": "user", "content": "What is KV?"}
+        ]}));
+        assert_eq!(responses, chat);
+        // Parts of type input_text and output_text count as text, as chat's text parts do.
+        let parts = input_key(
+            serde_json::json!({"model": "m", "instructions": "You are terse.",
+            "input": [{"role": "user", "content": [{"type": "input_text", "text": "What is KV?"}]}]}),
+        );
+        assert_eq!(parts.block_hashes, chat.block_hashes);
+    }
+
+    #[test]
+    fn a_responses_conversations_next_turn_extends_its_key() {
+        let turn1 = serde_json::json!([{"role": "user", "content": "Plan a trip to Lyon."}]);
+        let mut turn2 = turn1.as_array().unwrap().clone();
+        // The server's output items, sent back as they came (ids, status and all), then the
+        // next question.
+        turn2.push(serde_json::json!({"type": "message", "id": "msg_1", "status": "completed",
+            "role": "assistant",
+            "content": [{"type": "output_text", "text": "Day one: the old town.", "annotations": []}]}));
+        turn2.push(serde_json::json!({"type": "function_call", "call_id": "c1",
+            "name": "weather", "arguments": "{\"city\":\"Lyon\"}"}));
+        turn2.push(
+            serde_json::json!({"type": "function_call_output", "call_id": "c1",
+            "output": "sunny"}),
+        );
+        turn2.push(serde_json::json!({"role": "user", "content": "And day two?"}));
+        let a = input_key(
+            serde_json::json!({"model": "m", "instructions": "Be brief.", "input": turn1}),
+        );
+        let b = input_key(
+            serde_json::json!({"model": "m", "instructions": "Be brief.", "input": turn2}),
+        );
+        assert!(b.block_hashes.len() > a.block_hashes.len());
+        assert_eq!(b.block_hashes[..a.block_hashes.len()], a.block_hashes[..]);
+        // A tool item's field order does not change its blocks.
+        let reordered = serde_json::json!([{"role": "user", "content": "Plan a trip to Lyon."},
+            {"output": "sunny", "call_id": "c1", "type": "function_call_output"}]);
+        let original = serde_json::json!([{"role": "user", "content": "Plan a trip to Lyon."},
+            {"type": "function_call_output", "call_id": "c1", "output": "sunny"}]);
+        assert_eq!(
+            input_key(serde_json::json!({"input": reordered})),
+            input_key(serde_json::json!({"input": original}))
+        );
+    }
+
+    #[test]
+    fn a_responses_request_without_usable_input_is_refused() {
+        let c = cfg(8, 64);
+        for body in [
+            &br#"{"model":"m"}"#[..],
+            br#"{"input":[]}"#,
+            br#"{"input":5}"#,
+            br#"{"input":["text"]}"#,
+            br#"{"input":[{"role":7,"content":"x"}]}"#,
+            br#"{"input":"x","instructions":{"a":1}}"#,
+        ] {
+            let e = extract(body, PromptField::Input, &c).unwrap_err();
+            assert!(
+                matches!(e, ApiError::InvalidRequest(_)),
+                "{}: {e:?}",
+                String::from_utf8_lossy(body)
+            );
+        }
+        // Instructions alone, with an empty list, are a prompt.
+        assert!(extract(
+            br#"{"instructions":"x","input":[]}"#,
+            PromptField::Input,
+            &c
+        )
+        .is_ok());
+        // A chat body's own fields are not read as a Responses request's, nor the reverse.
+        assert!(extract(
+            br#"{"messages":[{"role":"user","content":"x"}],"instructions":5}"#,
+            PromptField::Messages,
+            &c
+        )
+        .is_ok());
     }
 
     #[test]

@@ -44,6 +44,7 @@ impl AppState {
             ))),
             routing_config: Arc::new(arc_swap::ArcSwap::from_pointee(config.routing())),
             passthrough: Arc::new(Arm::new("passthrough", Arc::new(LeastConn::default()))),
+            responses: Arc::new(crate::responses::Homes::new(crate::responses::REMEMBERED)),
             upstreams: Arc::new(Upstreams {
                 pool,
                 client: http_client(&config),
@@ -66,6 +67,9 @@ pub fn app(state: AppState) -> Router {
         .route("/v1/completions", post(routes::completions))
         .route("/v1/chat/completions", post(routes::chat_completions))
         .route("/v1/models", get(routes::models))
+        .route("/v1/responses", post(routes::responses_create))
+        .route("/v1/responses/{id}", any(routes::stored_response))
+        .route("/v1/responses/{id}/{*rest}", any(routes::stored_response))
         .route("/v1/{*rest}", any(routes::passthrough))
         .merge(vllm_serving_routes())
         .route(

@@ -594,6 +594,87 @@ async fn vllms_tokenizer_routes_answer_through_kvroute_as_they_do_directly() {
     assert_eq!(r.status, 404, "{}", String::from_utf8_lossy(&r.body));
 }
 
+/// The response id in a `/v1/responses` answer: its JSON's, or its stream's created event's.
+fn response_id(r: &common::RawResponse, stream: bool) -> String {
+    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+    let v: Value = if stream {
+        let text = String::from_utf8_lossy(&r.body);
+        let created = text
+            .lines()
+            .find_map(|l| l.strip_prefix("data: "))
+            .expect("a created event");
+        let event: Value = serde_json::from_str(created).unwrap();
+        assert_eq!(event["type"], "response.created", "{event}");
+        event["response"].clone()
+    } else {
+        r.json()
+    };
+    v["id"].as_str().expect("a response id").to_owned()
+}
+
+#[tokio::test]
+#[ignore = "needs real vLLM workers: tests/vllm/pool.sh --kv-events -- cargo test --test real_vllm -- --ignored"]
+async fn responses_chained_through_kvroute_reach_the_worker_that_stored_them() {
+    let pool = Pool::from_env();
+    let _turn = SERIAL.lock().await;
+    assert!(pool.urls.len() >= 2, "needs two workers");
+    // Two replicas that share nothing, each round-robin: without following the stored response,
+    // every other turn would land on the worker that does not hold the one it continues.
+    let a = pool.gateway_all("round_robin").await;
+    let b = pool.gateway_all("round_robin").await;
+    let first = request(
+        a.addr,
+        "POST",
+        "/v1/responses",
+        json!({"model": pool.model, "input": "Start a story.", "max_output_tokens": 4})
+            .to_string()
+            .as_bytes(),
+    )
+    .await;
+    let mut id = response_id(&first, false);
+    let home = first.header("x-kvroute-worker").unwrap().to_owned();
+    // Replica b continues what a relayed (found by asking), then what it relayed itself
+    // (remembered from vLLM's answers: JSON, then streams).
+    for t in 0..4 {
+        let stream = t >= 2;
+        let next = json!({"model": pool.model, "input": format!("Go on ({t})."),
+            "previous_response_id": id, "max_output_tokens": 4, "stream": stream});
+        let r = request(b.addr, "POST", "/v1/responses", next.to_string().as_bytes()).await;
+        id = response_id(&r, stream);
+        assert_eq!(
+            r.header("x-kvroute-worker"),
+            Some(home.as_str()),
+            "turn {t}"
+        );
+    }
+    let r = request(b.addr, "GET", &format!("/v1/responses/{id}"), b"").await;
+    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+    assert_eq!(r.json()["id"], id.as_str());
+    // The store is the worker's own: any other worker does not have it.
+    let home_at = pool
+        .urls
+        .iter()
+        .position(|u| u.ends_with(&home[home.rfind(':').unwrap()..]));
+    for i in (0..pool.urls.len()).filter(|&i| Some(i) != home_at) {
+        let r = request(pool.addr(i), "GET", &format!("/v1/responses/{id}"), b"").await;
+        assert_eq!(
+            r.status,
+            404,
+            "worker {i}: {}",
+            String::from_utf8_lossy(&r.body)
+        );
+    }
+    let text = metrics_text(b.addr).await;
+    let followed = |how: &str| {
+        common::metric(
+            &text,
+            &format!("kvroute_responses_followed_total{{how=\"{how}\"}}"),
+        )
+    };
+    assert_eq!(followed("found"), Some(1.0), "{text}");
+    assert_eq!(followed("remembered"), Some(4.0), "{text}");
+}
+
 #[tokio::test]
 #[ignore = "needs real vLLM workers: tests/vllm/pool.sh --kv-events -- cargo test --test real_vllm -- --ignored"]
 async fn errors_from_vllm_reach_the_client_unchanged() {

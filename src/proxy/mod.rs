@@ -25,7 +25,7 @@ use hyper_util::{
 use tokio::time::Instant;
 
 pub use http1::UpstreamBody;
-use relay::{Feedback, Phase, Tracker};
+use relay::{Feedback, Phase, Tracker, UsageNames};
 pub use upstream::Connections;
 
 use crate::{
@@ -91,6 +91,8 @@ pub enum Route {
     Completions = 0,
     ChatCompletions = 1,
     Passthrough = 2,
+    /// `POST /v1/responses`
+    Responses = 3,
 }
 
 impl Route {
@@ -99,6 +101,7 @@ impl Route {
             Route::Completions => "completions",
             Route::ChatCompletions => "chat_completions",
             Route::Passthrough => "passthrough",
+            Route::Responses => "responses",
         }
     }
 }
@@ -113,9 +116,44 @@ pub async fn forward(
     body: Bytes,
     info: RequestInfo,
 ) -> Result<Response, ApiError> {
-    let started = Instant::now();
     let snapshot = up.pool.snapshot();
     let workers = eligible(&snapshot, info.model.as_deref())?;
+    forward_among(up, arm, route, parts, body, info, &workers, true).await
+}
+
+/// [`forward`] to the worker named `worker` alone (where a stored response lives), with the same
+/// admission, accounting and health as any request; `arm`'s decision is not counted, since
+/// nothing was chosen. 503 when that worker is not usable.
+pub async fn forward_to(
+    up: &Upstreams,
+    arm: &Arm,
+    route: Route,
+    parts: &http::request::Parts,
+    body: Bytes,
+    info: RequestInfo,
+    worker: &str,
+) -> Result<Response, ApiError> {
+    let snapshot = up.pool.snapshot();
+    let only: Vec<_> = eligible(&snapshot, info.model.as_deref())?
+        .iter()
+        .filter(|w| w.name == worker)
+        .cloned()
+        .collect();
+    forward_among(up, arm, route, parts, body, info, &only, false).await
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn forward_among(
+    up: &Upstreams,
+    arm: &Arm,
+    route: Route,
+    parts: &http::request::Parts,
+    body: Bytes,
+    info: RequestInfo,
+    workers: &[Arc<Worker>],
+    decided: bool,
+) -> Result<Response, ApiError> {
+    let started = Instant::now();
     // The request's key, shared with the tracker when the policy learns.
     let info = Arc::new(info);
     let mut last_error = ApiError::NoWorker;
@@ -126,15 +164,15 @@ pub async fn forward(
             open,
             selection,
             slot,
-        }) = choose(up, arm, &workers, &info, &mut lost).await?
+        }) = choose(up, arm, workers, &info, &mut lost).await?
         else {
             return Err(last_error);
         };
-        if route != Route::Passthrough {
+        if decided && route != Route::Passthrough {
             arm.count_decision(&up.metrics, selection.outcome);
         }
         let worker = &open[selection.index];
-        let tracker = tracker(up, arm, worker, slot, selection, &info, started);
+        let tracker = tracker(up, arm, route, worker, slot, selection, &info, started);
         let request = Outgoing {
             parts,
             body: body.clone(),
@@ -218,9 +256,11 @@ async fn choose<'w>(
 
 /// The request's accounting on the chosen worker, with what the policy learns from when the
 /// request ends.
+#[allow(clippy::too_many_arguments)]
 fn tracker(
     up: &Upstreams,
     arm: &Arm,
+    route: Route,
     worker: &Arc<Worker>,
     slot: InflightGuard,
     selection: Selection,
@@ -240,6 +280,11 @@ fn tracker(
                 .map_or(0, |p| u64::from(p.prompt_tokens)),
         ),
         usage: None,
+        names: if route == Route::Responses {
+            UsageNames::Responses
+        } else {
+            UsageNames::Completions
+        },
         failed: false,
     });
     Tracker {

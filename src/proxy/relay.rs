@@ -45,6 +45,8 @@ pub(super) struct Feedback {
     /// prefill until the worker answers, its prompt in the in-flight context until it ends.
     pub load: RequestLoad,
     pub usage: Option<Usage>,
+    /// Which names the answer's usage has: the Responses API's, or completions' and chat's.
+    pub names: UsageNames,
     /// The worker answered with a non-2xx status or failed: it did not take the prompt.
     pub failed: bool,
 }
@@ -140,7 +142,7 @@ impl Tracker {
                 let w = self.slot.worker();
                 w.steps.frame(now, cleared, || w.load.pending_prefill());
             }
-            if let Some(u) = find_usage(data) {
+            if let Some(u) = find_usage(data, f.names) {
                 f.usage = Some(u);
             }
         }
@@ -213,10 +215,19 @@ impl Drop for Tracker {
     }
 }
 
+/// The names an answer's `usage` gives its token counts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum UsageNames {
+    /// Completions and chat: `prompt_tokens`, `completion_tokens`.
+    Completions,
+    /// The Responses API: `input_tokens`, `output_tokens`.
+    Responses,
+}
+
 /// The `usage` token counts in an answer's bytes (a JSON body, or an SSE event with usage), if
-/// this frame has them: `"prompt_tokens": N` and, if present, `"cached_tokens": N` and
-/// `"completion_tokens": N`.
-pub(super) fn find_usage(data: &[u8]) -> Option<Usage> {
+/// this frame has them: `"prompt_tokens": N` (`"input_tokens"` in a Responses answer) and, if
+/// present, `"cached_tokens": N` and `"completion_tokens": N` (`"output_tokens"`).
+pub(super) fn find_usage(data: &[u8], names: UsageNames) -> Option<Usage> {
     // Built once: every frame of every answer is searched, and building a searcher costs more
     // than running it over a small frame.
     static PROMPT: LazyLock<memmem::Finder<'static>> =
@@ -225,11 +236,19 @@ pub(super) fn find_usage(data: &[u8]) -> Option<Usage> {
         LazyLock::new(|| memmem::Finder::new(b"\"cached_tokens\""));
     static COMPLETION: LazyLock<memmem::Finder<'static>> =
         LazyLock::new(|| memmem::Finder::new(b"\"completion_tokens\""));
-    let prompt_tokens = number_after(data, &PROMPT)?;
+    static INPUT: LazyLock<memmem::Finder<'static>> =
+        LazyLock::new(|| memmem::Finder::new(b"\"input_tokens\""));
+    static OUTPUT: LazyLock<memmem::Finder<'static>> =
+        LazyLock::new(|| memmem::Finder::new(b"\"output_tokens\""));
+    let (prompt, completion) = match names {
+        UsageNames::Completions => (&*PROMPT, &*COMPLETION),
+        UsageNames::Responses => (&*INPUT, &*OUTPUT),
+    };
+    let prompt_tokens = number_after(data, prompt)?;
     Some(Usage {
         prompt_tokens,
         cached_tokens: number_after(data, &CACHED),
-        completion_tokens: number_after(data, &COMPLETION),
+        completion_tokens: number_after(data, completion),
     })
 }
 
@@ -377,7 +396,7 @@ mod tests {
     fn usage_is_read_from_a_body_or_an_event() {
         let body = br#"{"id":"x","usage":{"prompt_tokens":1234,"total_tokens":1300,"completion_tokens":66,"prompt_tokens_details":{"cached_tokens":1024}}}"#;
         assert_eq!(
-            find_usage(body),
+            find_usage(body, UsageNames::Completions),
             Some(Usage {
                 prompt_tokens: 1234,
                 cached_tokens: Some(1024),
@@ -386,7 +405,7 @@ mod tests {
         );
         let event = b"data: {\"choices\":[],\"usage\": {\"prompt_tokens\" : 7, \"prompt_tokens_details\": null}}\n\n";
         assert_eq!(
-            find_usage(event),
+            find_usage(event, UsageNames::Completions),
             Some(Usage {
                 prompt_tokens: 7,
                 cached_tokens: None,
@@ -394,8 +413,25 @@ mod tests {
             })
         );
         assert_eq!(
-            find_usage(b"data: {\"choices\":[{\"text\":\"hi\"}],\"usage\":null}\n\n"),
+            find_usage(
+                b"data: {\"choices\":[{\"text\":\"hi\"}],\"usage\":null}\n\n",
+                UsageNames::Completions
+            ),
             None
         );
+        // A Responses answer's usage, in its response.completed event, under its own names; its
+        // input_tokens are no completion's prompt_tokens.
+        let completed = br#"event: response.completed
+data: {"response":{"id":"resp_1","usage":{"input_tokens":900,"input_tokens_details":{"cached_tokens":640},"output_tokens":12,"total_tokens":912}},"type":"response.completed"}"#;
+        assert_eq!(
+            find_usage(completed, UsageNames::Responses),
+            Some(Usage {
+                prompt_tokens: 900,
+                cached_tokens: Some(640),
+                completion_tokens: Some(12),
+            })
+        );
+        assert_eq!(find_usage(completed, UsageNames::Completions), None);
+        assert_eq!(find_usage(body, UsageNames::Responses), None);
     }
 }

@@ -136,7 +136,8 @@ start_worker() {
   fi
   # shellcheck disable=SC2086
   (cd "$RUN_DIR" && exec env HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=1 \
-      VLLM_SERVER_DEV_MODE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 HF_HOME="$RUN_DIR/hf" \
+      VLLM_SERVER_DEV_MODE=1 VLLM_ENABLE_RESPONSES_API_STORE=1 \
+      VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 HF_HOME="$RUN_DIR/hf" \
       VLLM_CACHE_ROOT="$RUN_DIR/vllm-cache-$i" OMP_NUM_THREADS=1 VLLM_CPU_OMP_THREADS_BIND=nobind \
       setsid "$PY" "${args[@]}" ${KVROUTE_VLLM_ARGS:-} >> "$RUN_DIR/worker-$i.log" 2>&1) &
   pids[$i]="$!"
