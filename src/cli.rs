@@ -128,6 +128,10 @@ struct SimArgs {
     /// The model's `tokenizer_config.json`, for its chat template.
     #[arg(long)]
     tokenizer_config: Option<std::path::PathBuf>,
+    /// Keep Responses API answers in each worker's memory, as vLLM does with
+    /// VLLM_ENABLE_RESPONSES_API_STORE=1, so previous_response_id and GET /v1/responses/{id} work.
+    #[arg(long)]
+    responses_store: bool,
     /// List the presets and exit.
     #[arg(long)]
     list_presets: bool,
@@ -157,6 +161,7 @@ impl SimArgs {
         c.kv_events |= self.kv_events;
         c.tokenizer = self.tokenizer.or(c.tokenizer);
         c.tokenizer_config = self.tokenizer_config.or(c.tokenizer_config);
+        c.responses_store |= self.responses_store;
         c.validate()?;
         Ok(c)
     }

@@ -795,6 +795,39 @@ fn event_shapes(body: &[u8]) -> (Vec<Value>, bool) {
     (shapes, events.last() == Some(&"[DONE]"))
 }
 
+/// The shape of a Responses API response, whether it was cut at the limit or not.
+fn response_shape(mut v: Value) -> Value {
+    v["incomplete_details"] = Value::Null;
+    shape(&v)
+}
+
+/// A Responses API stream's events as (type, shape of its data), a run of the same kind and
+/// shape counted once.
+fn responses_event_shapes(body: &[u8]) -> Vec<(String, Value)> {
+    let text = String::from_utf8_lossy(body);
+    let mut out: Vec<(String, Value)> = Vec::new();
+    for event in text.split("\n\n").filter(|e| !e.trim().is_empty()) {
+        let kind = event
+            .lines()
+            .find_map(|l| l.strip_prefix("event: "))
+            .unwrap_or("")
+            .to_owned();
+        let data = event
+            .lines()
+            .find_map(|l| l.strip_prefix("data: "))
+            .unwrap_or("null");
+        let mut v: Value = serde_json::from_str(data).unwrap();
+        if v.get("response").is_some() {
+            v["response"]["incomplete_details"] = Value::Null;
+        }
+        let next = (kind, shape(&v));
+        if out.last() != Some(&next) {
+            out.push(next);
+        }
+    }
+    out
+}
+
 /// Metric names (without `_bucket`/`_sum`/`_count`/`_created`) with their label names.
 fn metric_labels(text: &str) -> std::collections::BTreeMap<String, Vec<String>> {
     let mut out = std::collections::BTreeMap::new();
@@ -884,6 +917,39 @@ async fn simulator_answers_in_real_vllms_shapes() {
                     shape(&s.json())
                 ));
             }
+        }
+    }
+    // The Responses API: the answer's shape, and a stream's events in order with their shapes
+    // (a run of deltas counted once: vLLM's detokenizer may merge tokens into one delta). Whether
+    // the answer was cut at the limit or ended is the sampler's, not the shape's.
+    for stream in [false, true] {
+        let body = |model: &str| {
+            json!({"model": model, "input": "hello there", "max_output_tokens": 3,
+                "stream": stream})
+            .to_string()
+        };
+        let r = request(real, "POST", "/v1/responses", body(&pool.model).as_bytes()).await;
+        let s = request(sim, "POST", "/v1/responses", body(&sim_model).as_bytes()).await;
+        assert_eq!(
+            (r.status, s.status),
+            (200, 200),
+            "/v1/responses stream={stream}"
+        );
+        let (re, se) = if stream {
+            (
+                responses_event_shapes(&r.body),
+                responses_event_shapes(&s.body),
+            )
+        } else {
+            (
+                vec![("response".to_owned(), response_shape(r.json()))],
+                vec![("response".to_owned(), response_shape(s.json()))],
+            )
+        };
+        if re != se {
+            differences.push(format!(
+                "/v1/responses stream={stream}:\nvLLM {re:#?}\nsim  {se:#?}"
+            ));
         }
     }
     // Errors: same status, shape, type and param; messages equal once the model names agree.

@@ -563,3 +563,211 @@ async fn a_host_that_wakes_the_engine_late_does_not_slow_the_modelled_engine() {
         "inter-token latencies add up to {itl_ms:.3} ms of model time, the steps to {decode_ms:.3} ms"
     );
 }
+
+/// The `(event, data)` pairs of a Responses API stream (`event: T` and `data: {json}`).
+fn responses_events(body: &[u8]) -> Vec<(String, Value)> {
+    String::from_utf8(body.to_vec())
+        .unwrap()
+        .trim_end()
+        .split("\n\n")
+        .map(|e| {
+            let (kind, data) = e.split_once('\n').expect("event and data lines");
+            let kind = kind
+                .strip_prefix("event: ")
+                .expect("an event line")
+                .to_owned();
+            let data: Value =
+                serde_json::from_str(data.strip_prefix("data: ").expect("a data line")).unwrap();
+            assert_eq!(data["type"], kind.as_str(), "the data names its event");
+            (kind, data)
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn responses_api_answers_and_streams_in_vllms_order_and_keeps_nothing_by_default() {
+    let s = one().await;
+    let body = json!({"model": MODEL, "instructions": "Be brief.", "input": "Hello there",
+        "max_output_tokens": 5});
+    let r = request(
+        s.addrs[0],
+        "POST",
+        "/v1/responses",
+        body.to_string().as_bytes(),
+    )
+    .await;
+    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+    let v = r.json();
+    assert!(v["id"].as_str().unwrap().starts_with("resp_"));
+    assert_eq!(v["object"], "response");
+    assert_eq!(v["instructions"], "Be brief.");
+    assert_eq!(v["output"][0]["type"], "message");
+    assert_eq!(v["output"][0]["role"], "assistant");
+    assert!(!v["output"][0]["content"][0]["text"]
+        .as_str()
+        .unwrap()
+        .is_empty());
+    let usage = &v["usage"];
+    assert_eq!(usage["output_tokens"].as_u64(), Some(5));
+    assert_eq!(
+        usage["total_tokens"].as_u64(),
+        Some(usage["input_tokens"].as_u64().unwrap() + 5)
+    );
+    // Five tokens asked, five made: cut at the limit, as vLLM says it.
+    assert_eq!(v["status"], "incomplete");
+    assert_eq!(v["incomplete_details"]["reason"], "max_output_tokens");
+
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    let r = request(
+        s.addrs[0],
+        "POST",
+        "/v1/responses",
+        streamed.to_string().as_bytes(),
+    )
+    .await;
+    assert_eq!(r.status, 200);
+    let events = responses_events(&r.body);
+    let kinds: Vec<&str> = events.iter().map(|(k, _)| k.as_str()).collect();
+    let deltas = vec!["response.output_text.delta"; 5];
+    let want: Vec<&str> = [
+        &[
+            "response.created",
+            "response.in_progress",
+            "response.output_item.added",
+            "response.content_part.added",
+        ][..],
+        &deltas,
+        &[
+            "response.output_text.done",
+            "response.content_part.done",
+            "response.output_item.done",
+            "response.completed",
+        ],
+    ]
+    .concat();
+    assert_eq!(kinds, want);
+    for (i, (_, data)) in events.iter().enumerate() {
+        assert_eq!(data["sequence_number"].as_u64(), Some(i as u64));
+    }
+    let text: String = events
+        .iter()
+        .filter_map(|(_, d)| d["delta"].as_str())
+        .collect();
+    let completed = &events.last().unwrap().1["response"];
+    assert_eq!(completed["output"][0]["content"][0]["text"], text.as_str());
+    assert_eq!(completed["id"], events[0].1["response"]["id"]);
+    assert_eq!(completed["usage"]["output_tokens"].as_u64(), Some(5));
+
+    // Without the store (vLLM's default) nothing is kept: continuing or asking is a 404.
+    let id = v["id"].as_str().unwrap();
+    let next = json!({"model": MODEL, "input": "More", "previous_response_id": id});
+    let r = request(
+        s.addrs[0],
+        "POST",
+        "/v1/responses",
+        next.to_string().as_bytes(),
+    )
+    .await;
+    assert_eq!(r.status, 404);
+    assert_eq!(r.json()["error"]["param"], "response_id");
+    let r = request(s.addrs[0], "GET", &format!("/v1/responses/{id}"), b"").await;
+    assert_eq!(r.status, 404);
+    // Tools are not simulated: said, not ignored.
+    let tool = json!({"model": MODEL, "input": [{"type": "function_call_output", "call_id": "c",
+        "output": "x"}]});
+    let r = request(
+        s.addrs[0],
+        "POST",
+        "/v1/responses",
+        tool.to_string().as_bytes(),
+    )
+    .await;
+    assert_eq!(r.status, 400);
+    assert!(r.json()["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("function_call_output"));
+}
+
+#[tokio::test]
+async fn with_the_store_a_continued_response_prefills_only_its_new_turn() {
+    let s = start(SimConfig {
+        responses_store: true,
+        ..cfg(2)
+    })
+    .await;
+    let long = "The history of the city begins with a river crossing. ".repeat(40);
+    let first = json!({"model": MODEL, "instructions": "Be brief.", "input": long,
+        "max_output_tokens": 4});
+    let r = request(
+        s.addrs[0],
+        "POST",
+        "/v1/responses",
+        first.to_string().as_bytes(),
+    )
+    .await;
+    let v = r.json();
+    let id = v["id"].as_str().unwrap().to_owned();
+    let first_input = v["usage"]["input_tokens"].as_u64().unwrap();
+    // The continuation's prompt is the stored conversation and the new input; the worker has it
+    // cached up to the end of the first prompt (whole blocks). Instructions do not carry over
+    // (vLLM drops the stored system message, as OpenAI's API does), so they are sent again.
+    let next = json!({"model": MODEL, "instructions": "Be brief.", "input": "And then?",
+        "previous_response_id": id, "max_output_tokens": 4, "stream": true});
+    let r = request(
+        s.addrs[0],
+        "POST",
+        "/v1/responses",
+        next.to_string().as_bytes(),
+    )
+    .await;
+    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+    let events = responses_events(&r.body);
+    let done = &events.last().unwrap().1["response"];
+    assert_eq!(done["previous_response_id"], id.as_str());
+    let usage = &done["usage"];
+    assert!(
+        usage["input_tokens"].as_u64().unwrap() > first_input,
+        "{usage}"
+    );
+    let cached = usage["input_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
+    assert!(
+        cached >= first_input / 2 && cached <= first_input,
+        "{usage}, first {first_input}"
+    );
+    // Stored where it was made, and only there.
+    let continued = done["id"].as_str().unwrap();
+    for (addr, status) in [(s.addrs[0], 200), (s.addrs[1], 404)] {
+        let r = request(addr, "GET", &format!("/v1/responses/{continued}"), b"").await;
+        assert_eq!(r.status, status);
+    }
+    let r = request(
+        s.addrs[0],
+        "POST",
+        &format!("/v1/responses/{continued}/cancel"),
+        b"",
+    )
+    .await;
+    assert_eq!(r.status, 400, "a finished response cannot be cancelled");
+    // `store: false` keeps nothing, even with the store on.
+    let unkept = json!({"model": MODEL, "input": "x", "store": false, "max_output_tokens": 2});
+    let r = request(
+        s.addrs[0],
+        "POST",
+        "/v1/responses",
+        unkept.to_string().as_bytes(),
+    )
+    .await;
+    let unkept_id = r.json()["id"].as_str().unwrap().to_owned();
+    let r = request(
+        s.addrs[0],
+        "GET",
+        &format!("/v1/responses/{unkept_id}"),
+        b"",
+    )
+    .await;
+    assert_eq!(r.status, 404);
+}

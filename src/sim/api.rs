@@ -1,5 +1,6 @@
 //! vLLM's HTTP API on top of one engine: completions and chat (streaming and not), models,
-//! tokenize/detokenize, health, load and metrics, plus the configured faults.
+//! tokenize/detokenize, health, load and metrics, plus the configured faults; the Responses API
+//! is in `responses.rs`.
 //!
 //! Response shapes follow vLLM's OpenAI server: SSE events `data: {json}\n\n` ending with
 //! `data: [DONE]\n\n`; chat streams open with a `role` delta; the last content chunk carries
@@ -40,6 +41,8 @@ pub struct WorkerState {
     /// Seeds response ids and the fault dice; differs per worker.
     pub seed: u64,
     pub tokenizer: SimTokenizer,
+    /// Responses API answers kept, when the store is on.
+    pub responses: super::responses::Store,
     requests: AtomicU64,
     in_flight: Arc<AtomicUsize>,
 }
@@ -62,9 +65,28 @@ impl WorkerState {
             faults,
             seed,
             tokenizer,
+            responses: super::responses::Store::default(),
             requests: AtomicU64::new(0),
             in_flight: Arc::new(AtomicUsize::new(0)),
         }
+    }
+
+    /// Keeps Responses API answers in this worker's memory, as vLLM does with
+    /// `VLLM_ENABLE_RESPONSES_API_STORE=1`.
+    pub fn with_responses_store(mut self, on: bool) -> Self {
+        self.responses = super::responses::Store::new(on);
+        self
+    }
+
+    /// Counts a request in `/load` until the guard is dropped.
+    pub(super) fn admit(&self) -> LoadGuard {
+        self.in_flight.fetch_add(1, Ordering::Relaxed);
+        LoadGuard(self.in_flight.clone())
+    }
+
+    /// The request's number on this worker (seeds its ids).
+    pub(super) fn next_request(&self) -> u64 {
+        self.requests.fetch_add(1, Ordering::Relaxed)
     }
 }
 
@@ -73,6 +95,9 @@ pub fn router(state: Arc<WorkerState>) -> Router {
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat))
         .route("/v1/models", get(models))
+        .route("/v1/responses", post(super::responses::create))
+        .route("/v1/responses/{id}", get(super::responses::retrieve))
+        .route("/v1/responses/{id}/cancel", post(super::responses::cancel))
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize))
         .route("/health", get(health))
@@ -93,7 +118,7 @@ fn bad_request(msg: &str) -> Response {
     error_response(StatusCode::BAD_REQUEST, "BadRequestError", msg, None)
 }
 
-fn reject(r: Reject) -> Response {
+pub(super) fn reject(r: Reject) -> Response {
     match r {
         Reject::BadRequest(m) => bad_request(&m),
         Reject::Param { message, param } => error_response(
@@ -145,7 +170,7 @@ async fn metrics(State(s): State<Arc<WorkerState>>) -> Response {
         .into_response()
 }
 
-fn unix_now() -> u64 {
+pub(super) fn unix_now() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.as_secs())
@@ -228,7 +253,7 @@ async fn chat(state: State<Arc<WorkerState>>, body: Bytes) -> Response {
 }
 
 /// Counts a request in `/load` for as long as its response lives.
-struct LoadGuard(Arc<AtomicUsize>);
+pub(super) struct LoadGuard(Arc<AtomicUsize>);
 
 impl Drop for LoadGuard {
     fn drop(&mut self) {
@@ -237,9 +262,8 @@ impl Drop for LoadGuard {
 }
 
 async fn generate(State(s): State<Arc<WorkerState>>, body: Bytes, chat: bool) -> Response {
-    s.in_flight.fetch_add(1, Ordering::Relaxed);
-    let load = LoadGuard(s.in_flight.clone());
-    let n = s.requests.fetch_add(1, Ordering::Relaxed);
+    let load = s.admit();
+    let n = s.next_request();
     let f = &s.faults;
     if f.hang {
         std::future::pending::<()>().await;

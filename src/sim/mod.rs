@@ -14,6 +14,7 @@ pub mod metrics;
 pub mod presets;
 pub mod replay;
 pub mod request;
+pub mod responses;
 pub mod tokenizer;
 pub mod worker;
 
@@ -74,6 +75,10 @@ pub struct SimConfig {
     pub tokenizer: Option<std::path::PathBuf>,
     /// The model's `tokenizer_config.json`, for its chat template (chat requests).
     pub tokenizer_config: Option<std::path::PathBuf>,
+    /// Keep Responses API answers in each worker's memory, as vLLM does with
+    /// `VLLM_ENABLE_RESPONSES_API_STORE=1` (off by default, as in vLLM), so that
+    /// `previous_response_id` and `GET /v1/responses/{id}` work on the worker that made them.
+    pub responses_store: bool,
 }
 
 impl Default for SimConfig {
@@ -93,6 +98,7 @@ impl Default for SimConfig {
             kv_events: false,
             tokenizer: None,
             tokenizer_config: None,
+            responses_store: false,
         }
     }
 }
@@ -265,15 +271,18 @@ pub async fn start(
             Some(w) if w != i => Faults::default(),
             _ => cfg.faults.clone(),
         };
-        let state = Arc::new(api::WorkerState::new(
-            handle,
-            metrics,
-            params.model.clone(),
-            params.max_model_len,
-            faults,
-            engine::splitmix(cfg.seed ^ i as u64),
-            tokenizer.clone(),
-        ));
+        let state = Arc::new(
+            api::WorkerState::new(
+                handle,
+                metrics,
+                params.model.clone(),
+                params.max_model_len,
+                faults,
+                engine::splitmix(cfg.seed ^ i as u64),
+                tokenizer.clone(),
+            )
+            .with_responses_store(cfg.responses_store),
+        );
         let app = api::router(state);
         let stop = cancel.clone();
         // No drain on shutdown: a worker told to hang would hold it forever, and a simulated

@@ -74,7 +74,7 @@ pub struct RequestBody {
     pub n: Option<i64>,
 }
 
-#[derive(Debug, Deserialize, serde::Serialize)]
+#[derive(Debug, Clone, Deserialize, serde::Serialize)]
 pub struct Message {
     pub role: String,
     #[serde(default)]
