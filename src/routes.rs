@@ -16,7 +16,7 @@ use crate::{
     config::RoutingConfig,
     error::{error_response, ApiError},
     policy::arms::{Arm, Arms},
-    proxy::{forward, forward_to, Route, Upstreams, WORKER_HEADER},
+    proxy::{forward, forward_among, forward_to, Route, Upstreams, WORKER_HEADER},
     responses,
     routing_key::{self, PromptField, RequestInfo},
 };
@@ -108,32 +108,34 @@ async fn routed(s: AppState, route: Route, field: PromptField, req: Request) -> 
 
 /// `POST /v1/responses`: keyed on its instructions and input and routed as a chat is; one that
 /// continues a stored response (`previous_response_id`) goes to the worker that holds it
-/// ([`crate::responses`]). The worker that makes a response is remembered as its home.
+/// ([`crate::responses`]), and is left for that worker to judge. The worker that makes a
+/// response is remembered as its home.
 pub async fn responses_create(State(s): State<AppState>, req: Request) -> Response {
     let up = &s.upstreams;
     let arms = s.arms.load_full();
     let (parts, body) = req.into_parts();
-    let (body, info) = match keyed(up, &parts, body, PromptField::Input).await {
-        Ok(x) => x,
+    let body = match read_body(&parts.headers, body, &up.config).await {
+        Ok(b) => b,
         Err(e) => return respond(&s, Route::Responses, arms.unpicked_labels(), Err(e)),
     };
-    let (arm, result) = match responses::previous_response_id(&body) {
+    let (labels, result) = match responses::previous_response_id(&body) {
         Some(id) => {
-            let arm = &*s.passthrough;
-            (
-                arm,
-                follow(&s, &id, Route::Responses, &parts, body, info).await,
-            )
+            let info = RequestInfo {
+                model: named_model(&parts.headers, &body),
+                ..RequestInfo::unkeyed()
+            };
+            let result = follow(&s, &id, Route::Responses, &parts, body, info).await;
+            ((s.passthrough.policy.name(), &*s.passthrough.name), result)
         }
-        None => {
-            let arm = arms.pick(&parts.headers, &info);
-            (
-                arm,
-                forward(up, arm, Route::Responses, &parts, body, info).await,
-            )
-        }
+        None => match key(up, &body, PromptField::Input).await {
+            Ok(info) => {
+                let arm = arms.pick(&parts.headers, &info);
+                let result = forward(up, arm, Route::Responses, &parts, body, info).await;
+                ((arm.policy.name(), &*arm.name), result)
+            }
+            Err(e) => (arms.unpicked_labels(), Err(e)),
+        },
     };
-    let labels = (arm.policy.name(), &*arm.name);
     respond(
         &s,
         Route::Responses,
@@ -161,8 +163,7 @@ pub async fn stored_response(State(s): State<AppState>, req: Request) -> Respons
 }
 
 /// Sends a request for stored response `id` to the worker remembered for it, or found holding
-/// it; where none is, as routing would send any request, and that worker's answer (vLLM's 404)
-/// is the client's.
+/// it; where none is, to the least-loaded worker, whose answer (vLLM's 404) is the client's.
 async fn follow(
     s: &AppState,
     id: &str,
@@ -174,16 +175,14 @@ async fn follow(
     let up = &s.upstreams;
     let snapshot = up.pool.snapshot();
     let workers = crate::workers::eligible(&snapshot, info.model.as_deref())?;
-    let remembered = s
-        .responses
-        .home(id)
-        .filter(|home| workers.iter().any(|w| *w.name == **home));
+    let named = |name: &str| workers.iter().find(|w| w.name == name);
+    let remembered = s.responses.home(id).and_then(|home| named(&home));
     let (home, how) = match remembered {
         Some(home) => (Some(home), "remembered"),
         None => match responses::locate(up, &workers, id).await {
-            Some(home) => {
-                s.responses.remember(id, &home);
-                (Some(home), "found")
+            Some(found) => {
+                s.responses.remember(id, &found);
+                (named(&found), "found")
             }
             None => (None, "unknown"),
         },
@@ -193,8 +192,8 @@ async fn follow(
         .with_label_values(&[how])
         .inc();
     match home {
-        Some(home) => forward_to(up, &s.passthrough, route, parts, body, info, &home).await,
-        None => forward(up, &s.passthrough, route, parts, body, info).await,
+        Some(home) => forward_to(up, &s.passthrough, route, parts, body, info, home).await,
+        None => forward_among(up, &s.passthrough, route, parts, body, info, &workers).await,
     }
 }
 
@@ -276,8 +275,7 @@ async fn debug_route(s: AppState, field: PromptField, req: Request) -> Response 
     }
 }
 
-/// The request's body, read within the limits, and what routing needs of it: the routing key
-/// and, when a tokenizer is configured for its model, its token ids.
+/// The request's body, read within the limits, and what routing needs of it ([`key`]).
 async fn keyed(
     up: &crate::proxy::Upstreams,
     parts: &http::request::Parts,
@@ -285,11 +283,22 @@ async fn keyed(
     field: PromptField,
 ) -> Result<(Bytes, RequestInfo), ApiError> {
     let body = read_body(&parts.headers, body, &up.config).await?;
-    let mut info = routing_key::extract(&body, field, &up.config.routing_key)?;
-    if !up.tokenizers.is_empty() {
-        crate::request_tokens::attach(up, &mut info, &body, field).await;
-    }
+    let info = key(up, &body, field).await?;
     Ok((body, info))
+}
+
+/// What routing needs of a body: the routing key and, when a tokenizer is configured for its
+/// model, its token ids.
+async fn key(
+    up: &crate::proxy::Upstreams,
+    body: &[u8],
+    field: PromptField,
+) -> Result<RequestInfo, ApiError> {
+    let mut info = routing_key::extract(body, field, &up.config.routing_key)?;
+    if !up.tokenizers.is_empty() {
+        crate::request_tokens::attach(up, &mut info, body, field).await;
+    }
+    Ok(info)
 }
 
 /// vLLM's serving routes outside `/v1/` (its tokenizer, pooling, scoring and SageMaker APIs),

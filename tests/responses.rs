@@ -460,3 +460,28 @@ async fn chained_turns_through_the_gateway_hit_the_simulated_workers_cache() {
         previous = Some(response["id"].as_str().unwrap().to_owned());
     }
 }
+
+/// A response whose worker is gone cannot be continued elsewhere: the client gets the gateway's
+/// error for that worker, and no other worker is asked to continue what it does not hold.
+#[tokio::test]
+async fn a_response_whose_worker_is_gone_gets_an_error_not_another_worker() {
+    let mut workers = pool(2).await;
+    let gw = gateway_for(&workers, "round_robin").await;
+    let (id, home) = turn(gw.addr, None, false).await;
+    let at = workers.iter().position(|w| w.name == home).unwrap();
+    let gone = workers.remove(at);
+    drop(gone);
+    let before = workers[0].creates.load(Ordering::SeqCst);
+    for _ in 0..3 {
+        let req = json!({"model": "m", "input": "more", "previous_response_id": id});
+        let r = request(gw.addr, "POST", "/v1/responses", &body(req)).await;
+        assert!(
+            [502, 503].contains(&r.status),
+            "{} {}",
+            r.status,
+            String::from_utf8_lossy(&r.body)
+        );
+        assert!(r.json()["error"]["message"].is_string());
+    }
+    assert_eq!(workers[0].creates.load(Ordering::SeqCst), before);
+}

@@ -118,12 +118,12 @@ pub async fn forward(
 ) -> Result<Response, ApiError> {
     let snapshot = up.pool.snapshot();
     let workers = eligible(&snapshot, info.model.as_deref())?;
-    forward_among(up, arm, route, parts, body, info, &workers, true).await
+    forward_among(up, arm, route, parts, body, info, &workers).await
 }
 
-/// [`forward`] to the worker named `worker` alone (where a stored response lives), with the same
-/// admission, accounting and health as any request; `arm`'s decision is not counted, since
-/// nothing was chosen. 503 when that worker is not usable.
+/// [`forward`] to `worker` alone (where a stored response lives), with the same admission,
+/// accounting and health as any request; `arm`'s decision is not counted, since nothing was
+/// chosen. 503 when that worker is known down, 502 when it does not answer: never another.
 pub async fn forward_to(
     up: &Upstreams,
     arm: &Arm,
@@ -131,19 +131,29 @@ pub async fn forward_to(
     parts: &http::request::Parts,
     body: Bytes,
     info: RequestInfo,
-    worker: &str,
+    worker: &Arc<Worker>,
 ) -> Result<Response, ApiError> {
-    let snapshot = up.pool.snapshot();
-    let only: Vec<_> = eligible(&snapshot, info.model.as_deref())?
-        .iter()
-        .filter(|w| w.name == worker)
-        .cloned()
-        .collect();
-    forward_among(up, arm, route, parts, body, info, &only, false).await
+    let only = std::slice::from_ref(worker);
+    send_among(up, arm, route, parts, body, info, only, false).await
 }
 
+/// [`forward`] among `workers`, already filtered to those that serve the request's model.
+pub async fn forward_among(
+    up: &Upstreams,
+    arm: &Arm,
+    route: Route,
+    parts: &http::request::Parts,
+    body: Bytes,
+    info: RequestInfo,
+    workers: &[Arc<Worker>],
+) -> Result<Response, ApiError> {
+    send_among(up, arm, route, parts, body, info, workers, true).await
+}
+
+/// Sends the request to the worker `arm`'s policy picks among `workers` (counting its decision
+/// when `decided`), as [`forward`] describes.
 #[allow(clippy::too_many_arguments)]
-async fn forward_among(
+async fn send_among(
     up: &Upstreams,
     arm: &Arm,
     route: Route,
