@@ -564,6 +564,11 @@ async fn a_host_that_wakes_the_engine_late_does_not_slow_the_modelled_engine() {
     );
 }
 
+/// `POST /v1/responses` with `body`.
+async fn respond_to(addr: std::net::SocketAddr, body: &Value) -> common::RawResponse {
+    request(addr, "POST", "/v1/responses", body.to_string().as_bytes()).await
+}
+
 /// The `(event, data)` pairs of a Responses API stream (`event: T` and `data: {json}`).
 fn responses_events(body: &[u8]) -> Vec<(String, Value)> {
     String::from_utf8(body.to_vec())
@@ -589,13 +594,7 @@ async fn responses_api_answers_and_streams_in_vllms_order_and_keeps_nothing_by_d
     let s = one().await;
     let body = json!({"model": MODEL, "instructions": "Be brief.", "input": "Hello there",
         "max_output_tokens": 5});
-    let r = request(
-        s.addrs[0],
-        "POST",
-        "/v1/responses",
-        body.to_string().as_bytes(),
-    )
-    .await;
+    let r = respond_to(s.addrs[0], &body).await;
     assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
     let v = r.json();
     assert!(v["id"].as_str().unwrap().starts_with("resp_"));
@@ -619,13 +618,7 @@ async fn responses_api_answers_and_streams_in_vllms_order_and_keeps_nothing_by_d
 
     let mut streamed = body.clone();
     streamed["stream"] = json!(true);
-    let r = request(
-        s.addrs[0],
-        "POST",
-        "/v1/responses",
-        streamed.to_string().as_bytes(),
-    )
-    .await;
+    let r = respond_to(s.addrs[0], &streamed).await;
     assert_eq!(r.status, 200);
     let events = responses_events(&r.body);
     let kinds: Vec<&str> = events.iter().map(|(k, _)| k.as_str()).collect();
@@ -662,13 +655,7 @@ async fn responses_api_answers_and_streams_in_vllms_order_and_keeps_nothing_by_d
     // Without the store (vLLM's default) nothing is kept: continuing or asking is a 404.
     let id = v["id"].as_str().unwrap();
     let next = json!({"model": MODEL, "input": "More", "previous_response_id": id});
-    let r = request(
-        s.addrs[0],
-        "POST",
-        "/v1/responses",
-        next.to_string().as_bytes(),
-    )
-    .await;
+    let r = respond_to(s.addrs[0], &next).await;
     assert_eq!(r.status, 404);
     assert_eq!(r.json()["error"]["param"], "response_id");
     let r = request(s.addrs[0], "GET", &format!("/v1/responses/{id}"), b"").await;
@@ -676,13 +663,7 @@ async fn responses_api_answers_and_streams_in_vllms_order_and_keeps_nothing_by_d
     // Tools are not simulated: said, not ignored.
     let tool = json!({"model": MODEL, "input": [{"type": "function_call_output", "call_id": "c",
         "output": "x"}]});
-    let r = request(
-        s.addrs[0],
-        "POST",
-        "/v1/responses",
-        tool.to_string().as_bytes(),
-    )
-    .await;
+    let r = respond_to(s.addrs[0], &tool).await;
     assert_eq!(r.status, 400);
     assert!(r.json()["error"]["message"]
         .as_str()
@@ -700,13 +681,7 @@ async fn with_the_store_a_continued_response_prefills_only_its_new_turn() {
     let long = "The history of the city begins with a river crossing. ".repeat(40);
     let first = json!({"model": MODEL, "instructions": "Be brief.", "input": long,
         "max_output_tokens": 4});
-    let r = request(
-        s.addrs[0],
-        "POST",
-        "/v1/responses",
-        first.to_string().as_bytes(),
-    )
-    .await;
+    let r = respond_to(s.addrs[0], &first).await;
     let v = r.json();
     let id = v["id"].as_str().unwrap().to_owned();
     let first_input = v["usage"]["input_tokens"].as_u64().unwrap();
@@ -715,13 +690,7 @@ async fn with_the_store_a_continued_response_prefills_only_its_new_turn() {
     // (vLLM drops the stored system message, as OpenAI's API does), so they are sent again.
     let next = json!({"model": MODEL, "instructions": "Be brief.", "input": "And then?",
         "previous_response_id": id, "max_output_tokens": 4, "stream": true});
-    let r = request(
-        s.addrs[0],
-        "POST",
-        "/v1/responses",
-        next.to_string().as_bytes(),
-    )
-    .await;
+    let r = respond_to(s.addrs[0], &next).await;
     assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
     let events = responses_events(&r.body);
     let done = &events.last().unwrap().1["response"];
@@ -754,13 +723,7 @@ async fn with_the_store_a_continued_response_prefills_only_its_new_turn() {
     assert_eq!(r.status, 400, "a finished response cannot be cancelled");
     // `store: false` keeps nothing, even with the store on.
     let unkept = json!({"model": MODEL, "input": "x", "store": false, "max_output_tokens": 2});
-    let r = request(
-        s.addrs[0],
-        "POST",
-        "/v1/responses",
-        unkept.to_string().as_bytes(),
-    )
-    .await;
+    let r = respond_to(s.addrs[0], &unkept).await;
     let unkept_id = r.json()["id"].as_str().unwrap().to_owned();
     let r = request(
         s.addrs[0],

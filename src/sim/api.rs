@@ -118,6 +118,16 @@ fn bad_request(msg: &str) -> Response {
     error_response(StatusCode::BAD_REQUEST, "BadRequestError", msg, None)
 }
 
+/// vLLM's 503 for a request that comes in while the engine stops.
+pub(super) fn shutting_down() -> Response {
+    error_response(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "ServiceUnavailableError",
+        "engine is shutting down",
+        None,
+    )
+}
+
 pub(super) fn reject(r: Reject) -> Response {
     match r {
         Reject::BadRequest(m) => bad_request(&m),
@@ -289,12 +299,7 @@ async fn generate(State(s): State<Arc<WorkerState>>, body: Bytes, chat: bool) ->
         Err(r) => return reject(r),
     };
     let Some(events) = s.engine.submit(parsed.engine.clone()) else {
-        return error_response(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "ServiceUnavailableError",
-            "engine is shutting down",
-            None,
-        );
+        return shutting_down();
     };
     let reply = Reply {
         id: format!(

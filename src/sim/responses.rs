@@ -140,12 +140,7 @@ pub async fn create(State(s): State<Arc<WorkerState>>, body: Bytes) -> Response 
         Err(r) => return super::api::reject(r),
     };
     let Some(events) = s.engine.submit(parsed.engine.clone()) else {
-        return error_response(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "ServiceUnavailableError",
-            "engine is shutting down",
-            None,
-        );
+        return super::api::shutting_down();
     };
     let n = s.next_request();
     let answer = Answer {
