@@ -23,7 +23,7 @@ async fn the_corpus_gets_clear_answers_and_malformed_bodies_never_reach_a_worker
         let path = entry.unwrap().path();
         let body = std::fs::read(&path).unwrap();
         let valid_json = serde_json::from_slice::<serde_json::Value>(&body).is_ok();
-        for route in ["/v1/completions", "/v1/chat/completions"] {
+        for route in ["/v1/completions", "/v1/chat/completions", "/v1/responses"] {
             let before = up.requests.load(Ordering::SeqCst);
             let r = request(gw.addr, "POST", route, &body).await;
             assert!(
@@ -70,6 +70,8 @@ fn jsonish() -> impl Strategy<Value = String> {
         Just(":".to_string()),
         Just("\"prompt\"".to_string()),
         Just("\"messages\"".to_string()),
+        Just("\"input\"".to_string()),
+        Just("\"instructions\"".to_string()),
         Just("\"role\"".to_string()),
         Just("\"content\"".to_string()),
         Just("\"type\"".to_string()),
@@ -89,7 +91,7 @@ proptest! {
     fn any_body_is_keyed_or_refused_with_400(body in jsonish(), bytes in proptest::collection::vec(any::<u8>(), 0..200)) {
         let cfg = RoutingKeyConfig { block_bytes: 16, max_blocks: 8 };
         for input in [body.as_bytes(), &bytes] {
-            for field in [PromptField::Prompt, PromptField::Messages] {
+            for field in [PromptField::Prompt, PromptField::Messages, PromptField::Input] {
                 match extract(input, field, &cfg) {
                     Ok(info) => {
                         prop_assert!(info.block_hashes.len() <= 8);
