@@ -41,6 +41,7 @@ fn spec(workload: Workload) -> LoadSpec {
         request_timeout: Duration::from_secs(30),
         max_requests: None,
         output_range: 0.0,
+        api: bench::loadgen::Api::Completions,
     }
 }
 
@@ -781,4 +782,50 @@ async fn a_bench_gateway_answers_while_the_benchs_runtime_is_held() {
         .expect("the gateway answered in time");
     assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
     assert!(answer.contains("kvroute_"), "{answer}");
+}
+
+/// The same chat conversations through the Responses API: every request answered with its full
+/// length, and `cache_aware` keeps each conversation where its history is cached, where
+/// round-robin moves it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chat_through_the_responses_api_keeps_conversations_on_their_cache() {
+    let sim = SimConfig {
+        workers: 2,
+        engine: Some(small_engine(2048)),
+        time_scale: 4.0,
+        ..SimConfig::default()
+    };
+    let load = LoadSpec {
+        api: bench::loadgen::Api::Responses,
+        concurrency: 4,
+        ..spec(Workload::Chat {
+            turns: 6,
+            system_tokens: 256,
+            user_tokens: 48,
+            output_tokens: 8,
+        })
+    };
+    let policies = ["round_robin".to_string(), "cache_aware".to_string()];
+    let (runs, _) = bench::compare(
+        &bench::Target::Sim(Box::new(sim)),
+        &policies,
+        &load,
+        (1e9, 1e9),
+    )
+    .await
+    .unwrap();
+    let table = bench::report::table(&runs);
+    for r in &runs {
+        assert!(r.summary.requests > 20, "{}: {:?}", r.label, r.summary);
+        assert_eq!(r.summary.errors, 0, "{table}");
+        let tokens = r.summary.output_tok_per_s * r.summary.window_seconds;
+        assert_eq!(
+            tokens.round() as usize,
+            8 * r.summary.succeeded,
+            "{}: {table}",
+            r.label
+        );
+    }
+    let hit = |i: usize| runs[i].workers.as_ref().unwrap().hit_rate();
+    assert!(hit(1) > hit(0) + 0.05, "{table}");
 }

@@ -129,6 +129,11 @@ pub struct LoadArgs {
     /// 0: every request the workload's length. Not with --trace, whose lines carry their own.
     #[arg(long, default_value_t = 0.0)]
     output_range: f64,
+    /// The API requests go through: `completions` (the workload's own, /v1/completions or
+    /// /v1/chat/completions) or `responses` (/v1/responses: a chat's system message as
+    /// instructions, its history as input items).
+    #[arg(long, default_value = "completions")]
+    api: String,
     /// Seconds before the measured window.
     #[arg(long, default_value_t = 10.0)]
     warmup: f64,
@@ -217,7 +222,14 @@ impl LoadArgs {
                 "--output-range applies to the built-in workloads; a trace's lines carry their own output lengths".into(),
             ));
         }
+        let api = super::loadgen::Api::by_name(&self.api).ok_or_else(|| {
+            BenchError::Setup(format!(
+                "unknown --api `{}` (known: completions, responses)",
+                self.api
+            ))
+        })?;
         Ok(LoadSpec {
+            api,
             url,
             model: self.model.clone(),
             workload,

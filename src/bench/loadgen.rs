@@ -63,6 +63,55 @@ pub struct LoadSpec {
     /// uniformly from `1 ± output_range` (a stream of its own, the same for every target), so
     /// requests started together do not all end in the same decode step. 0: fixed lengths.
     pub output_range: f64,
+    /// The API the requests are sent through.
+    pub api: Api,
+}
+
+/// The API a run's requests go through.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Api {
+    /// The workload's own: `/v1/completions` for a prompt, `/v1/chat/completions` for messages.
+    #[default]
+    Completions,
+    /// `/v1/responses`: a chat's system message as `instructions`, its other messages as
+    /// `input` items (the whole history each turn, as the chat resends it); a prompt as `input`.
+    Responses,
+}
+
+impl Api {
+    pub fn by_name(name: &str) -> Option<Self> {
+        match name {
+            "completions" => Some(Self::Completions),
+            "responses" => Some(Self::Responses),
+            _ => None,
+        }
+    }
+}
+
+/// A completions or chat body as a Responses API request: the system message (the first, if
+/// any) as `instructions`, the other messages (or the prompt) as `input`, `max_tokens` as
+/// `max_output_tokens`; vLLM's `ignore_eos` kept.
+fn as_responses(body: &Value) -> Value {
+    let mut out = serde_json::json!({
+        "model": body["model"],
+        "max_output_tokens": body["max_tokens"],
+        "stream": body["stream"],
+        "ignore_eos": body["ignore_eos"],
+    });
+    match body["messages"].as_array() {
+        Some(messages) => {
+            let (system, rest) = match messages.split_first() {
+                Some((first, rest)) if first["role"] == "system" => (Some(first), rest),
+                _ => (None, &messages[..]),
+            };
+            if let Some(system) = system {
+                out["instructions"] = system["content"].clone();
+            }
+            out["input"] = Value::from(rest.to_vec());
+        }
+        None => out["input"] = body["prompt"].clone(),
+    }
+    out
 }
 
 impl LoadSpec {
@@ -315,13 +364,19 @@ impl Shared {
         let mut body = req.body.clone();
         body["model"] = Value::from(self.model.as_str());
         body["stream"] = Value::Bool(true);
-        body["stream_options"] = serde_json::json!({"include_usage": true});
         // Fixed output lengths, so every policy and target generates the same amount.
         body["ignore_eos"] = Value::Bool(true);
-        let path = if req.chat {
-            "/v1/chat/completions"
-        } else {
-            "/v1/completions"
+        let (path, body) = match (self.spec.api, req.chat) {
+            (Api::Responses, _) => ("/v1/responses", as_responses(&body)),
+            (Api::Completions, chat) => {
+                body["stream_options"] = serde_json::json!({"include_usage": true});
+                let path = if chat {
+                    "/v1/chat/completions"
+                } else {
+                    "/v1/completions"
+                };
+                (path, body)
+            }
         };
         let base = &self.bases[(s.index as usize) % self.bases.len()];
         let http_req = http::Request::post(format!("{base}{path}"))
@@ -371,10 +426,29 @@ impl Shared {
             if let Some(n) = v["usage"]["completion_tokens"].as_u64() {
                 s.output_tokens = n as usize;
             }
+            // A Responses stream names each event's type and ends with the response, no [DONE].
+            match v["type"].as_str() {
+                Some("response.completed" | "response.incomplete") => {
+                    if let Some(n) = v["response"]["usage"]["output_tokens"].as_u64() {
+                        s.output_tokens = n as usize;
+                    }
+                    if content_events == 0 && s.output_tokens == 0 {
+                        return Err("stream ended without output".into());
+                    }
+                    return Ok(());
+                }
+                Some(failed @ ("response.failed" | "error")) => {
+                    return Err(format!("{failed} event: {v}"));
+                }
+                _ => {}
+            }
             let choice = &v["choices"][0];
             let text = choice["text"]
                 .as_str()
-                .or(choice["delta"]["content"].as_str());
+                .or(choice["delta"]["content"].as_str())
+                .or(v["delta"]
+                    .as_str()
+                    .filter(|_| v["type"] == "response.output_text.delta"));
             if text.is_some_and(|t| !t.is_empty()) {
                 content_events += 1;
                 s.token_times.push(now);

@@ -66,6 +66,9 @@ struct ResponsesBody {
     store: Option<bool>,
     #[serde(default)]
     background: bool,
+    /// vLLM's own field, as on its completions.
+    #[serde(default)]
+    ignore_eos: bool,
     temperature: Option<f64>,
     top_p: Option<f64>,
 }
@@ -129,6 +132,7 @@ pub async fn create(State(s): State<Arc<WorkerState>>, body: Bytes) -> Response 
         model: req.model,
         messages: Some(messages),
         max_tokens: req.max_output_tokens,
+        ignore_eos: req.ignore_eos,
         stream: req.stream,
         temperature: req.temperature,
         top_p: req.top_p,
