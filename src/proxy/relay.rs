@@ -133,9 +133,14 @@ impl Tracker {
     }
 
     /// A frame of the answer went by: the prefill is over, and it may carry the usage. A frame of
-    /// a stream (`sse`) also marks the end of one of the worker's steps.
+    /// a stream (`sse`) also marks the end of one of the worker's steps. Not a Responses stream's
+    /// opening (`response.created`, `response.in_progress`), which vLLM sends before the prefill
+    /// has begun.
     fn saw(&mut self, data: &[u8], sse: bool) {
         if let Some(f) = &mut self.feedback {
+            if sse && f.names == UsageNames::Responses && only_opening(data) {
+                return;
+            }
             let cleared = f.load.done();
             if sse {
                 let now = crate::load::now_us();
@@ -213,6 +218,19 @@ impl Drop for Tracker {
             .duration
             .observe(self.started.elapsed().as_secs_f64());
     }
+}
+
+/// Whether every event of this frame of a Responses stream is one vLLM sends before generating
+/// (`response.created`, `response.in_progress`). A frame with no whole `event:` line counts as
+/// output.
+fn only_opening(data: &[u8]) -> bool {
+    let mut events = data
+        .split(|&b| b == b'\n')
+        .filter_map(|line| line.strip_prefix(b"event:"))
+        .map(<[u8]>::trim_ascii)
+        .peekable();
+    events.peek().is_some()
+        && events.all(|e| e == b"response.created" || e == b"response.in_progress")
 }
 
 /// The names an answer's `usage` gives its token counts.
@@ -391,6 +409,30 @@ impl HttpBody for RelayBody {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_responses_streams_opening_is_told_from_its_output() {
+        let created = b"event: response.created\ndata: {\"type\":\"response.created\"}\n\n";
+        let opening = [
+            &created[..],
+            b"event: response.in_progress\r\ndata: {}\r\n\r\n",
+        ]
+        .concat();
+        assert!(only_opening(created));
+        assert!(only_opening(&opening));
+        let with_output = [
+            &opening[..],
+            b"event: response.output_item.added\ndata: {}\n\n",
+        ]
+        .concat();
+        assert!(!only_opening(&with_output));
+        assert!(!only_opening(
+            b"event: response.output_text.delta\ndata: {}\n\n"
+        ));
+        // Part of an event, or none: output, as before.
+        assert!(!only_opening(b"data: {\"delta\":\"x\"}\n\n"));
+        assert!(!only_opening(b""));
+    }
 
     #[test]
     fn usage_is_read_from_a_body_or_an_event() {

@@ -402,6 +402,7 @@ struct Streaming {
     text: String,
     sequence: u64,
     opened: bool,
+    item_added: bool,
     done: bool,
     _load: LoadGuard,
 }
@@ -414,34 +415,40 @@ impl Streaming {
         format!("event: {kind}\ndata: {data}\n\n")
     }
 
-    /// What vLLM sends before the first token: the response created and in progress, its message
-    /// and its text part added.
+    /// What vLLM sends before generating: the response created and in progress.
     fn opening(&mut self) -> String {
         let response = self.answer.response(json!([]), None);
-        let item = self.answer.message("", false);
-        let part = json!({"annotations": [], "text": "", "type": "output_text", "logprobs": []});
         let mut out = self.event("response.created", json!({"response": response.clone()}));
         out += &self.event("response.in_progress", json!({"response": response}));
-        out += &self.event(
-            "response.output_item.added",
-            json!({"item": item, "output_index": 0}),
-        );
-        out += &self.event(
-            "response.content_part.added",
-            json!({"content_index": 0, "item_id": self.answer.message_id, "output_index": 0,
-                "part": part}),
-        );
         out
     }
 
+    /// A token's text; the first comes after the message and its text part are added, as vLLM
+    /// adds them with its first output.
     fn delta(&mut self, text: &str) -> String {
-        self.text.push_str(text);
         let id = self.answer.message_id.clone();
-        self.event(
+        let mut out = String::new();
+        if !self.item_added {
+            self.item_added = true;
+            let item = self.answer.message("", false);
+            let part =
+                json!({"annotations": [], "text": "", "type": "output_text", "logprobs": []});
+            out += &self.event(
+                "response.output_item.added",
+                json!({"item": item, "output_index": 0}),
+            );
+            out += &self.event(
+                "response.content_part.added",
+                json!({"content_index": 0, "item_id": id, "output_index": 0, "part": part}),
+            );
+        }
+        self.text.push_str(text);
+        out += &self.event(
             "response.output_text.delta",
             json!({"content_index": 0, "delta": text, "item_id": id, "logprobs": [],
                 "output_index": 0}),
-        )
+        );
+        out
     }
 
     /// What vLLM sends once generation ends: the text, part and item done, then the response.
@@ -481,6 +488,7 @@ fn stream_answer(
         text: String::new(),
         sequence: 0,
         opened: false,
+        item_added: false,
         done: false,
         _load: load,
     };
@@ -488,7 +496,7 @@ fn stream_answer(
         if st.done {
             return None;
         }
-        // The opening goes out at once, before the first token, as vLLM's does.
+        // The opening goes out at once, before the prefill, as vLLM's does.
         let out = if st.opened {
             let event = st.events.recv().await?;
             match (&event, ending(&event)) {
