@@ -142,7 +142,10 @@ impl Tracker {
                 return;
             }
             let cleared = f.load.done();
-            if sse {
+            // Steps are timed from chat and completion streams only: through a Responses stream
+            // the fit came out a tenth of the true time per prefill token (see
+            // docs/measurements.md, "Chat through the Responses API"), cause not yet found.
+            if sse && f.names == UsageNames::Completions {
                 let now = crate::load::now_us();
                 let w = self.slot.worker();
                 w.steps.frame(now, cleared, || w.load.pending_prefill());
