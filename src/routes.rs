@@ -16,7 +16,7 @@ use crate::{
     config::RoutingConfig,
     error::{error_response, ApiError},
     policy::arms::{Arm, Arms},
-    proxy::{forward, forward_among, forward_to, Route, Upstreams, WORKER_HEADER},
+    proxy::{forward, forward_to, Route, Upstreams, WORKER_HEADER},
     responses,
     routing_key::{self, PromptField, RequestInfo},
 };
@@ -193,7 +193,7 @@ async fn follow(
         .inc();
     match home {
         Some(home) => forward_to(up, &s.passthrough, route, parts, body, info, home).await,
-        None => forward_among(up, &s.passthrough, route, parts, body, info, &workers).await,
+        None => forward(up, &s.passthrough, route, parts, body, info).await,
     }
 }
 

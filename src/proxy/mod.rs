@@ -118,7 +118,7 @@ pub async fn forward(
 ) -> Result<Response, ApiError> {
     let snapshot = up.pool.snapshot();
     let workers = eligible(&snapshot, info.model.as_deref())?;
-    forward_among(up, arm, route, parts, body, info, &workers).await
+    send_among(up, arm, route, parts, body, info, &workers, true).await
 }
 
 /// [`forward`] to `worker` alone (where a stored response lives), with the same admission,
@@ -135,19 +135,6 @@ pub async fn forward_to(
 ) -> Result<Response, ApiError> {
     let only = std::slice::from_ref(worker);
     send_among(up, arm, route, parts, body, info, only, false).await
-}
-
-/// [`forward`] among `workers`, already filtered to those that serve the request's model.
-pub async fn forward_among(
-    up: &Upstreams,
-    arm: &Arm,
-    route: Route,
-    parts: &http::request::Parts,
-    body: Bytes,
-    info: RequestInfo,
-    workers: &[Arc<Worker>],
-) -> Result<Response, ApiError> {
-    send_among(up, arm, route, parts, body, info, workers, true).await
 }
 
 /// Sends the request to the worker `arm`'s policy picks among `workers` (counting its decision
