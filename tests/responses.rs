@@ -62,19 +62,11 @@ impl StoringWorker {
             .route("/v1/responses/{id}/cancel", post(cancel))
             .route("/health", get(|| async { "ok" }))
             .with_state(store);
-        let stop = CancellationToken::new();
-        let token = stop.clone();
-        tokio::spawn(async move {
-            axum::serve(listener, app)
-                .with_graceful_shutdown(token.cancelled_owned())
-                .await
-                .unwrap();
-        });
         Self {
             addr,
             name: name.to_owned(),
             creates,
-            _stop: stop.drop_guard(),
+            _stop: serve_until_dropped(listener, app),
         }
     }
 

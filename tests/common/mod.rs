@@ -95,6 +95,19 @@ pub async fn upstream(name: &str, models: &[&str]) -> Upstream {
     .fold(Router::new(), |r, path| r.route(path, any(generate)))
     .route("/v1/models", get(models_handler))
     .with_state(state.clone());
+    let stop = serve_until_dropped(listener, app);
+    Upstream {
+        addr,
+        name: name.to_owned(),
+        requests: state.requests,
+        disconnects: rx,
+        gate: state.gate,
+        _stop: stop,
+    }
+}
+
+/// Serves `app` on `listener` in a task of its own until the guard is dropped.
+pub fn serve_until_dropped(listener: TcpListener, app: Router) -> tokio_util::sync::DropGuard {
     let stop = CancellationToken::new();
     let token = stop.clone();
     tokio::spawn(async move {
@@ -103,14 +116,7 @@ pub async fn upstream(name: &str, models: &[&str]) -> Upstream {
             .await
             .unwrap();
     });
-    Upstream {
-        addr,
-        name: name.to_owned(),
-        requests: state.requests,
-        disconnects: rx,
-        gate: state.gate,
-        _stop: stop.drop_guard(),
-    }
+    stop.drop_guard()
 }
 
 async fn models_handler(State(s): State<UpState>) -> Json<serde_json::Value> {
