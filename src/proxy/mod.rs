@@ -25,7 +25,7 @@ use hyper_util::{
 use tokio::time::Instant;
 
 pub use http1::UpstreamBody;
-use relay::{Feedback, Phase, Tracker, UsageNames};
+use relay::{Feedback, Opening, Phase, Tracker, UsageNames};
 pub use upstream::Connections;
 
 use crate::{
@@ -282,6 +282,7 @@ fn tracker(
         } else {
             UsageNames::Completions
         },
+        opening: (route == Route::Responses).then(Opening::default),
         failed: false,
     });
     Tracker {

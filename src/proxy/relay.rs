@@ -47,6 +47,9 @@ pub(super) struct Feedback {
     pub usage: Option<Usage>,
     /// Which names the answer's usage has: the Responses API's, or completions' and chat's.
     pub names: UsageNames,
+    /// A Responses stream's opening still under way ([`Opening`]); `None` for other routes and
+    /// once output has begun.
+    pub opening: Option<Opening>,
     /// The worker answered with a non-2xx status or failed: it did not take the prompt.
     pub failed: bool,
 }
@@ -133,19 +136,21 @@ impl Tracker {
     }
 
     /// A frame of the answer went by: the prefill is over, and it may carry the usage. A frame of
-    /// a stream (`sse`) also marks the end of one of the worker's steps. Not a Responses stream's
-    /// opening (`response.created`, `response.in_progress`), which vLLM sends before the prefill
-    /// has begun.
+    /// a stream (`sse`) also marks the end of one of the worker's steps. Not while a Responses
+    /// stream is still in its opening (`response.created`, `response.in_progress`), which vLLM
+    /// sends before the prefill has begun, in as many frames as its size takes.
     fn saw(&mut self, data: &[u8], sse: bool) {
         if let Some(f) = &mut self.feedback {
-            if sse && f.names == UsageNames::Responses && only_opening(data) {
-                return;
+            if sse {
+                if let Some(opening) = &mut f.opening {
+                    if !opening.output_begins(data) {
+                        return;
+                    }
+                    f.opening = None;
+                }
             }
             let cleared = f.load.done();
-            // Steps are timed from chat and completion streams only: through a Responses stream
-            // the fit came out a tenth of the true time per prefill token (see
-            // docs/measurements.md, "Chat through the Responses API"), cause not yet found.
-            if sse && f.names == UsageNames::Completions {
+            if sse {
                 let now = crate::load::now_us();
                 let w = self.slot.worker();
                 w.steps.frame(now, cleared, || w.load.pending_prefill());
@@ -223,17 +228,54 @@ impl Drop for Tracker {
     }
 }
 
-/// Whether every event of this frame of a Responses stream is one vLLM sends before generating
-/// (`response.created`, `response.in_progress`). A frame with no whole `event:` line counts as
-/// output.
-fn only_opening(data: &[u8]) -> bool {
-    let mut events = data
-        .split(|&b| b == b'\n')
-        .filter_map(|line| line.strip_prefix(b"event:"))
-        .map(<[u8]>::trim_ascii)
-        .peekable();
-    events.peek().is_some()
-        && events.all(|e| e == b"response.created" || e == b"response.in_progress")
+/// Where a Responses stream stands in its opening events (`response.created`,
+/// `response.in_progress`), read across frames.
+///
+/// vLLM sends the opening before the prefill, and each of its two events carries the whole
+/// response object, `instructions` included: tens of kilobytes under a long system prompt, which
+/// reach the gateway in several frames. So a frame is not judged alone: the scan follows the
+/// stream's lines across frames, keeping no more than the start of the line under way.
+#[derive(Debug, Default)]
+pub(super) struct Opening {
+    /// The start of the line under way, up to [`Opening::KEPT`] bytes.
+    line: Vec<u8>,
+    /// The event under way was named by an `event:` line (one of the opening's).
+    named: bool,
+}
+
+impl Opening {
+    /// Enough of a line to read any event name vLLM sends, and to tell `data:` lines.
+    const KEPT: usize = 96;
+
+    /// Reads the stream's next frame; true once it has begun an event other than the
+    /// opening's, or data that no `event:` line named (a stream without event names: output).
+    pub(super) fn output_begins(&mut self, data: &[u8]) -> bool {
+        for piece in data.split_inclusive(|&b| b == b'\n') {
+            let (text, ends) = match piece.strip_suffix(b"\n") {
+                Some(text) => (text, true),
+                None => (piece, false),
+            };
+            let room = Self::KEPT.saturating_sub(self.line.len());
+            self.line.extend_from_slice(&text[..text.len().min(room)]);
+            if !ends {
+                continue;
+            }
+            let line = self.line.strip_suffix(b"\r").unwrap_or(&self.line);
+            if line.is_empty() {
+                self.named = false;
+            } else if let Some(name) = line.strip_prefix(b"event:") {
+                let name = name.trim_ascii();
+                if name != b"response.created" && name != b"response.in_progress" {
+                    return true;
+                }
+                self.named = true;
+            } else if line.starts_with(b"data:") && !self.named {
+                return true;
+            }
+            self.line.clear();
+        }
+        false
+    }
 }
 
 /// The names an answer's `usage` gives its token counts.
@@ -413,6 +455,12 @@ impl HttpBody for RelayBody {
 mod tests {
     use super::*;
 
+    /// Whether output begins somewhere in these frames, read in order by one scan.
+    fn output_in(frames: &[&[u8]]) -> bool {
+        let mut opening = Opening::default();
+        frames.iter().any(|f| opening.output_begins(f))
+    }
+
     #[test]
     fn a_responses_streams_opening_is_told_from_its_output() {
         let created = b"event: response.created\ndata: {\"type\":\"response.created\"}\n\n";
@@ -421,20 +469,93 @@ mod tests {
             b"event: response.in_progress\r\ndata: {}\r\n\r\n",
         ]
         .concat();
-        assert!(only_opening(created));
-        assert!(only_opening(&opening));
-        let with_output = [
-            &opening[..],
-            b"event: response.output_item.added\ndata: {}\n\n",
-        ]
-        .concat();
-        assert!(!only_opening(&with_output));
-        assert!(!only_opening(
+        assert!(!output_in(&[created]));
+        assert!(!output_in(&[&opening]));
+        let added = b"event: response.output_item.added\ndata: {}\n\n";
+        assert!(output_in(&[&[&opening[..], added].concat()]));
+        assert!(output_in(&[
             b"event: response.output_text.delta\ndata: {}\n\n"
-        ));
-        // Part of an event, or none: output, as before.
-        assert!(!only_opening(b"data: {\"delta\":\"x\"}\n\n"));
-        assert!(!only_opening(b""));
+        ]));
+        // Data no event line named is output; an empty frame is not.
+        assert!(output_in(&[b"data: {\"delta\":\"x\"}\n\n"]));
+        assert!(!output_in(&[b""]));
+    }
+
+    #[test]
+    fn an_opening_split_over_frames_is_still_the_opening() {
+        // The opening as vLLM sends it under a long system prompt: each event carries the whole
+        // response, instructions included, so it comes in pieces of whatever a read took.
+        let instructions = "You are helpful. event: response.output_text.delta\\n".repeat(400);
+        let response =
+            format!(r#"{{"response":{{"id":"resp_1","instructions":"{instructions}"}}}}"#);
+        let stream = format!(
+            "event: response.created\ndata: {response}\n\n\
+             event: response.in_progress\r\ndata: {response}\r\n\r\n\
+             event: response.output_item.added\ndata: {{}}\n\n"
+        );
+        let stream = stream.as_bytes();
+        let output_at = stream.len() - "event: response.output_item.added\ndata: {}\n\n".len();
+        // Cut anywhere, in pieces of any size, the output begins in the piece holding its first
+        // event line's end, and not before.
+        let line_end = output_at + "event: response.output_item.added".len();
+        for size in [1, 2, 7, 64, 1000, 8192, 16 * 1024] {
+            let mut opening = Opening::default();
+            let begun = stream
+                .chunks(size)
+                .enumerate()
+                .find(|(_, piece)| opening.output_begins(piece))
+                .map(|(i, _)| i);
+            assert_eq!(begun, Some(line_end / size), "pieces of {size} bytes");
+        }
+    }
+
+    /// A Responses stream through the tracker: a worker's pending prefill stays until the first
+    /// output event, however many frames the opening took.
+    #[test]
+    fn the_prefill_is_pending_until_a_responses_streams_output() {
+        let worker = Arc::clone(&crate::workers::test_workers(1)[0]);
+        let prediction = crate::policy::Prediction {
+            prompt_tokens: 4000,
+            cached_tokens: 1000,
+            matched_blocks: 0,
+            fresh: false,
+        };
+        let policy: Arc<dyn Policy> = Arc::new(crate::policy::CacheAware::new(Default::default()));
+        let metrics = Metrics::new();
+        let mut tracker = Tracker {
+            slot: worker.acquire(),
+            series: worker.series(policy.name(), "default"),
+            metrics,
+            started: Instant::now(),
+            phase: Phase::Streaming,
+            feedback: Some(Feedback {
+                policy,
+                info: Arc::new(RequestInfo::unkeyed()),
+                selection: Selection {
+                    prediction: Some(prediction),
+                    ..Selection::new(0, crate::policy::Outcome::LongestMatch)
+                },
+                load: RequestLoad::new(&worker, 3000, 4000),
+                usage: None,
+                names: UsageNames::Responses,
+                opening: Some(Opening::default()),
+                failed: false,
+            }),
+        };
+        let response = format!(
+            r#"{{"response":{{"id":"r","instructions":"{}"}}}}"#,
+            "x".repeat(30_000)
+        );
+        let opening = format!(
+            "event: response.created\ndata: {response}\n\nevent: response.in_progress\ndata: {response}\n\n"
+        );
+        for piece in opening.as_bytes().chunks(8192) {
+            tracker.saw(piece, true);
+            assert_eq!(worker.load.pending_prefill(), 3000);
+        }
+        tracker.saw(b"event: response.output_item.added\ndata: {}\n\n", true);
+        assert_eq!(worker.load.pending_prefill(), 0);
+        tracker.phase = Phase::Finished;
     }
 
     #[test]
