@@ -25,7 +25,7 @@ use hyper_util::{
 use tokio::time::Instant;
 
 pub use http1::UpstreamBody;
-use relay::{Feedback, Opening, Phase, Tracker, UsageNames};
+use relay::{Feedback, Opening, Phase, Tracker, UsageNames, UsageRead};
 pub use upstream::Connections;
 
 use crate::{
@@ -276,7 +276,7 @@ fn tracker(
                 .prediction
                 .map_or(0, |p| u64::from(p.prompt_tokens)),
         ),
-        usage: None,
+        usage: UsageRead::default(),
         names: if route == Route::Responses {
             UsageNames::Responses
         } else {

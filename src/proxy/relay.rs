@@ -44,7 +44,7 @@ pub(super) struct Feedback {
     /// This request's share of the worker's load: its uncached prompt tokens in the pending
     /// prefill until the worker answers, its prompt in the in-flight context until it ends.
     pub load: RequestLoad,
-    pub usage: Option<Usage>,
+    pub usage: UsageRead,
     /// Which names the answer's usage has: the Responses API's, or completions' and chat's.
     pub names: UsageNames,
     /// A Responses stream's opening still under way ([`Opening`]); `None` for other routes and
@@ -155,9 +155,7 @@ impl Tracker {
                 let w = self.slot.worker();
                 w.steps.frame(now, cleared, || w.load.pending_prefill());
             }
-            if let Some(u) = find_usage(data, f.names) {
-                f.usage = Some(u);
-            }
+            f.usage.read(data, f.names, sse);
         }
     }
 
@@ -169,7 +167,7 @@ impl Tracker {
         f.load.done();
         let result = match (f.failed, self.phase) {
             (true, _) => Observed::Failed,
-            (false, Phase::Finished) => Observed::Answered(f.usage),
+            (false, Phase::Finished) => Observed::Answered(f.usage.usage()),
             // The client went away: the worker may hold part of the prompt; nothing to learn.
             (false, _) => Observed::Answered(None),
         };
@@ -287,10 +285,112 @@ pub(super) enum UsageNames {
     Responses,
 }
 
+/// The answer's `usage`, read frame by frame.
+///
+/// Each frame is searched, and so is its seam with the frame before where that one ended inside
+/// an event (a stream) or the body is one document (JSON): a worker writes an event whole, but
+/// the gateway reads what arrived, and vLLM's Responses events carry the whole response,
+/// `instructions` included, so the usage at the end of `response.completed` can fall across
+/// two frames. vLLM writes the prompt's count first in a usage, so a frame holding one starts a
+/// new usage, and counts found without one complete the usage begun before it.
+#[derive(Debug)]
+pub(super) struct UsageRead {
+    counts: Counts,
+    /// The end of the frame before (its first `seam_len` bytes), while the next one continues
+    /// it. Held inline: a JSON answer keeps one at every frame, and an allocation a request
+    /// would cost more than the search.
+    seam: [u8; UsageRead::SEAM],
+    seam_len: u8,
+}
+
+impl Default for UsageRead {
+    fn default() -> Self {
+        Self {
+            counts: Counts::default(),
+            seam: [0; Self::SEAM],
+            seam_len: 0,
+        }
+    }
+}
+
+/// The token counts of one usage, as far as they were found.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct Counts {
+    prompt: Option<u64>,
+    cached: Option<u64>,
+    completion: Option<u64>,
+}
+
+impl Counts {
+    fn or(self, other: Counts) -> Counts {
+        Counts {
+            prompt: self.prompt.or(other.prompt),
+            cached: self.cached.or(other.cached),
+            completion: self.completion.or(other.completion),
+        }
+    }
+}
+
+impl UsageRead {
+    /// Bytes of each side of a seam searched: the longest name and its count fit in them.
+    const SEAM: usize = 64;
+
+    pub(super) fn read(&mut self, data: &[u8], names: UsageNames, sse: bool) {
+        let found = counts_in(data, names);
+        let held = usize::from(self.seam_len);
+        if held == 0 {
+            if found.prompt.is_some() {
+                self.counts = found;
+            }
+        } else {
+            let mut seam = [0u8; 2 * Self::SEAM];
+            let head = data.len().min(Self::SEAM);
+            seam[..held].copy_from_slice(&self.seam[..held]);
+            seam[held..held + head].copy_from_slice(&data[..head]);
+            let across = counts_in(&seam[..held + head], names);
+            self.counts = if found.prompt.is_some() {
+                found
+            } else if across.prompt.is_some() {
+                across.or(found)
+            } else {
+                self.counts.or(across).or(found)
+            };
+        }
+        let ends_event = data.ends_with(b"\n\n") || data.ends_with(b"\r\n\r\n");
+        let tail = if sse && ends_event {
+            &[][..]
+        } else {
+            &data[data.len().saturating_sub(Self::SEAM)..]
+        };
+        self.seam[..tail.len()].copy_from_slice(tail);
+        self.seam_len = tail.len() as u8;
+    }
+
+    /// The usage read, once its prompt count was.
+    pub(super) fn usage(&self) -> Option<Usage> {
+        let c = self.counts;
+        Some(Usage {
+            prompt_tokens: c.prompt?,
+            cached_tokens: c.cached,
+            completion_tokens: c.completion,
+        })
+    }
+}
+
 /// The `usage` token counts in an answer's bytes (a JSON body, or an SSE event with usage), if
-/// this frame has them: `"prompt_tokens": N` (`"input_tokens"` in a Responses answer) and, if
+/// these bytes have them: `"prompt_tokens": N` (`"input_tokens"` in a Responses answer) and, if
 /// present, `"cached_tokens": N` and `"completion_tokens": N` (`"output_tokens"`).
+#[cfg(test)]
 pub(super) fn find_usage(data: &[u8], names: UsageNames) -> Option<Usage> {
+    UsageRead {
+        counts: counts_in(data, names),
+        ..UsageRead::default()
+    }
+    .usage()
+}
+
+/// Each of a usage's counts that `data` holds whole.
+fn counts_in(data: &[u8], names: UsageNames) -> Counts {
     // Built once: every frame of every answer is searched, and building a searcher costs more
     // than running it over a small frame.
     static PROMPT: LazyLock<memmem::Finder<'static>> =
@@ -307,14 +407,15 @@ pub(super) fn find_usage(data: &[u8], names: UsageNames) -> Option<Usage> {
         UsageNames::Completions => (&*PROMPT, &*COMPLETION),
         UsageNames::Responses => (&*INPUT, &*OUTPUT),
     };
-    let prompt_tokens = number_after(data, prompt)?;
-    Some(Usage {
-        prompt_tokens,
-        cached_tokens: number_after(data, &CACHED),
-        completion_tokens: number_after(data, completion),
-    })
+    Counts {
+        prompt: number_after(data, prompt),
+        cached: number_after(data, &CACHED),
+        completion: number_after(data, completion),
+    }
 }
 
+/// The number after `key` and a colon; none where the digits run to the end of `data`, which
+/// may have cut them.
 fn number_after(data: &[u8], key: &memmem::Finder<'_>) -> Option<u64> {
     let at = key.find(data)? + key.needle().len();
     let rest = data[at..]
@@ -322,6 +423,9 @@ fn number_after(data: &[u8], key: &memmem::Finder<'_>) -> Option<u64> {
         .strip_prefix(b":")?
         .trim_ascii_start();
     let digits = rest.iter().take_while(|b| b.is_ascii_digit()).count();
+    if digits == rest.len() {
+        return None;
+    }
     std::str::from_utf8(&rest[..digits]).ok()?.parse().ok()
 }
 
@@ -536,7 +640,7 @@ mod tests {
                     ..Selection::new(0, crate::policy::Outcome::LongestMatch)
                 },
                 load: RequestLoad::new(&worker, 3000, 4000),
-                usage: None,
+                usage: UsageRead::default(),
                 names: UsageNames::Responses,
                 opening: Some(Opening::default()),
                 failed: false,
@@ -556,6 +660,87 @@ mod tests {
         tracker.saw(b"event: response.output_item.added\ndata: {}\n\n", true);
         assert_eq!(worker.load.pending_prefill(), 0);
         tracker.phase = Phase::Finished;
+    }
+
+    /// The usage read from these frames in order.
+    fn usage_over(frames: &[&[u8]], names: UsageNames, sse: bool) -> Option<Usage> {
+        let mut read = UsageRead::default();
+        for f in frames {
+            read.read(f, names, sse);
+        }
+        read.usage()
+    }
+
+    #[test]
+    fn a_usage_cut_between_frames_is_read_whole() {
+        // vLLM's response.completed carries the whole response, instructions first, usage last.
+        let instructions = "Answer briefly. ".repeat(600);
+        let completed = format!(
+            "event: response.completed\ndata: {{\"response\":{{\"id\":\"resp_1\",\
+             \"instructions\":\"{instructions}\",\"usage\":{{\"input_tokens\":1900,\
+             \"input_tokens_details\":{{\"cached_tokens\":1640}},\"output_tokens\":32,\
+             \"output_tokens_details\":{{\"reasoning_tokens\":0}},\"total_tokens\":1932}}}},\
+             \"sequence_number\":40,\"type\":\"response.completed\"}}\n\n"
+        );
+        let completed = completed.as_bytes();
+        let whole = Usage {
+            prompt_tokens: 1900,
+            cached_tokens: Some(1640),
+            completion_tokens: Some(32),
+        };
+        let usage_at = completed.len() - 220;
+        for cut in usage_at..completed.len() {
+            let (a, b) = completed.split_at(cut);
+            assert_eq!(
+                usage_over(&[a, b], UsageNames::Responses, true),
+                Some(whole),
+                "cut at {} of the usage's bytes",
+                cut - usage_at
+            );
+        }
+        // A chat answer's JSON, in three pieces, one cutting a count's digits.
+        let body = br#"{"id":"x","choices":[],"usage":{"prompt_tokens":1234,"total_tokens":1300,"completion_tokens":66,"prompt_tokens_details":{"cached_tokens":1024}}}"#;
+        let at = |s: &str| {
+            body.windows(s.len())
+                .position(|w| w == s.as_bytes())
+                .unwrap()
+        };
+        let (one, two) = (at("1234") + 2, at("1024") + 1);
+        let expected = Some(Usage {
+            prompt_tokens: 1234,
+            cached_tokens: Some(1024),
+            completion_tokens: Some(66),
+        });
+        let pieces = [&body[..one], &body[one..two], &body[two..]];
+        assert_eq!(
+            usage_over(&pieces, UsageNames::Completions, false),
+            expected
+        );
+        // Alone, the first piece's cut count is not taken for a shorter one.
+        assert_eq!(
+            usage_over(&pieces[..1], UsageNames::Completions, false),
+            None
+        );
+    }
+
+    #[test]
+    fn the_latest_usage_of_a_stream_is_kept() {
+        // Continuous usage: every chunk says how far it has got; the last one counts, here cut
+        // inside its first name.
+        let chunk = |n: u64| {
+            format!(
+                r#"data: {{"choices":[{{"text":"a"}}],"usage":{{"prompt_tokens":100,"total_tokens":{},"completion_tokens":{n}}}}}"#,
+                100 + n
+            ) + "\n\n"
+        };
+        let (a, b, c) = (chunk(1), chunk(2), chunk(3));
+        let (c1, c2) = c.as_bytes().split_at(45);
+        let frames = [a.as_bytes(), b.as_bytes(), c1, c2, b"data: [DONE]\n\n"];
+        let usage = usage_over(&frames, UsageNames::Completions, true).unwrap();
+        assert_eq!(
+            (usage.prompt_tokens, usage.completion_tokens),
+            (100, Some(3))
+        );
     }
 
     #[test]
