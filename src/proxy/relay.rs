@@ -393,6 +393,8 @@ pub(super) fn find_usage(data: &[u8], names: UsageNames) -> Option<Usage> {
 fn counts_in(data: &[u8], names: UsageNames) -> Counts {
     // Built once: every frame of every answer is searched, and building a searcher costs more
     // than running it over a small frame.
+    static ANY: LazyLock<memmem::Finder<'static>> =
+        LazyLock::new(|| memmem::Finder::new(b"_tokens\""));
     static PROMPT: LazyLock<memmem::Finder<'static>> =
         LazyLock::new(|| memmem::Finder::new(b"\"prompt_tokens\""));
     static CACHED: LazyLock<memmem::Finder<'static>> =
@@ -403,6 +405,11 @@ fn counts_in(data: &[u8], names: UsageNames) -> Counts {
         LazyLock::new(|| memmem::Finder::new(b"\"input_tokens\""));
     static OUTPUT: LazyLock<memmem::Finder<'static>> =
         LazyLock::new(|| memmem::Finder::new(b"\"output_tokens\""));
+    // Most frames of a stream are tokens without usage: one search tells them, as every name
+    // searched for ends the same way.
+    if ANY.find(data).is_none() {
+        return Counts::default();
+    }
     let (prompt, completion) = match names {
         UsageNames::Completions => (&*PROMPT, &*COMPLETION),
         UsageNames::Responses => (&*INPUT, &*OUTPUT),
