@@ -377,18 +377,6 @@ impl UsageRead {
     }
 }
 
-/// The `usage` token counts in an answer's bytes (a JSON body, or an SSE event with usage), if
-/// these bytes have them: `"prompt_tokens": N` (`"input_tokens"` in a Responses answer) and, if
-/// present, `"cached_tokens": N` and `"completion_tokens": N` (`"output_tokens"`).
-#[cfg(test)]
-pub(super) fn find_usage(data: &[u8], names: UsageNames) -> Option<Usage> {
-    UsageRead {
-        counts: counts_in(data, names),
-        ..UsageRead::default()
-    }
-    .usage()
-}
-
 /// Each of a usage's counts that `data` holds whole.
 fn counts_in(data: &[u8], names: UsageNames) -> Counts {
     // Built once: every frame of every answer is searched, and building a searcher costs more
@@ -667,6 +655,17 @@ mod tests {
         tracker.saw(b"event: response.output_item.added\ndata: {}\n\n", true);
         assert_eq!(worker.load.pending_prefill(), 0);
         tracker.phase = Phase::Finished;
+    }
+
+    /// The `usage` token counts in an answer's bytes (a JSON body, or an SSE event with usage), if
+    /// these bytes have them: `"prompt_tokens": N` (`"input_tokens"` in a Responses answer) and, if
+    /// present, `"cached_tokens": N` and `"completion_tokens": N` (`"output_tokens"`).
+    fn find_usage(data: &[u8], names: UsageNames) -> Option<Usage> {
+        UsageRead {
+            counts: counts_in(data, names),
+            ..UsageRead::default()
+        }
+        .usage()
     }
 
     /// The usage read from these frames in order.
