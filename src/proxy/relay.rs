@@ -356,8 +356,8 @@ impl UsageRead {
                 self.counts.or(across).or(found)
             };
         }
-        let ends_event = data.ends_with(b"\n\n") || data.ends_with(b"\r\n\r\n");
-        let tail = if sse && ends_event {
+        let ends_event = sse && (data.ends_with(b"\n\n") || data.ends_with(b"\r\n\r\n"));
+        let tail = if ends_event {
             &[][..]
         } else {
             &data[data.len().saturating_sub(Self::SEAM)..]
