@@ -258,6 +258,15 @@ pub struct CacheAwareParams {
     /// pending. Without it, a worker half-way through a long prefill step looks as busy as one
     /// that has just begun it.
     pub step_prefill: bool,
+    /// With `step_phase`, the step under way is priced only for requests whose placement does
+    /// not last. A step's remainder is gone within a step, while a conversation's first turn sets
+    /// where its later turns go and a turn moved for it stays moved, its history prefilled again.
+    /// So a request that holds more somewhere than elsewhere is placed without it; a question
+    /// known no further than a prefix most workers hold counts it by `1 - min(1, 2c)`, `c` the
+    /// moving share of such questions that go on to continue something private beyond the prefix
+    /// (`fade_by_continuation`); a prompt of which nothing is known, by `1 - min(1, 2r)`, `r` the
+    /// moving share of prompts that start with something known (`new_prompt_by_reuse`).
+    pub step_transient_only: bool,
     /// With `new_prompt_by_reuse`, the home's credit that other replicas' traffic gives back to a
     /// prompt of which nothing is known comes back only as far as such prompts turn out to be
     /// held where they went: the moving share of them whose worker reported at least one routing
@@ -301,6 +310,7 @@ impl Default for CacheAwareParams {
             evict_by_capacity: true,
             step_phase: true,
             step_prefill: true,
+            step_transient_only: true,
             reuse_from_usage: true,
             fresh_by_writes: true,
         }

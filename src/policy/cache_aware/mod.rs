@@ -267,6 +267,7 @@ impl CacheAware {
                 0
             },
             step_prefill: self.params.step_prefill,
+            step_share: 1.0,
         }
     }
 
@@ -413,6 +414,32 @@ impl CacheAware {
         };
         let mut weights = self.queue_weights();
         weights.pending += self.params.hot_pending_weight * alone;
+        if self.params.step_transient_only {
+            // How likely this placement is to last: a question under a prefix most workers hold
+            // sets where its conversation goes as far as such questions are continued; a prompt
+            // of which nothing is known, as far as prompts start with something known again;
+            // anything else follows what it holds. The step counts by `1 - min(1, 2 × share)`:
+            // fully where placements never last, not at all where half of them do.
+            let transient = |share: f64| 1.0 - (2.0 * share).min(1.0);
+            weights.step_share = if alone > 0.0 {
+                if self.params.fade_by_continuation {
+                    transient(self.continuing_now())
+                } else {
+                    1.0
+                }
+            } else if !known.any() {
+                if self.params.new_prompt_by_reuse {
+                    transient(self.reuse_share_now())
+                } else {
+                    1.0
+                }
+            } else {
+                0.0
+            };
+            if weights.step_share <= 0.0 {
+                weights.now = 0;
+            }
+        }
         Pass {
             workers,
             key: known.key,

@@ -40,6 +40,8 @@ pub(super) struct QueueWeights {
     pub(super) now: u64,
     /// Take off the pending prefill what the step under way has done of its own (`step_prefill`).
     pub(super) step_prefill: bool,
+    /// How much of the step remainder counts (`step_transient_only`); 1 otherwise.
+    pub(super) step_share: f64,
 }
 
 impl QueueWeights {
@@ -74,7 +76,9 @@ impl QueueWeights {
         } else {
             w.steps.remaining_tokens(self.now)
         };
-        self.pending * (pending + step) + self.request * queued_f + self.context * context
+        self.pending * (pending + self.step_share * step)
+            + self.request * queued_f
+            + self.context * context
     }
 }
 

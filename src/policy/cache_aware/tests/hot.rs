@@ -319,7 +319,14 @@ fn with_step_phase_a_question_goes_where_the_step_under_way_ends_soonest() {
         stepping(w, now, ago);
     }
     assert_eq!(off.peek(&ws, &question).unwrap().index, home);
-    let on = knowing_the_system_prompt(&ws, CacheAwareParams::default());
+    // For every question, as if none were continued (see the next test for what lasts).
+    let on = knowing_the_system_prompt(
+        &ws,
+        CacheAwareParams {
+            step_transient_only: false,
+            ..CacheAwareParams::default()
+        },
+    );
     let s = on.peek(&ws, &question).unwrap();
     assert_eq!((s.index, s.outcome), (soonest, Outcome::LongestMatch));
 }
@@ -517,4 +524,63 @@ fn a_conversation_that_is_most_of_the_traffic_is_not_spread() {
             }
         }
     }
+}
+
+#[test]
+fn with_step_transient_only_the_step_places_only_what_does_not_last() {
+    // The home of conversation 7's first turn has just begun a 200 ms step (20,000 tokens' worth
+    // of prefill ahead); another worker is 190 ms into its step, the other two 20 ms.
+    let ws = test_workers(4);
+    let params = |transient: bool| CacheAwareParams {
+        step_transient_only: transient,
+        ..CacheAwareParams::default()
+    };
+    let (every, transient) = (
+        knowing_the_system_prompt(&ws, params(false)),
+        knowing_the_system_prompt(&ws, params(true)),
+    );
+    let first = pick(&transient, &ws, &convo(7, 4, 1)).index;
+    assert_eq!(pick(&every, &ws, &convo(7, 4, 1)).index, first);
+    let soonest = (first + 1) % ws.len();
+    let now = crate::load::now_us();
+    for (i, w) in ws.iter().enumerate() {
+        let ago = match i {
+            _ if i == first => 0,
+            _ if i == soonest => 190_000,
+            _ => 20_000,
+        };
+        stepping(w, now, ago);
+    }
+    // Its next turn holds two blocks (128 tokens) more at its home than anywhere else. Priced
+    // with the step, it would move for a wait shorter than a step and leave its history behind;
+    // without, it stays.
+    let next = convo(7, 4, 3);
+    let moved = every.peek(&ws, &next).unwrap();
+    assert_eq!((moved.index, moved.outcome), (soonest, Outcome::Spilled));
+    let kept = transient.peek(&ws, &next).unwrap();
+    assert_eq!((kept.index, kept.outcome), (first, Outcome::LongestMatch));
+    // A new question under the system prompt, where questions have so far gone on to be continued
+    // (the share starts at 1), goes by load alone: to the same worker as with the step off.
+    let off = knowing_the_system_prompt(
+        &ws,
+        CacheAwareParams {
+            step_phase: false,
+            ..CacheAwareParams::default()
+        },
+    );
+    let (question, by_load) = (8..64)
+        .map(|c| convo(c, 4, 1))
+        .map(|q| {
+            let i = off.peek(&ws, &q).unwrap().index;
+            (q, i)
+        })
+        .find(|&(_, i)| i != soonest)
+        .unwrap();
+    assert_eq!(transient.peek(&ws, &question).unwrap().index, by_load);
+    // Once most such questions are never continued, a question's place does not last, and it
+    // goes where the step under way ends soonest.
+    for c in 0..200 {
+        transient.select(&ws, &convo(1_000 + c, 4, 1)).unwrap();
+    }
+    assert_eq!(transient.peek(&ws, &question).unwrap().index, soonest);
 }
