@@ -53,7 +53,9 @@
 //! pending prefill. With `step_prefill`, the prefill the step under way began with (this gateway's
 //! pending prefill when its burst came) shrinks at the fitted rate once the base time is spent:
 //! a worker most of the way through a long prefill step is nearly free, not as busy as one that
-//! has just begun it.
+//! has just begun it. With `step_transient_only`, the step places only what does not last: a
+//! turn that holds more somewhere goes without it, and a question or a new prompt counts it only
+//! while fewer than half of such requests are seen to be continued or reused.
 //!
 //! Several replicas sharing nothing each know only the turns they routed. Once one of them sends
 //! a turn elsewhere for load, it would follow that copy while the others keep to the home, and
