@@ -369,6 +369,24 @@ impl CacheAware {
         }
     }
 
+    /// How much of the step's remainder prices this request (`step_transient_only`), by how
+    /// likely its placement is to last: a question under a prefix most workers hold sets where its
+    /// conversation goes as far as such questions are continued; a prompt of which nothing is
+    /// known, as far as prompts start with something known again (each share as the policy
+    /// reports it, none while its moving share is off); anything else follows what it holds. The
+    /// step counts by `1 - min(1, 2 × share)`: fully where placements never last, not at all
+    /// where half of them do.
+    fn step_share(&self, known: &Known, alone: f64) -> f64 {
+        let lasting = if alone > 0.0 {
+            self.continuing_share()
+        } else if !known.any() {
+            self.reuse_share()
+        } else {
+            Some(1.0)
+        };
+        lasting.map_or(1.0, |share| 1.0 - (2.0 * share).min(1.0))
+    }
+
     /// What the pricing pass needs, fixed before it: the holders, the hot part of the prompt and
     /// the idle credit it earns, the load bound, and the queue's weights.
     fn pass<'a>(
@@ -417,27 +435,7 @@ impl CacheAware {
         let mut weights = self.queue_weights();
         weights.pending += self.params.hot_pending_weight * alone;
         if self.params.step_transient_only {
-            // How likely this placement is to last: a question under a prefix most workers hold
-            // sets where its conversation goes as far as such questions are continued; a prompt
-            // of which nothing is known, as far as prompts start with something known again;
-            // anything else follows what it holds. The step counts by `1 - min(1, 2 × share)`:
-            // fully where placements never last, not at all where half of them do.
-            let transient = |share: f64| 1.0 - (2.0 * share).min(1.0);
-            weights.step_share = if alone > 0.0 {
-                if self.params.fade_by_continuation {
-                    transient(self.continuing_now())
-                } else {
-                    1.0
-                }
-            } else if !known.any() {
-                if self.params.new_prompt_by_reuse {
-                    transient(self.reuse_share_now())
-                } else {
-                    1.0
-                }
-            } else {
-                0.0
-            };
+            weights.step_share = self.step_share(known, alone);
             if weights.step_share <= 0.0 {
                 weights.now = 0;
             }

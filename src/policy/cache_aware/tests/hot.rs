@@ -583,4 +583,17 @@ fn with_step_transient_only_the_step_places_only_what_does_not_last() {
         transient.select(&ws, &convo(1_000 + c, 4, 1)).unwrap();
     }
     assert_eq!(transient.peek(&ws, &question).unwrap().index, soonest);
+    // A prompt of which nothing is known: while prompts start with something known (all of them
+    // so far), it goes by load, as with the step off; once most are new, by the step.
+    let fresh = |c: u64| RequestInfo::keyed((0..2).map(|i| (5_000 + c) << 32 | i).collect(), 256);
+    let by_load = off.peek(&ws, &fresh(0)).unwrap().index;
+    assert_ne!(
+        by_load, soonest,
+        "the test needs load and the step to disagree"
+    );
+    assert_eq!(transient.peek(&ws, &fresh(0)).unwrap().index, by_load);
+    for c in 1..200 {
+        transient.select(&ws, &fresh(c)).unwrap();
+    }
+    assert_eq!(transient.peek(&ws, &fresh(0)).unwrap().index, soonest);
 }
