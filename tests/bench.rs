@@ -826,6 +826,13 @@ async fn chat_through_the_responses_api_keeps_conversations_on_their_cache() {
             r.label
         );
     }
+    // Round-robin's hit rate here moves with timing (0.75-0.79 over eight local runs, 0.78 in a
+    // CI run), `cache_aware`'s stays at 0.83: a fixed margin between them failed now and then.
+    // What the name claims is checked directly: `cache_aware` routed nearly every turn to the
+    // worker holding its longest match, and hit more than round-robin.
     let hit = |i: usize| runs[i].workers.as_ref().unwrap().hit_rate();
-    assert!(hit(1) > hit(0) + 0.05, "{table}");
+    assert!(hit(1) > hit(0), "{table}");
+    let decided: f64 = runs[1].routing.values().sum();
+    let followed = runs[1].routing.get("longest_match").copied().unwrap_or(0.0);
+    assert!(followed >= 0.9 * decided, "{table}");
 }
