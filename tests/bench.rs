@@ -35,6 +35,7 @@ fn spec(workload: Workload) -> LoadSpec {
         concurrency: 8,
         rate: None,
         think: Duration::ZERO,
+        ramp_up: Duration::ZERO,
         warmup: Duration::from_millis(500),
         duration: Duration::from_millis(2000),
         cancel: None,
@@ -407,6 +408,40 @@ fn think_times_are_exponential_around_their_mean_and_the_same_for_every_target()
         bench::loadgen::think_time(7, 11, Duration::ZERO),
         Duration::ZERO
     );
+}
+
+/// With `ramp_up`, a closed loop's clients start evenly spread over it (client k of C at k/C of
+/// it) instead of all at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_ramp_up_starts_the_clients_spread_over_it() {
+    let pool = conversation_pool().await;
+    let ramp = Duration::from_millis(200);
+    let load = LoadSpec {
+        url: pool.gateway.clone(),
+        concurrency: 4,
+        ramp_up: ramp,
+        warmup: Duration::ZERO,
+        max_requests: Some(4),
+        duration: Duration::from_secs(60),
+        // 160 steps of at least 10 ms of modelled time at time scale 4: every request takes at
+        // least 400 ms, longer than the ramp, so the four requests are the four clients' first.
+        ..spec(Workload::Random {
+            input_tokens: 16,
+            output_tokens: 160,
+        })
+    };
+    let samples = bench::loadgen::run(&load).await.unwrap();
+    assert_eq!(samples.len(), 4);
+    assert!(samples.iter().all(|s| s.ok), "{samples:?}");
+    let mut starts: Vec<f64> = samples.iter().map(|s| s.intended).collect();
+    starts.sort_by(f64::total_cmp);
+    for (k, &at) in starts.iter().enumerate() {
+        let slot = ramp.as_secs_f64() * k as f64 / 4.0;
+        assert!(
+            at >= slot - 1e-3,
+            "start {k} of 4 went at {at:.3}s, before its place in the ramp ({slot:.3}s): {starts:?}"
+        );
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

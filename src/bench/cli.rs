@@ -134,6 +134,12 @@ pub struct LoadArgs {
     /// instructions, its history as input items).
     #[arg(long, default_value = "completions")]
     api: String,
+    /// Closed loop: start the clients evenly spread over this many wall-clock seconds instead of
+    /// all at once (at most --warmup, so the window sees them all). Clients that start in one
+    /// instant fall into step, and a policy that keeps each conversation on one worker keeps them
+    /// so for a while; a ramp lets the window measure the steady state. 0: all at once.
+    #[arg(long, default_value_t = 0.0)]
+    ramp_up: f64,
     /// Seconds before the measured window.
     #[arg(long, default_value_t = 10.0)]
     warmup: f64,
@@ -217,6 +223,17 @@ impl LoadArgs {
                 "--duration, --request-timeout, --time-scale, --rate and --concurrency must be positive numbers, --warmup and --think-time not negative, --cancel-fraction in [0, 1], --output-range in [0, 1)".into(),
             ));
         }
+        if !(seconds(self.ramp_up) && self.ramp_up <= self.warmup) {
+            return Err(BenchError::Setup(
+                "--ramp-up must be a number of seconds from 0 to --warmup".into(),
+            ));
+        }
+        let timed = matches!(&workload, Workload::Trace(t) if t.is_timed());
+        if self.ramp_up > 0.0 && (self.rate.is_some() || timed) {
+            return Err(BenchError::Setup(
+                "--ramp-up spreads the start of a closed loop's clients; an open loop (--rate, a timed --trace) has no clients to start".into(),
+            ));
+        }
         if self.output_range > 0.0 && self.trace.is_some() {
             return Err(BenchError::Setup(
                 "--output-range applies to the built-in workloads; a trace's lines carry their own output lengths".into(),
@@ -237,6 +254,7 @@ impl LoadArgs {
             concurrency: self.concurrency,
             rate: self.rate,
             think: Duration::from_secs_f64(self.think_time),
+            ramp_up: Duration::from_secs_f64(self.ramp_up),
             warmup: Duration::from_secs_f64(self.warmup),
             duration: Duration::from_secs_f64(self.duration),
             cancel: (self.cancel_fraction > 0.0).then_some(Cancel {

@@ -2,7 +2,8 @@
 //!
 //! Closed loop: `concurrency` clients, each sending its next request the moment the last one ends
 //! (intended time = that moment), or after a seeded, exponentially distributed think time when
-//! `think` is set (also before a client's first request, so clients do not start in step). Open
+//! `think` is set (also before a client's first request, so clients do not start in step); with
+//! `ramp_up`, the clients start evenly spread over that long instead of all at once. Open
 //! loop: Poisson arrivals at `rate`, at most `concurrency` in flight; a request that waits for a
 //! free slot is still timed from its scheduled arrival, and a conversation's later turns follow
 //! the think time too. New requests stop at the end of the window; those in flight are awaited
@@ -52,6 +53,12 @@ pub struct LoadSpec {
     /// typing): exponentially distributed, drawn from the seed and the request's index, so every
     /// target sees the same pauses. Zero: none.
     pub think: Duration,
+    /// Closed loop: the clients start evenly spread over this long from the run's start (client
+    /// k of C at k/C of it) rather than all at once, as load tools ramp up their users. A start
+    /// in one instant puts every client in step, and a policy that keeps conversations on their
+    /// workers keeps them in step until something breaks the groups up; a window that begins
+    /// after the ramp measures the traffic's steady state instead. Zero: all at once.
+    pub ramp_up: Duration,
     pub warmup: Duration,
     pub duration: Duration,
     pub cancel: Option<Cancel>,
@@ -181,10 +188,13 @@ pub async fn run(spec: &LoadSpec) -> Result<Vec<Sample>, LoadError> {
     };
     match (spec.rate, timed) {
         (None, None) => {
-            for _ in 0..spec.concurrency.max(1) {
+            let clients = spec.concurrency.max(1);
+            for k in 0..clients {
                 let sh = shared.clone();
+                let starts = sh.start + spec.ramp_up.mul_f64(k as f64 / clients as f64);
                 tasks.spawn(async move {
                     let mut out = Vec::new();
+                    tokio::time::sleep_until(starts).await;
                     loop {
                         let conv = sh.next.fetch_add(1, Ordering::Relaxed);
                         if !sh.conversation(conv, turns, None, end, &mut out).await {
