@@ -308,6 +308,21 @@ async fn a_repeated_prompt_reports_cached_tokens_in_usage_and_metrics() {
     ] {
         assert_eq!(metric(&m, &format!("{name}{label}")), Some(2.0), "{name}");
     }
+    // Tokens per engine step: each request prefills its uncached prompt in one step (it fits
+    // the step's budget), which gives its first token, then decodes one token a step.
+    let completions: Vec<u64> = [&first, &second]
+        .iter()
+        .map(|r| r["usage"]["completion_tokens"].as_u64().unwrap())
+        .collect();
+    let computed = prompt_tokens + (prompt_tokens - cached) + completions.iter().sum::<u64>() - 2;
+    assert_eq!(
+        metric(&m, &format!("vllm:iteration_tokens_total_sum{label}")),
+        Some(computed as f64)
+    );
+    assert_eq!(
+        metric(&m, &format!("vllm:iteration_tokens_total_count{label}")),
+        Some(completions.iter().sum::<u64>() as f64)
+    );
 }
 
 #[tokio::test]

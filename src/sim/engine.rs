@@ -85,6 +85,8 @@ pub struct Counters {
 #[derive(Debug, Default)]
 pub struct StepOutput {
     pub duration: f64,
+    /// Tokens the step computed: prompt tokens prefilled plus one per decoding request.
+    pub tokens: usize,
     pub events: Vec<(SeqId, Event)>,
     /// Time between two tokens of the same request, for the inter-token histogram.
     pub inter_token: Vec<f64>,
@@ -269,6 +271,7 @@ impl Engine {
 
         let mut out = StepOutput {
             duration,
+            tokens: prefill + decode,
             ..Default::default()
         };
         let mut finished = Vec::new();

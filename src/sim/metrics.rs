@@ -21,6 +21,10 @@ const ITL_BUCKETS: &[f64] = &[
     0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
     40.0, 80.0,
 ];
+/// vLLM's buckets for tokens per engine step.
+const STEP_TOKEN_BUCKETS: &[f64] = &[
+    1.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0, 4096.0, 8192.0, 16384.0,
+];
 const REQUEST_BUCKETS: &[f64] = &[
     0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
     480.0, 960.0,
@@ -42,6 +46,7 @@ pub struct SimMetrics {
     ttft: Histogram,
     itl: Histogram,
     e2e: Histogram,
+    step_tokens: Histogram,
 }
 
 impl SimMetrics {
@@ -168,6 +173,11 @@ impl SimMetrics {
                 "Histogram of e2e request latency in seconds.",
                 REQUEST_BUCKETS,
             ),
+            step_tokens: hist(
+                "vllm:iteration_tokens_total",
+                "Tokens computed by each engine step, prefill and decode together.",
+                STEP_TOKEN_BUCKETS,
+            ),
             registry,
         }
     }
@@ -207,6 +217,15 @@ impl SimMetrics {
         self.queue_time.observe(t.queue);
         self.ttft.observe(t.ttft);
         self.e2e.observe(t.e2e);
+    }
+
+    /// One engine step that computed `tokens` (none for a step with nothing scheduled). How
+    /// many requests a worker prefills together shows here: a step's size is its prefill plus
+    /// one token per request decoding.
+    pub fn observe_step(&self, tokens: usize) {
+        if tokens > 0 {
+            self.step_tokens.observe(tokens as f64);
+        }
     }
 
     pub fn observe_inter_token(&self, seconds: &[f64]) {

@@ -135,6 +135,7 @@ async fn run(
             None => model_now(),
         };
         let out = engine.step(t);
+        metrics.observe_step(out.tokens);
         if out.duration > 0.0 {
             busy_until = Some(t + out.duration);
             // An absolute deadline, so timer rounding does not add up over many short steps; one
