@@ -1,6 +1,6 @@
 //! Thin HTTP handlers: read the body within its limit, compute the routing key, hand over to the proxy.
 
-use std::{sync::Arc, time::Duration};
+use std::{future::Future, sync::Arc, task::Poll, time::Duration};
 
 use axum::{
     body::Body,
@@ -428,9 +428,14 @@ async fn read_body(
     if declared.is_some_and(|n| n > limit as u64) {
         return Err(ApiError::BodyTooLarge { limit });
     }
-    let collected = tokio::time::timeout(timeout, Limited::new(body, limit).collect())
-        .await
-        .map_err(|_| ApiError::BodyTimeout(timeout.as_secs_f64()))?;
+    // A small body has usually arrived with the head: read at once, it needs no timer.
+    let mut collect = std::pin::pin!(Limited::new(body, limit).collect());
+    let collected = match std::future::poll_fn(|cx| Poll::Ready(collect.as_mut().poll(cx))).await {
+        Poll::Ready(collected) => collected,
+        Poll::Pending => tokio::time::timeout(timeout, collect)
+            .await
+            .map_err(|_| ApiError::BodyTimeout(timeout.as_secs_f64()))?,
+    };
     match collected {
         Ok(collected) => Ok(collected.to_bytes()),
         Err(e) if e.downcast_ref::<LengthLimitError>().is_some() => {
