@@ -680,6 +680,26 @@ mod tests {
     }
 
     #[test]
+    fn a_head_keeps_every_field_up_to_the_limit_with_its_value_and_no_more() {
+        let fields: String = (0..MAX_HEADERS)
+            .map(|i| format!("x-field-{i}: value {i}\r\n"))
+            .collect();
+        let mut wire = BytesMut::from(format!("HTTP/1.1 200 OK\r\n{fields}\r\nbody").as_str());
+        let parsed = parse_head(&mut wire, &Method::POST).unwrap().unwrap();
+        assert_eq!(parsed.headers.len(), MAX_HEADERS);
+        for i in [0, 1, MAX_HEADERS / 2, MAX_HEADERS - 1] {
+            assert_eq!(
+                parsed.headers[format!("x-field-{i}").as_str()],
+                format!("value {i}").as_str()
+            );
+        }
+        // What follows the head stays in the buffer for the body.
+        assert_eq!(&wire[..], b"body");
+        let one_more = format!("HTTP/1.1 200 OK\r\n{fields}x-extra: 1\r\n\r\n");
+        assert!(head(&one_more).is_err());
+    }
+
+    #[test]
     fn a_head_says_how_its_body_is_framed_and_whether_the_connection_stays() {
         let h = head("HTTP/1.1 200 OK\r\ncontent-length: 12\r\nx-a: 1\r\n\r\nbody")
             .unwrap()

@@ -143,6 +143,18 @@ impl Connections {
         lock(&self.idle).get(&worker).map_or(0, VecDeque::len)
     }
 
+    /// Waits until the event loop has seen the most recently pooled connection to `worker`
+    /// become readable (bytes or a close from the worker), and pools it again.
+    #[cfg(test)]
+    pub async fn until_pooled_readable(&self, worker: u64) {
+        let pooled = lock(&self.idle)
+            .get_mut(&worker)
+            .and_then(VecDeque::pop_back)
+            .expect("a pooled connection");
+        pooled.io.readable().await.unwrap();
+        checkin(&self.idle, worker, pooled.io, pooled.since);
+    }
+
     /// From the first connection on, a task that closes the expired and forgets the closed
     /// ones every half idle timeout, for as long as these connections exist.
     fn start_reaper(&self) {
@@ -497,10 +509,11 @@ mod tests {
             1,
             "kept: nothing said it would close"
         );
-        // The close reaches this socket before the message does, so the event loop, which
-        // waits for the message, has seen it. Reads that leave tokio believing the socket is
-        // empty must not hide it: the next request goes out on a new connection.
+        // Once the event loop has seen the close (on a loaded machine the kernel may deliver it
+        // after the worker's message), reads that left tokio believing the socket empty must
+        // not hide it: the next request goes out on a new connection.
         closed_rx.await.unwrap();
+        conns.until_pooled_readable(w.id_hash).await;
         assert_eq!(get(&conns, &w).await, "ok");
         worker.join().unwrap();
     }
