@@ -442,6 +442,13 @@ async fn a_ramp_up_starts_the_clients_spread_over_it() {
             "start {k} of 4 went at {at:.3}s, before its place in the ramp ({slot:.3}s): {starts:?}"
         );
     }
+    // Nor do they all wait for the ramp's end: the first goes before the last one's place.
+    let last_slot = ramp.as_secs_f64() * 3.0 / 4.0;
+    assert!(
+        starts[0] < last_slot,
+        "the first client waited until {:.3}s: {starts:?}",
+        starts[0]
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -229,13 +229,13 @@ pub(super) fn parse_head(buf: &mut BytesMut, req_method: &Method) -> io::Result<
     // Offsets within a head of at most `MAX_HEAD` bytes, in half the room of `usize`s.
     let mut spans = [(0u32, 0u32, 0u32, 0u32); MAX_HEADERS];
     let count = resp.headers.len();
-    let at = |b: &[u8]| (b.as_ptr() as usize - base) as u32;
+    let offset = |b: &[u8]| (b.as_ptr() as usize - base) as u32;
     for (span, h) in spans.iter_mut().zip(resp.headers.iter()) {
         let name = h.name.as_bytes();
         *span = (
-            at(name),
+            offset(name),
             name.len() as u32,
-            at(h.value),
+            offset(h.value),
             h.value.len() as u32,
         );
     }
