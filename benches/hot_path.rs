@@ -315,6 +315,7 @@ fn tokenize_and_look_up(c: &mut Criterion) {
             block_size: 16,
             lora_id: None,
             medium: None,
+            group: Default::default(),
         });
     }
     let mut g = c.benchmark_group("tokenize_and_look_up");

@@ -99,6 +99,8 @@ pub struct MetricSet {
     pub kv_event_errors: IntCounterVec,
     /// `worker`: blocks the worker holds, as its KV events say.
     pub kv_event_blocks: IntGaugeVec,
+    /// `worker`: KV events of a hybrid model's cache groups other than the one followed.
+    pub kv_event_other_groups: IntCounterVec,
     /// Requests tokenized for routing on KV events, by how, each series resolved once.
     pub tokenized: Tokenized,
     /// Encodings of a head's leftover new text skipped because enough were under way.
@@ -360,6 +362,11 @@ impl Metrics {
                 "Blocks a worker holds in its KV cache, as its events say.",
                 &["worker"],
             ),
+            kv_event_other_groups: counter(
+                "kvroute_kv_event_other_group_events_total",
+                "KV events of a worker's cache groups other than the full-attention one followed (a hybrid model's sliding-window or Mamba groups publish the same block hashes), left out.",
+                &["worker"],
+            ),
             tokenized: {
                 let by_how = counter(
                     "kvroute_tokenized_requests_total",
@@ -440,6 +447,7 @@ impl Metrics {
         self.worker_restarts.remove_label_values(&[name]).ok();
         self.kv_event_errors.remove_label_values(&[name]).ok();
         self.kv_event_blocks.remove_label_values(&[name]).ok();
+        self.kv_event_other_groups.remove_label_values(&[name]).ok();
     }
 
     /// Publishes a worker's KV event feed (called at scrape time).
@@ -467,9 +475,17 @@ impl Metrics {
             self.kv_event_errors.with_label_values(&[worker]),
             s.decode_errors.load(Relaxed),
         );
+        let (held, other_groups) = {
+            let blocks = feed.blocks();
+            (blocks.len(), blocks.other_groups)
+        };
         self.kv_event_blocks
             .with_label_values(&[worker])
-            .set(feed.blocks().len() as i64);
+            .set(held as i64);
+        up(
+            self.kv_event_other_groups.with_label_values(&[worker]),
+            other_groups,
+        );
     }
 
     /// Publishes a worker's fitted step (called at scrape time): microseconds in, seconds out.

@@ -16,7 +16,9 @@ use std::{
     time::Duration,
 };
 
-use kvroute::kv_events::{chain, decode_batch, follow, EventSource, Feed, KvEvent, ROOT};
+use kvroute::kv_events::{
+    chain, decode_batch, follow, CacheGroup, EventSource, Feed, KvEvent, WorkerBlocks, ROOT,
+};
 use kvroute::tokenize::block_chain;
 use serde_json::{json, Value};
 use tokio_util::sync::CancellationToken;
@@ -151,6 +153,12 @@ fn msgspec_encoded_batches_decode_in_every_layout() {
             "{layout}"
         );
         let k = |h| key(layout, h);
+        // The positional layout predates cache groups; vLLM 0.32's stores name theirs.
+        let (group, group_idx) = if layout == "array" {
+            (CacheGroup::default(), None)
+        } else {
+            (CacheGroup::full_attention(), Some(0))
+        };
         assert_eq!(
             batch.events,
             vec![
@@ -161,6 +169,7 @@ fn msgspec_encoded_batches_decode_in_every_layout() {
                     block_size: 2,
                     lora_id: None,
                     medium: Some("GPU".into()),
+                    group: group.clone(),
                 },
                 KvEvent::BlockStored {
                     block_hashes: vec![k(7)],
@@ -169,16 +178,65 @@ fn msgspec_encoded_batches_decode_in_every_layout() {
                     block_size: 2,
                     lora_id: None,
                     medium: Some("GPU".into()),
+                    group: group.clone(),
                 },
                 KvEvent::BlockRemoved {
                     block_hashes: vec![k(5)],
                     medium: Some("GPU".into()),
+                    group_idx,
                 },
                 KvEvent::AllBlocksCleared,
             ],
             "{layout}"
         );
     }
+}
+
+/// A hybrid model's worker (Gemma 3's shape: full attention in group 0, a 1,024-token sliding
+/// window in group 1) publishes both groups' blocks under the same hashes, encoded by msgspec
+/// from vLLM 0.32's structs; what the worker holds is its full-attention group's, whatever the
+/// window's group stores or evicts.
+#[test]
+fn a_hybrid_models_sliding_window_group_does_not_move_what_the_worker_holds() {
+    let (mut py, _) = Py::start(&["encode"]);
+    let mut blocks = WorkerBlocks::new(100);
+    let mut apply = |blocks: &mut WorkerBlocks, events: Value| {
+        let answer = py.ask(json!({"encode": {"layout": "mixed", "events": events}}));
+        for e in decode_batch(&unhex(answer["payload"].as_str().unwrap()))
+            .unwrap()
+            .events
+        {
+            blocks.apply(&e);
+        }
+    };
+    let window = |mut e: Value| {
+        e["group_idx"] = json!(1);
+        if e["type"] == "BlockStored" {
+            e["kind"] = json!("sliding_window");
+            e["sliding_window"] = json!(1024);
+        }
+        e
+    };
+    let removed = |h: u64| json!({"type": "BlockRemoved", "block_hashes": [h]});
+    let both = stored(&[5, 6], None, &[1, 2, 3, 4]);
+    // The window's group happens to publish first; neither its store nor its order counts.
+    apply(&mut blocks, json!([window(both.clone()), both]));
+    let a = chain(ROOT, &[1, 2]);
+    let b = chain(a, &[3, 4]);
+    assert_eq!((blocks.prefix_depth(&[a, b]), blocks.other_groups), (2, 1));
+    // The window slides past block 5 and its group evicts it: full attention still holds it.
+    apply(&mut blocks, json!([window(removed(5))]));
+    assert_eq!((blocks.prefix_depth(&[a, b]), blocks.other_groups), (2, 2));
+    // Full attention evicts block 6: the first block is left.
+    apply(&mut blocks, json!([removed(6)]));
+    assert_eq!((blocks.prefix_depth(&[a, b]), blocks.len()), (1, 1));
+}
+
+fn unhex(hex: &str) -> Vec<u8> {
+    (0..hex.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(&hex[i..i + 2], 16).unwrap())
+        .collect()
 }
 
 /// Starts a feed on the publisher and waits until it has seen a heartbeat: connected.
@@ -327,6 +385,21 @@ async fn the_gateway_follows_each_workers_events_and_exports_them() {
         metric(&m, &series("kvroute_kv_event_errors_total")),
         Some(0.0)
     );
+    // A sliding-window group's store of the same blocks is counted apart and changes nothing.
+    let mut window = stored(&[15], Some(14), &[9, 9]);
+    window["group_idx"] = json!(1);
+    window["kind"] = json!("sliding_window");
+    publish(&mut py, window, true);
+    let other = common::wait_metric(
+        gw.addr,
+        &series("kvroute_kv_event_other_group_events_total"),
+        1.0,
+        Duration::from_secs(10),
+    )
+    .await;
+    assert_eq!(other, Some(1.0));
+    let m = metrics_text(gw.addr).await;
+    assert_eq!(metric(&m, &series("kvroute_kv_event_blocks")), Some(4.0));
 }
 
 #[test]
@@ -339,10 +412,12 @@ fn the_simulators_batches_decode_with_vllms_msgspec_structs() {
             block_size: 2,
             lora_id: None,
             medium: Some("GPU".into()),
+            group: CacheGroup::full_attention(),
         },
         KvEvent::BlockRemoved {
             block_hashes: vec![3],
             medium: Some("GPU".into()),
+            group_idx: Some(0),
         },
         KvEvent::AllBlocksCleared,
     ];
@@ -358,8 +433,9 @@ fn the_simulators_batches_decode_with_vllms_msgspec_structs() {
         got["events"],
         json!([
             {"type": "BlockStored", "block_hashes": [3, u64::MAX], "parent_block_hash": 9,
-             "token_ids": [1, 2, 3, 4], "block_size": 2, "medium": "GPU"},
-            {"type": "BlockRemoved", "block_hashes": [3], "medium": "GPU"},
+             "token_ids": [1, 2, 3, 4], "block_size": 2, "medium": "GPU",
+             "extra_keys": [null, null], "group_idx": 0, "kv_cache_spec_kind": "full_attention"},
+            {"type": "BlockRemoved", "block_hashes": [3], "medium": "GPU", "group_idx": 0},
             {"type": "AllBlocksCleared"},
         ])
     );

@@ -10,12 +10,57 @@
 //!
 //! A block hash is an integer in older releases and bytes (a SHA-256 digest) in newer ones; both
 //! become a `u64` key (the integer itself, or the xxh3 of the bytes).
+//!
+//! A hybrid model (sliding-window or Mamba layers beside full attention: Gemma 3, GPT-OSS,
+//! Qwen3.5, ...) keeps one KV cache group per kind of layer, and vLLM publishes each group's
+//! blocks under the same block hashes, told apart by `group_idx`; stores also say the group's
+//! kind (`kv_cache_spec_kind`, from vLLM 0.32 on; removals carry only the index). Both are read,
+//! so that [`super::WorkerBlocks`] can follow one group.
 
 use rmpv::Value;
 use xxhash_rust::xxh3::xxh3_64;
 
 /// Where a block lives; routing only cares about the GPU's.
 pub const MEDIUM_GPU: &str = "GPU";
+
+/// `kv_cache_spec_kind`s whose blocks decide a prefix hit: the model's full attention (plain,
+/// MLA, or with attention sinks). A sliding window keeps only its last blocks and a Mamba group
+/// one state, so neither says which prefixes a worker holds.
+pub const FULL_ATTENTION_KINDS: &[&str] =
+    &["full_attention", "mla_attention", "sink_full_attention"];
+
+/// The KV cache group an event belongs to: vLLM's `group_idx` and, on stores, the group's
+/// `kv_cache_spec_kind`. Both absent in releases before hybrid models had groups.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct CacheGroup {
+    pub idx: Option<i64>,
+    pub kind: Option<String>,
+}
+
+impl CacheGroup {
+    /// Group 0 of a model with full attention only, as vLLM 0.32 labels its stores.
+    pub fn full_attention() -> Self {
+        Self {
+            idx: Some(0),
+            kind: Some("full_attention".into()),
+        }
+    }
+
+    /// The group's index, with releases that did not send one counted as group 0 (they had one
+    /// group).
+    pub fn index(&self) -> i64 {
+        self.idx.unwrap_or(0)
+    }
+
+    /// Whether a store of this group holds full-attention blocks: by its kind where it says one,
+    /// else by being group 0 (a release that labels groups only by index: the first).
+    pub fn is_full_attention(&self) -> bool {
+        match &self.kind {
+            Some(kind) => FULL_ATTENTION_KINDS.contains(&kind.as_str()),
+            None => self.index() == 0,
+        }
+    }
+}
 
 #[derive(Clone, Debug, PartialEq)]
 pub enum KvEvent {
@@ -26,10 +71,13 @@ pub enum KvEvent {
         block_size: u32,
         lora_id: Option<i64>,
         medium: Option<String>,
+        group: CacheGroup,
     },
     BlockRemoved {
         block_hashes: Vec<u64>,
         medium: Option<String>,
+        /// Removals carry the index only.
+        group_idx: Option<i64>,
     },
     AllBlocksCleared,
 }
@@ -141,8 +189,8 @@ impl<'a> Fields<'a> {
     }
 }
 
-/// Field names in declaration order, as vLLM's structs declare them (later fields, added by
-/// newer releases, are not needed for routing).
+/// Field names in declaration order, as vLLM's structs declare them, up to the last one read
+/// here (later fields, added by newer releases, are not needed for routing).
 const STORED: &[&str] = &[
     "block_hashes",
     "parent_block_hash",
@@ -150,8 +198,12 @@ const STORED: &[&str] = &[
     "block_size",
     "lora_id",
     "medium",
+    "lora_name",
+    "extra_keys",
+    "group_idx",
+    "kv_cache_spec_kind",
 ];
-const REMOVED: &[&str] = &["block_hashes", "medium"];
+const REMOVED: &[&str] = &["block_hashes", "medium", "group_idx"];
 
 /// One event, positional or mapped; `None` for a type this decoder does not know.
 fn decode_event(value: &Value) -> Result<Option<KvEvent>> {
@@ -199,10 +251,18 @@ fn decode_event(value: &Value) -> Result<Option<KvEvent>> {
                 .ok_or(DecodeError::Shape("BlockStored without a block size"))?,
             lora_id: f.get("lora_id").and_then(Value::as_i64),
             medium: f.medium(),
+            group: CacheGroup {
+                idx: f.get("group_idx").and_then(Value::as_i64),
+                kind: f
+                    .get("kv_cache_spec_kind")
+                    .and_then(Value::as_str)
+                    .map(str::to_owned),
+            },
         },
         "BlockRemoved" => KvEvent::BlockRemoved {
             block_hashes: f.hashes()?,
             medium: f.medium(),
+            group_idx: f.get("group_idx").and_then(Value::as_i64),
         },
         "AllBlocksCleared" => KvEvent::AllBlocksCleared,
         _ => return Ok(None),
@@ -256,5 +316,87 @@ mod tests {
         assert_eq!(b.events, vec![KvEvent::AllBlocksCleared]);
         assert_eq!(b.unknown, 1);
         assert_eq!(b.data_parallel_rank, None);
+    }
+
+    #[test]
+    fn positional_events_carry_their_cache_group_where_vllm_put_it() {
+        // Tag, then the fields in vLLM's declaration order: `group_idx` is the ninth field of a
+        // store and the third of a removal, the kind the tenth of a store.
+        let mut store = vec![
+            Value::from("BlockStored"),
+            Value::Array(vec![Value::from(5)]),
+            Value::Nil,
+            Value::Array(vec![Value::from(1), Value::from(2)]),
+            Value::from(2),
+            Value::Nil,
+            Value::from("GPU"),
+            Value::Nil,
+            Value::Nil,
+            Value::from(1),
+            Value::from("sliding_window"),
+            Value::from(1024),
+        ];
+        let removal = Value::Array(vec![
+            Value::from("BlockRemoved"),
+            Value::Array(vec![Value::from(5)]),
+            Value::from("GPU"),
+            Value::from(1),
+        ]);
+        let batch = |store: Vec<Value>| {
+            let v = Value::Array(vec![
+                Value::F64(1.0),
+                Value::Array(vec![Value::Array(store), removal.clone()]),
+            ]);
+            decode_batch(&encode(&v)).unwrap().events
+        };
+        let events = batch(store.clone());
+        let KvEvent::BlockStored { group, .. } = &events[0] else {
+            panic!("{events:?}")
+        };
+        assert_eq!(
+            *group,
+            CacheGroup {
+                idx: Some(1),
+                kind: Some("sliding_window".into())
+            }
+        );
+        assert!(!group.is_full_attention());
+        assert!(matches!(
+            events[1],
+            KvEvent::BlockRemoved {
+                group_idx: Some(1),
+                ..
+            }
+        ));
+        // An older release's store ends at `medium`: group 0, full attention by default.
+        store.truncate(7);
+        let KvEvent::BlockStored { group, .. } = &batch(store)[0] else {
+            panic!()
+        };
+        assert_eq!(*group, CacheGroup::default());
+        assert!(group.is_full_attention());
+    }
+
+    #[test]
+    fn full_attention_is_told_by_kind_and_without_one_by_being_group_0() {
+        let g = |idx: Option<i64>, kind: Option<&str>| CacheGroup {
+            idx,
+            kind: kind.map(str::to_owned),
+        };
+        for kind in FULL_ATTENTION_KINDS {
+            assert!(g(Some(2), Some(kind)).is_full_attention(), "{kind}");
+        }
+        for kind in [
+            "sliding_window",
+            "sliding_window_mla",
+            "mamba",
+            "chunked_local_attention",
+            "new_kind",
+        ] {
+            assert!(!g(Some(0), Some(kind)).is_full_attention(), "{kind}");
+        }
+        assert!(g(None, None).is_full_attention());
+        assert!(g(Some(0), None).is_full_attention());
+        assert!(!g(Some(1), None).is_full_attention());
     }
 }

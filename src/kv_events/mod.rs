@@ -11,6 +11,13 @@
 //! [`chain`]`(parent, tokens)` can be computed both from events and from a tokenized request;
 //! the engine hash → own hash map lets `BlockRemoved` (hashes only) be applied.
 //!
+//! A hybrid model's worker publishes each of its KV cache groups' blocks under the same hashes
+//! (a sliding-window group stores and evicts the blocks its full-attention group holds, on its
+//! own schedule), so one group is followed: the first full-attention group it stores blocks of
+//! ([`decode::CacheGroup::is_full_attention`]); the others' events are counted and left out. A
+//! prefix hit in vLLM also needs the sliding-window group's last blocks, which are not checked:
+//! where that group has evicted them, the hit is shorter than the events say.
+//!
 //! Limits, by design: blocks stored under a `cache_salt` or a LoRA adapter have the same token
 //! ids as unsalted base-model blocks and are counted as the same prefix; events for a medium
 //! other than the GPU (CPU offload tiers) are ignored.
@@ -22,7 +29,7 @@ use std::collections::HashMap;
 
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
-pub use decode::{decode_batch, EventBatch, KvEvent};
+pub use decode::{decode_batch, CacheGroup, EventBatch, KvEvent};
 pub use subscriber::{follow, EventSource, Feed, FeedStats};
 
 /// The chain value before a prompt's first block.
@@ -126,8 +133,18 @@ pub struct WorkerBlocks {
     max_blocks: usize,
     /// Blocks not recorded: their parent was unknown (an event missed), or the cap was reached.
     pub skipped: u64,
-    /// Tokens per block, from the last `BlockStored` (vLLM's `--block-size`).
+    /// Tokens per block (vLLM's `--block-size`): the largest of the followed group's stores
+    /// since its first after a clear. (A hybrid model's worker also stores entries of its
+    /// smaller hashing size; kept from an earlier run until the first store after a clear, so
+    /// routing knows the size meanwhile.)
     pub block_size: Option<u32>,
+    /// Whether the next store sets `block_size` whatever it was (after a clear).
+    size_stale: bool,
+    /// The cache group followed (see the module's notes); `None` until the first store of a
+    /// full-attention group after a clear.
+    followed: Option<i64>,
+    /// Events of the worker's other cache groups, left out.
+    pub other_groups: u64,
 }
 
 impl WorkerBlocks {
@@ -138,6 +155,9 @@ impl WorkerBlocks {
             max_blocks,
             skipped: 0,
             block_size: None,
+            size_stale: true,
+            followed: None,
+            other_groups: 0,
         }
     }
 
@@ -163,6 +183,26 @@ impl WorkerBlocks {
     pub fn clear(&mut self) {
         self.by_engine.clear();
         self.held.clear();
+        self.size_stale = true;
+        self.followed = None;
+    }
+
+    /// Whether an event of cache group `idx` is the followed group's; a store of a
+    /// full-attention group is followed from then on when none is yet.
+    fn follows(&mut self, idx: i64, full_attention_store: bool) -> bool {
+        let follows = match self.followed {
+            Some(f) => f == idx,
+            None if full_attention_store => {
+                self.followed = Some(idx);
+                true
+            }
+            // A removal before any store (nothing held to remove), or another group's store.
+            None => false,
+        };
+        if !follows {
+            self.other_groups += 1;
+        }
+        follows
     }
 
     pub fn apply(&mut self, event: &KvEvent) {
@@ -175,8 +215,12 @@ impl WorkerBlocks {
                 parent_block_hash,
                 token_ids,
                 block_size,
+                group,
                 ..
             } => {
+                if !self.follows(group.index(), group.is_full_attention()) {
+                    return;
+                }
                 let mut parent = match parent_block_hash {
                     None => ROOT,
                     Some(p) => match self.by_engine.get(p) {
@@ -189,7 +233,11 @@ impl WorkerBlocks {
                         }
                     },
                 };
-                self.block_size = Some(*block_size);
+                self.block_size = Some(match self.block_size {
+                    Some(b) if !self.size_stale => b.max(*block_size),
+                    _ => *block_size,
+                });
+                self.size_stale = false;
                 let size = *block_size as usize;
                 for (i, &engine) in block_hashes.iter().enumerate() {
                     let Some(tokens) = token_ids.get(i * size..(i + 1) * size) else {
@@ -209,7 +257,14 @@ impl WorkerBlocks {
                     *self.held.entry(own).or_default() += 1;
                 }
             }
-            KvEvent::BlockRemoved { block_hashes, .. } => {
+            KvEvent::BlockRemoved {
+                block_hashes,
+                group_idx,
+                ..
+            } => {
+                if !self.follows(group_idx.unwrap_or(0), false) {
+                    return;
+                }
                 for engine in block_hashes {
                     let Some(own) = self.by_engine.remove(engine) else {
                         continue;
@@ -239,7 +294,26 @@ mod tests {
             block_size: 2,
             lora_id: None,
             medium: Some("GPU".into()),
+            group: CacheGroup::full_attention(),
         }
+    }
+
+    fn removed(hashes: &[u64], group_idx: Option<i64>) -> KvEvent {
+        KvEvent::BlockRemoved {
+            block_hashes: hashes.to_vec(),
+            medium: Some("GPU".into()),
+            group_idx,
+        }
+    }
+
+    fn in_group(mut e: KvEvent, idx: i64, kind: &str) -> KvEvent {
+        if let KvEvent::BlockStored { group, .. } = &mut e {
+            *group = CacheGroup {
+                idx: Some(idx),
+                kind: Some(kind.into()),
+            };
+        }
+        e
     }
 
     #[test]
@@ -256,10 +330,7 @@ mod tests {
             1,
             "another second block"
         );
-        w.apply(&KvEvent::BlockRemoved {
-            block_hashes: vec![12],
-            medium: None,
-        });
+        w.apply(&removed(&[12], None));
         assert_eq!(w.prefix_depth(&[a, b, c]), 1);
         assert_eq!(w.len(), 2);
         w.apply(&KvEvent::AllBlocksCleared);
@@ -290,6 +361,76 @@ mod tests {
                 "{n} tokens"
             );
         }
+    }
+
+    /// Gemma 3's shape: a sliding-window group stores the same blocks under the same hashes and
+    /// evicts them on its own schedule; only the full-attention group's say what is held.
+    #[test]
+    fn a_hybrid_models_other_groups_do_not_move_the_full_attention_blocks() {
+        let mut w = WorkerBlocks::new(100);
+        // The sliding-window group's store comes first: not followed, so not held either.
+        w.apply(&in_group(
+            stored(&[11, 12], None, vec![1, 2, 3, 4]),
+            1,
+            "sliding_window",
+        ));
+        assert!(w.is_empty());
+        w.apply(&in_group(
+            stored(&[11, 12], None, vec![1, 2, 3, 4]),
+            0,
+            "full_attention",
+        ));
+        let a = chain(ROOT, &[1, 2]);
+        let b = chain(a, &[3, 4]);
+        assert_eq!(w.prefix_depth(&[a, b]), 2);
+        // The window moves on and its group evicts the first block: still held.
+        w.apply(&removed(&[11], Some(1)));
+        assert_eq!(w.prefix_depth(&[a, b]), 2);
+        // A Mamba group's state entry of another size changes neither blocks nor size.
+        let mut state = in_group(stored(&[40], None, vec![1, 2, 3, 4]), 2, "mamba");
+        if let KvEvent::BlockStored { block_size, .. } = &mut state {
+            *block_size = 4;
+        }
+        w.apply(&state);
+        assert_eq!((w.len(), w.block_size), (2, Some(2)));
+        assert_eq!(w.other_groups, 3);
+        // The full-attention group's own eviction counts.
+        w.apply(&removed(&[12], Some(0)));
+        assert_eq!(w.prefix_depth(&[a, b]), 1);
+        // A worker that restarts with its groups in another order is followed afresh.
+        w.apply(&KvEvent::AllBlocksCleared);
+        w.apply(&in_group(
+            stored(&[51], None, vec![7, 7]),
+            1,
+            "full_attention",
+        ));
+        w.apply(&in_group(
+            stored(&[52], None, vec![8, 8]),
+            0,
+            "sliding_window",
+        ));
+        assert!(w.holds(chain(ROOT, &[7, 7])));
+        assert!(!w.holds(chain(ROOT, &[8, 8])));
+    }
+
+    /// A hybrid model whose attention blocks are larger than its hashing blocks also stores
+    /// entries of the hashing size; the block size routing chains at stays the larger.
+    #[test]
+    fn the_block_size_is_the_largest_stored_since_a_clear() {
+        let mut w = WorkerBlocks::new(100);
+        w.apply(&stored(&[1], None, vec![1, 2]));
+        let mut big = stored(&[2], None, vec![1, 2, 3, 4]);
+        if let KvEvent::BlockStored { block_size, .. } = &mut big {
+            *block_size = 4;
+        }
+        w.apply(&big);
+        w.apply(&stored(&[3], None, vec![5, 6]));
+        assert_eq!(w.block_size, Some(4));
+        // Kept through a clear until the next store, which sets it afresh.
+        w.apply(&KvEvent::AllBlocksCleared);
+        assert_eq!(w.block_size, Some(4));
+        w.apply(&stored(&[4], None, vec![5, 6]));
+        assert_eq!(w.block_size, Some(2));
     }
 
     #[test]

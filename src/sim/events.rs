@@ -122,6 +122,7 @@ fn event(e: &KvEvent) -> Value {
             block_size,
             lora_id,
             medium: m,
+            group,
         } => vec![
             field("type", Value::from("BlockStored")),
             field("block_hashes", hashes(block_hashes)),
@@ -137,15 +138,35 @@ fn event(e: &KvEvent) -> Value {
             field("lora_id", lora_id.map_or(Value::Nil, Value::from)),
             field("medium", medium(m)),
             field("lora_name", Value::Nil),
-        ],
+            // vLLM 0.32 lists each block's extra hash keys (LoRA, images, salt), `nil` for a
+            // block of plain text; then the group, where there is one (fields left at their
+            // default are left out, as msgspec's `omit_defaults` does).
+            field(
+                "extra_keys",
+                Value::Array(vec![Value::Nil; block_hashes.len()]),
+            ),
+        ]
+        .into_iter()
+        .chain(group.idx.map(|i| field("group_idx", Value::from(i))))
+        .chain(
+            group
+                .kind
+                .as_deref()
+                .map(|k| field("kv_cache_spec_kind", Value::from(k))),
+        )
+        .collect(),
         KvEvent::BlockRemoved {
             block_hashes,
             medium: m,
+            group_idx,
         } => vec![
             field("type", Value::from("BlockRemoved")),
             field("block_hashes", hashes(block_hashes)),
             field("medium", medium(m)),
-        ],
+        ]
+        .into_iter()
+        .chain(group_idx.map(|i| field("group_idx", Value::from(i))))
+        .collect(),
         KvEvent::AllBlocksCleared => vec![field("type", Value::from("AllBlocksCleared"))],
     })
 }
@@ -165,10 +186,12 @@ mod tests {
                 block_size: 2,
                 lora_id: None,
                 medium: Some("GPU".into()),
+                group: crate::kv_events::CacheGroup::full_attention(),
             },
             KvEvent::BlockRemoved {
                 block_hashes: vec![1],
                 medium: Some("GPU".into()),
+                group_idx: Some(0),
             },
             KvEvent::AllBlocksCleared,
         ];

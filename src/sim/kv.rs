@@ -140,9 +140,11 @@ impl KvCache {
                 if self.cached.get(&h) == Some(&id) {
                     self.cached.remove(&h);
                     if let Some(events) = &mut self.events {
+                        // As vLLM 0.32 sends them: removals name the group by index only.
                         events.push(KvEvent::BlockRemoved {
                             block_hashes: vec![h],
                             medium: Some(crate::kv_events::decode::MEDIUM_GPU.into()),
+                            group_idx: Some(0),
                         });
                     }
                 }
@@ -189,6 +191,8 @@ impl KvCache {
                                 block_size: size as u32,
                                 lora_id: None,
                                 medium: Some(crate::kv_events::decode::MEDIUM_GPU.into()),
+                                // One group, labelled as vLLM 0.32 labels a model's only one.
+                                group: crate::kv_events::CacheGroup::full_attention(),
                             });
                         }
                     }
@@ -316,7 +320,8 @@ mod tests {
             kv.take_events(),
             vec![KvEvent::BlockRemoved {
                 block_hashes: vec![h[2]],
-                medium: Some("GPU".into())
+                medium: Some("GPU".into()),
+                group_idx: Some(0),
             }]
         );
         assert!(kv.take_events().is_empty());

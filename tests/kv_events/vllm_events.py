@@ -7,6 +7,11 @@ Three layouts:
   map    batch and events as maps, `type`-tagged (vLLM's current source; bytes block hashes)
   mixed  positional batch `[ts, events, dp_rank]` holding map events (seen from vLLM 0.32.0)
 
+The map structs are declared as vLLM 0.32.0 declares them: stores name their KV cache group
+(`group_idx`) and its kind (`kv_cache_spec_kind`), removals the group's index only. An event
+of the SPEC may give "group_idx" (default 0) and, for a store, "kind" (default
+"full_attention"), as a hybrid model's worker publishes one group's blocks beside another's.
+
 Commands, one JSON object per line on stdin; answers on stdout:
   {"encode": SPEC}                    -> {"payload": HEX}
   {"decode": HEX}                     -> the batch as vLLM 0.32's structs read it (mixed layout)
@@ -94,12 +99,17 @@ class MapStored(MapEvent, tag="BlockStored"):
     group_idx: Optional[int] = None
     kv_cache_spec_kind: Optional[str] = None
     kv_cache_spec_sliding_window: Optional[int] = None
+    locality: Optional[str] = None
+    ownership: Optional[str] = None
+    session_id: Optional[str] = None
 
 
 class MapRemoved(MapEvent, tag="BlockRemoved"):
     block_hashes: list[Hash]
     medium: Optional[str]
     group_idx: Optional[int] = None
+    locality: Optional[str] = None
+    ownership: Optional[str] = None
 
 
 class MapCleared(MapEvent, tag="AllBlocksCleared"):
@@ -125,12 +135,19 @@ def build(spec):
             else:
                 events.append(ArrayCleared())
         else:
+            group = e.get("group_idx", 0)
             if kind == "BlockStored":
+                window = e.get("sliding_window")
                 events.append(MapStored([as_bytes(h) for h in e["block_hashes"]],
                                         as_bytes(e.get("parent_block_hash")), e["token_ids"],
-                                        e["block_size"], None, "GPU", None, group_idx=0))
+                                        e["block_size"], None, "GPU", None,
+                                        extra_keys=[None] * len(e["block_hashes"]),
+                                        group_idx=group,
+                                        kv_cache_spec_kind=e.get("kind", "full_attention"),
+                                        kv_cache_spec_sliding_window=window))
             elif kind == "BlockRemoved":
-                events.append(MapRemoved([as_bytes(h) for h in e["block_hashes"]], "GPU"))
+                events.append(MapRemoved([as_bytes(h) for h in e["block_hashes"]], "GPU",
+                                         group_idx=group))
             else:
                 events.append(MapCleared())
     ts = time.time()

@@ -67,6 +67,7 @@ fn a_worker_whose_events_hold_the_prompt_wins_over_what_the_index_knows() {
                 block_size: 4,
                 lora_id: None,
                 medium: None,
+                group: Default::default(),
             });
         } else {
             feed.blocks().apply(&KvEvent::BlockStored {
@@ -76,6 +77,7 @@ fn a_worker_whose_events_hold_the_prompt_wins_over_what_the_index_knows() {
                 block_size: 4,
                 lora_id: None,
                 medium: None,
+                group: Default::default(),
             });
         }
         w.events = Some(Arc::new(feed));

@@ -100,6 +100,7 @@ pub(super) fn workers_storing(
                 block_size: 4,
                 lora_id: None,
                 medium: None,
+                group: Default::default(),
             });
             w.events = Some(Arc::new(feed));
             Arc::new(w)
