@@ -316,6 +316,7 @@ fn tokenize_and_look_up(c: &mut Criterion) {
             lora_id: None,
             medium: None,
             group: Default::default(),
+            block_keys: Vec::new(),
         });
     }
     let mut g = c.benchmark_group("tokenize_and_look_up");

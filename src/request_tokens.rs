@@ -40,7 +40,7 @@ pub async fn attach(up: &Upstreams, info: &mut RequestInfo, body: &[u8], field: 
     };
     let Some(tokenizer) = tokenizer else { return };
     let counted = &up.metrics.tokenized;
-    let how = match tokens_of(up, tokenizer, body, field).await {
+    let how = match tokens_of(up, tokenizer, body, field, info.token_root).await {
         Some((tokens, after)) => {
             info.tokens = Some(tokens.into());
             info.tokens_after = u32::try_from(after).unwrap_or(u32::MAX);
@@ -61,6 +61,7 @@ async fn tokens_of(
     tokenizer: &Arc<ModelTokenizer>,
     body: &[u8],
     field: PromptField,
+    root: u64,
 ) -> Option<(Vec<u32>, usize)> {
     // Only the field the tokenizer reads is built; the rest of the body is skipped.
     #[derive(serde::Deserialize)]
@@ -82,7 +83,7 @@ async fn tokens_of(
     };
     let tokens = match pending {
         Ok(p) if p.uncached_bytes() > 2 * HEAD_BYTES && tokenizer.encodes_heads() => {
-            head_or_whole(up, tokenizer, p).await
+            head_or_whole(up, tokenizer, p, root).await
         }
         Ok(p) => whole(tokenizer, p).await.map(|t| (t, 0)),
         Err(e) => Err(e),
@@ -107,6 +108,7 @@ async fn head_or_whole(
     up: &Upstreams,
     tokenizer: &Arc<ModelTokenizer>,
     pending: Pending,
+    root: u64,
 ) -> Result<(Vec<u32>, usize), TokenizeError> {
     let workers = up.pool.snapshot();
     let mut budget = HEAD_BYTES;
@@ -115,7 +117,7 @@ async fn head_or_whole(
         if head.rest_tokens == 0 {
             return Ok((head.ids, 0));
         }
-        if !crate::kv_events::some_worker_holds_all(&workers, &head.ids) {
+        if !crate::kv_events::some_worker_holds_all(&workers, &head.ids, root) {
             if pending.fills_cache() && !fill_cache_later(tokenizer, pending) {
                 up.metrics.tokenize_fills_skipped.inc();
             }

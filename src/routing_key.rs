@@ -43,6 +43,10 @@ pub struct RequestInfo {
     pub tokens: Option<std::sync::Arc<[u32]>>,
     /// Prompt tokens after `tokens`, estimated: 0 when `tokens` is the whole prompt.
     pub tokens_after: u32,
+    /// Where the chain of `tokens`' blocks starts: [`crate::kv_events::ROOT`], or for a request
+    /// with a `cache_salt`, [`crate::kv_events::salted_root`] of it (vLLM hashes the salt into
+    /// the first block, so a salted prompt shares blocks with the same salt only).
+    pub token_root: u64,
 }
 
 impl RequestInfo {
@@ -61,6 +65,7 @@ impl RequestInfo {
             block_hashes: hashes,
             tokens: None,
             tokens_after: 0,
+            token_root: crate::kv_events::ROOT,
         }
     }
 
@@ -96,6 +101,8 @@ struct RequestView<'a> {
     prompt: Option<PromptView<'a>>,
     #[serde(default, borrow)]
     messages: Option<Vec<MessageView<'a>>>,
+    #[serde(default, borrow)]
+    cache_salt: Option<Cow<'a, str>>,
 }
 
 /// A Responses API request (`POST /v1/responses`), as far as routing reads it.
@@ -107,6 +114,8 @@ struct ResponsesView<'a> {
     instructions: Option<Cow<'a, str>>,
     #[serde(default)]
     input: Option<serde_json::Value>,
+    #[serde(default, borrow)]
+    cache_salt: Option<Cow<'a, str>>,
 }
 
 /// `prompt` as the worker accepts it: a string, a list of strings, a list of token ids, or a
@@ -288,7 +297,7 @@ pub fn extract(
 ) -> Result<RequestInfo, ApiError> {
     let cap = cfg.block_bytes.saturating_mul(cfg.max_blocks);
     let mut out = Capped::new(cap, body.len() + 64);
-    let model = match field {
+    let (model, salt) = match field {
         PromptField::Prompt | PromptField::Messages => {
             let view: RequestView = parse(body)?;
             if field == PromptField::Prompt {
@@ -307,7 +316,7 @@ pub fn extract(
                 }
                 write_messages(&messages, &mut out);
             }
-            view.model
+            (view.model, view.cache_salt)
         }
         PromptField::Input => {
             let view: ResponsesView = parse(body)?;
@@ -315,11 +324,16 @@ pub fn extract(
                 .input
                 .ok_or_else(|| ApiError::InvalidRequest("`input` is required".into()))?;
             write_messages(&input_messages(view.instructions, input)?, &mut out);
-            view.model
+            (view.model, view.cache_salt)
         }
     };
     let model = model.map(Cow::into_owned);
-    let seed = xxh3_64(model.as_deref().unwrap_or("").as_bytes());
+    // A salt keys the first block as vLLM's hash does: its prefix is cached for that salt only.
+    let salt = salt.filter(|s| !s.is_empty());
+    let mut seed = xxh3_64(model.as_deref().unwrap_or("").as_bytes());
+    if let Some(s) = &salt {
+        seed = xxh3_64_with_seed(s.as_bytes(), seed);
+    }
     let (block_hashes, block_ends) =
         chain_blocks(&out.buf, &out.cuts, cfg.block_bytes, cfg.max_blocks, seed);
     Ok(RequestInfo {
@@ -329,6 +343,9 @@ pub fn extract(
         prompt_bytes: out.total,
         tokens: None,
         tokens_after: 0,
+        token_root: salt.map_or(crate::kv_events::ROOT, |s| {
+            crate::kv_events::salted_root(s.as_bytes())
+        }),
     })
 }
 
@@ -663,6 +680,55 @@ mod tests {
             &c
         )
         .is_ok());
+    }
+
+    /// vLLM hashes `cache_salt` into a prompt's first block: another salt, or none, shares no
+    /// cached block with it, so neither may share a key.
+    #[test]
+    fn a_cache_salt_keys_the_prompt_apart_from_other_salts() {
+        let key = |body: serde_json::Value, field| {
+            extract(body.to_string().as_bytes(), field, &cfg(16, 8)).unwrap()
+        };
+        let prompt = "a prompt long enough to fill more than one block";
+        let completion = |salt: Option<&str>| {
+            let mut b = serde_json::json!({"model": "m", "prompt": prompt});
+            if let Some(s) = salt {
+                b["cache_salt"] = s.into();
+            }
+            key(b, PromptField::Prompt)
+        };
+        let (plain, a, a2, b) = (
+            completion(None),
+            completion(Some("tenant-a")),
+            completion(Some("tenant-a")),
+            completion(Some("tenant-b")),
+        );
+        assert_eq!(plain.token_root, crate::kv_events::ROOT);
+        assert_eq!(a.token_root, crate::kv_events::salted_root(b"tenant-a"));
+        assert_eq!(
+            (&a.block_hashes, a.token_root),
+            (&a2.block_hashes, a2.token_root)
+        );
+        for other in [&plain, &b] {
+            assert_ne!(a.block_hashes[0], other.block_hashes[0]);
+            assert_ne!(a.token_root, other.token_root);
+        }
+        assert_eq!(
+            completion(Some("")).block_hashes,
+            plain.block_hashes,
+            "empty: none"
+        );
+        let chat = key(
+            serde_json::json!({"model": "m", "messages": [{"role": "user", "content": prompt}],
+                               "cache_salt": "tenant-a"}),
+            PromptField::Messages,
+        );
+        assert_eq!(chat.token_root, a.token_root);
+        let input = key(
+            serde_json::json!({"model": "m", "input": prompt, "cache_salt": "tenant-a"}),
+            PromptField::Input,
+        );
+        assert_eq!(input.token_root, a.token_root);
     }
 
     #[test]

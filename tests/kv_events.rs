@@ -170,6 +170,7 @@ fn msgspec_encoded_batches_decode_in_every_layout() {
                     lora_id: None,
                     medium: Some("GPU".into()),
                     group: group.clone(),
+                    block_keys: Vec::new(),
                 },
                 KvEvent::BlockStored {
                     block_hashes: vec![k(7)],
@@ -179,6 +180,7 @@ fn msgspec_encoded_batches_decode_in_every_layout() {
                     lora_id: None,
                     medium: Some("GPU".into()),
                     group: group.clone(),
+                    block_keys: Vec::new(),
                 },
                 KvEvent::BlockRemoved {
                     block_hashes: vec![k(5)],
@@ -230,6 +232,61 @@ fn a_hybrid_models_sliding_window_group_does_not_move_what_the_worker_holds() {
     // Full attention evicts block 6: the first block is left.
     apply(&mut blocks, json!([removed(6)]));
     assert_eq!((blocks.prefix_depth(&[a, b]), blocks.len()), (1, 1));
+}
+
+/// A store's extra keys, as vLLM 0.32 publishes them, are in the block's hash as they are in
+/// vLLM's: a salted prompt is held for requests with the same salt only, an adapter's blocks
+/// count as the base model's, and a block with an image (and the blocks after it) for no text
+/// request.
+#[test]
+fn extra_keys_decoded_from_msgspec_key_blocks_as_vllm_does() {
+    use kvroute::kv_events::salted_root;
+    use kvroute::tokenize::block_chain_from;
+    let (mut py, _) = Py::start(&["encode"]);
+    let mut blocks = WorkerBlocks::new(100);
+    let mut keyed = |hashes: &[u64], tokens: &[u32], keys: Value, lora: Value| {
+        let mut e = stored(hashes, None, tokens);
+        e["extra_keys"] = keys;
+        e["lora_name"] = lora;
+        let answer = py.ask(json!({"encode": {"layout": "map", "events": [e]}}));
+        for e in decode_batch(&unhex(answer["payload"].as_str().unwrap()))
+            .unwrap()
+            .events
+        {
+            blocks.apply(&e);
+        }
+    };
+    // Salted: the salt on the first block only, as vLLM keys it; under an adapter, its name
+    // first on every block.
+    keyed(
+        &[1, 2],
+        &[1, 2, 3, 4],
+        json!([["tenant-a"], null]),
+        json!(null),
+    );
+    keyed(
+        &[3, 4],
+        &[5, 6, 7, 8],
+        json!([["my-adapter", "tenant-b"], ["my-adapter"]]),
+        json!("my-adapter"),
+    );
+    // An image in the second block.
+    keyed(
+        &[5, 6],
+        &[9, 9, 9, 9],
+        json!([null, [["img-1", 0]]]),
+        json!(null),
+    );
+    let held = |root: u64, tokens: &[u32]| blocks.prefix_depth(&block_chain_from(root, tokens, 2));
+    assert_eq!(held(salted_root(b"tenant-a"), &[1, 2, 3, 4]), 2);
+    assert_eq!(held(ROOT, &[1, 2, 3, 4]), 0, "unsalted");
+    assert_eq!(
+        held(salted_root(b"tenant-b"), &[1, 2, 3, 4]),
+        0,
+        "another salt"
+    );
+    assert_eq!(held(salted_root(b"tenant-b"), &[5, 6, 7, 8]), 2);
+    assert_eq!(held(ROOT, &[9, 9, 9, 9]), 1, "up to the image");
 }
 
 fn unhex(hex: &str) -> Vec<u8> {
@@ -413,6 +470,7 @@ fn the_simulators_batches_decode_with_vllms_msgspec_structs() {
             lora_id: None,
             medium: Some("GPU".into()),
             group: CacheGroup::full_attention(),
+            block_keys: Vec::new(),
         },
         KvEvent::BlockRemoved {
             block_hashes: vec![3],

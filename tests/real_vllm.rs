@@ -1038,8 +1038,11 @@ async fn real_vllm_kv_events_name_the_blocks_of_the_prompt_it_served() {
         async move { follow(source, &feed, stop).await }
     });
     let worker = pool.addr(0);
-    let complete = |prompt: String| {
-        let body = json!({"model": pool.model, "prompt": prompt, "max_tokens": 1});
+    let complete_salted = |prompt: String, salt: Option<&str>| {
+        let mut body = json!({"model": pool.model, "prompt": prompt, "max_tokens": 1});
+        if let Some(s) = salt {
+            body["cache_salt"] = json!(s);
+        }
         async move {
             let r = request(
                 worker,
@@ -1051,6 +1054,7 @@ async fn real_vllm_kv_events_name_the_blocks_of_the_prompt_it_served() {
             assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
         }
     };
+    let complete = |prompt: String| complete_salted(prompt, None);
     // A SUB socket misses what is published before it has joined: prompt until events arrive.
     let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
     let mut k = 0;
@@ -1079,6 +1083,7 @@ async fn real_vllm_kv_events_name_the_blocks_of_the_prompt_it_served() {
     let chained = kvroute::tokenize::block_chain(&tokens, BLOCK);
     assert!(chained.len() >= 4, "{} tokens", tokens.len());
     assert_eq!(feed.blocks().prefix_depth(&chained), 0, "not served yet");
+    let prompt_again = prompt.clone();
     complete(prompt).await;
     let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
     while feed.blocks().prefix_depth(&chained) < chained.len() {
@@ -1092,6 +1097,25 @@ async fn real_vllm_kv_events_name_the_blocks_of_the_prompt_it_served() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     assert_eq!(feed.stats.decode_errors.load(Ordering::Relaxed), 0);
+    // The same prompt under a `cache_salt`: vLLM keys its first block by the salt, so it
+    // stores the prompt again, and the feed holds it for that salt, not for another.
+    let salted = |salt: &[u8]| {
+        kvroute::tokenize::block_chain_from(kvroute::kv_events::salted_root(salt), &tokens, BLOCK)
+    };
+    assert_eq!(feed.blocks().prefix_depth(&salted(b"tenant-a")), 0);
+    complete_salted(prompt_again, Some("tenant-a")).await;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    while feed.blocks().prefix_depth(&salted(b"tenant-a")) < chained.len() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the feed holds {} of the salted prompt's {} full blocks ({:?})",
+            feed.blocks().prefix_depth(&salted(b"tenant-a")),
+            chained.len(),
+            feed.stats
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(feed.blocks().prefix_depth(&salted(b"tenant-b")), 0);
     // Resetting the prefix cache empties the worker: the feed follows. vLLM publishes the
     // clearing with the next engine step's events, so another request makes it go out.
     pool.reset_caches().await;

@@ -72,6 +72,9 @@ pub enum KvEvent {
         lora_id: Option<i64>,
         medium: Option<String>,
         group: CacheGroup,
+        /// Per block, what its `extra_keys` add to its hash, as a value mixed into its parent's
+        /// chain hash ([`block_key`]); empty where no block has any.
+        block_keys: Vec<Option<u64>>,
     },
     BlockRemoved {
         block_hashes: Vec<u64>,
@@ -251,6 +254,7 @@ fn decode_event(value: &Value) -> Result<Option<KvEvent>> {
                 .ok_or(DecodeError::Shape("BlockStored without a block size"))?,
             lora_id: f.get("lora_id").and_then(Value::as_i64),
             medium: f.medium(),
+            block_keys: block_keys(&f),
             group: CacheGroup {
                 idx: f.get("group_idx").and_then(Value::as_i64),
                 kind: f
@@ -267,6 +271,50 @@ fn decode_event(value: &Value) -> Result<Option<KvEvent>> {
         "AllBlocksCleared" => KvEvent::AllBlocksCleared,
         _ => return Ok(None),
     }))
+}
+
+/// Each block's key from a store's `extra_keys` (one entry per block, `nil` for plain text);
+/// empty where every entry is `nil`.
+fn block_keys(f: &Fields) -> Vec<Option<u64>> {
+    let Some(entries) = f.get("extra_keys").and_then(Value::as_array) else {
+        return Vec::new();
+    };
+    let lora = f.get("lora_name").and_then(Value::as_str);
+    let keys: Vec<Option<u64>> = entries
+        .iter()
+        .map(|e| block_key(e.as_array()?, lora))
+        .collect();
+    if keys.iter().all(Option::is_none) {
+        Vec::new()
+    } else {
+        keys
+    }
+}
+
+/// What one block's extra keys add to its hash, as vLLM 0.32 publishes them (untagged, in the
+/// order LoRA name, `(image id, offset)` pairs, cache salt, prompt-embedding digests): the
+/// LoRA name is left out (kvroute cannot tell which model names are adapters, so an adapter's
+/// blocks count as its base model's); a lone string left is the request's `cache_salt`, which a
+/// request naming the same salt reproduces ([`super::salted_root`]); anything else (an image, an
+/// embedding) gets a key that no text request makes, so its blocks and those after it never
+/// match one. `None`: the block is plain text.
+pub fn block_key(keys: &[Value], lora_name: Option<&str>) -> Option<u64> {
+    let keys = match (keys.first().and_then(Value::as_str), lora_name) {
+        (Some(first), Some(lora)) if first == lora => &keys[1..],
+        _ => keys,
+    };
+    match keys {
+        [] => None,
+        [Value::String(s)] => Some(super::salted_root(s.as_bytes())),
+        other => {
+            let mut bytes = Vec::new();
+            for k in other {
+                // Writing to a Vec cannot fail.
+                let _ = rmpv::encode::write_value(&mut bytes, k);
+            }
+            Some(xxh3_64(&bytes) | 1)
+        }
+    }
 }
 
 /// A block hash as a `u64`: integers as they are (negative ones by their bits), bytes hashed.
@@ -375,6 +423,27 @@ mod tests {
         };
         assert_eq!(*group, CacheGroup::default());
         assert!(group.is_full_attention());
+    }
+
+    #[test]
+    fn a_blocks_extra_keys_key_it_by_salt_or_beyond_any_text_request() {
+        let s = |x: &str| Value::from(x);
+        assert_eq!(block_key(&[], None), None);
+        assert_eq!(
+            block_key(&[s("lora-a")], Some("lora-a")),
+            None,
+            "the adapter"
+        );
+        let salted = Some(super::super::salted_root(b"t1"));
+        assert_eq!(block_key(&[s("t1")], None), salted);
+        assert_eq!(block_key(&[s("lora-a"), s("t1")], Some("lora-a")), salted);
+        // A LoRA name the event does not name is not stripped: not the salt's key.
+        assert_ne!(block_key(&[s("lora-a"), s("t1")], None), salted);
+        let image = Value::Array(vec![s("img"), Value::from(0)]);
+        let k = block_key(std::slice::from_ref(&image), None);
+        assert!(k.is_some() && k != salted && k != Some(0));
+        let other = Value::Array(vec![s("img2"), Value::from(0)]);
+        assert_ne!(k, block_key(&[other], None), "images apart");
     }
 
     #[test]

@@ -18,9 +18,14 @@
 //! prefix hit in vLLM also needs the sliding-window group's last blocks, which are not checked:
 //! where that group has evicted them, the hit is shorter than the events say.
 //!
-//! Limits, by design: blocks stored under a `cache_salt` or a LoRA adapter have the same token
-//! ids as unsalted base-model blocks and are counted as the same prefix; events for a medium
-//! other than the GPU (CPU offload tiers) are ignored.
+//! A block's `extra_keys` (vLLM 0.32) are part of its hash in vLLM, so they are in ours: a
+//! request's `cache_salt` keys its first block ([`salted_root`]), so a salted prefix is held for
+//! requests with the same salt only, as in vLLM; images and prompt embeddings give keys no text
+//! request makes ([`decode::block_key`]).
+//!
+//! Limits, by design: blocks stored under a LoRA adapter have the same token ids as base-model
+//! blocks and are counted as the same prefix (kvroute cannot tell which model names are
+//! adapters); events for a medium other than the GPU (CPU offload tiers) are ignored.
 
 pub mod decode;
 mod subscriber;
@@ -34,6 +39,13 @@ pub use subscriber::{follow, EventSource, Feed, FeedStats};
 
 /// The chain value before a prompt's first block.
 pub const ROOT: u64 = 0;
+
+/// The chain value before the first block of a prompt sent with `cache_salt`: vLLM hashes the
+/// salt into that block's hash, so no other salt, and no unsalted prompt, shares its blocks.
+pub fn salted_root(salt: &[u8]) -> u64 {
+    // Not 0 (ROOT) for any salt in practice; the seed only sets these apart from other hashes.
+    xxh3_64_with_seed(salt, 0x6b76_7361_6c74)
+}
 
 /// Our hash of a block: its token ids, chained to the hash of the block before it.
 pub fn chain(parent: u64, tokens: &[u32]) -> u64 {
@@ -57,6 +69,7 @@ pub fn chain(parent: u64, tokens: &[u32]) -> u64 {
 /// first need, and what each worker's events say it holds of it.
 pub struct BlockChains<'t> {
     tokens: &'t [u32],
+    root: u64,
     by_size: Vec<(u32, Vec<u64>)>,
 }
 
@@ -71,9 +84,11 @@ pub struct Held {
 }
 
 impl<'t> BlockChains<'t> {
-    pub fn new(tokens: &'t [u32]) -> Self {
+    /// The chains of `tokens` from `root` ([`ROOT`], or a salted prompt's [`salted_root`]).
+    pub fn new(tokens: &'t [u32], root: u64) -> Self {
         Self {
             tokens,
+            root,
             by_size: Vec::new(),
         }
     }
@@ -96,7 +111,8 @@ impl<'t> BlockChains<'t> {
         let i = match self.by_size.iter().position(|(s, _)| *s == size) {
             Some(i) => i,
             None => {
-                let chain = crate::tokenize::block_chain(self.tokens, size as usize);
+                let chain =
+                    crate::tokenize::block_chain_from(self.root, self.tokens, size as usize);
                 self.by_size.push((size, chain));
                 self.by_size.len() - 1
             }
@@ -110,14 +126,16 @@ impl<'t> BlockChains<'t> {
     }
 }
 
-/// Whether some worker's events say it holds every full block of `tokens` (or `tokens` fills no
-/// block of its size): it may hold more of the prompt than `tokens` shows, so routing on them
-/// needs more of the prompt tokenized. Workers without events hold nothing here.
+/// Whether some worker's events say it holds every full block of `tokens` chained from `root`
+/// (or `tokens` fills no block of its size): it may hold more of the prompt than `tokens` shows,
+/// so routing on them needs more of the prompt tokenized. Workers without events hold nothing
+/// here.
 pub fn some_worker_holds_all(
     workers: &[std::sync::Arc<crate::workers::Worker>],
     tokens: &[u32],
+    root: u64,
 ) -> bool {
-    let mut chains = BlockChains::new(tokens);
+    let mut chains = BlockChains::new(tokens, root);
     workers
         .iter()
         .any(|w| chains.held_by(w).is_some_and(|h| h.blocks == h.of))
@@ -216,6 +234,7 @@ impl WorkerBlocks {
                 token_ids,
                 block_size,
                 group,
+                block_keys,
                 ..
             } => {
                 if !self.follows(group.index(), group.is_full_attention()) {
@@ -244,7 +263,10 @@ impl WorkerBlocks {
                         self.skipped += (block_hashes.len() - i) as u64;
                         return;
                     };
-                    let own = chain(parent, tokens);
+                    // A block's extra keys (a salt, an image) are in vLLM's hash of it, and so
+                    // in ours, through its parent's value.
+                    let key = block_keys.get(i).copied().flatten().unwrap_or(0);
+                    let own = chain(parent ^ key, tokens);
                     parent = own;
                     if self.by_engine.contains_key(&engine) {
                         continue;
@@ -295,6 +317,7 @@ mod tests {
             lora_id: None,
             medium: Some("GPU".into()),
             group: CacheGroup::full_attention(),
+            block_keys: Vec::new(),
         }
     }
 

@@ -123,6 +123,7 @@ fn event(e: &KvEvent) -> Value {
             lora_id,
             medium: m,
             group,
+            block_keys: _,
         } => vec![
             field("type", Value::from("BlockStored")),
             field("block_hashes", hashes(block_hashes)),
@@ -187,6 +188,7 @@ mod tests {
                 lora_id: None,
                 medium: Some("GPU".into()),
                 group: crate::kv_events::CacheGroup::full_attention(),
+                block_keys: Vec::new(),
             },
             KvEvent::BlockRemoved {
                 block_hashes: vec![1],

@@ -193,6 +193,8 @@ impl KvCache {
                                 medium: Some(crate::kv_events::decode::MEDIUM_GPU.into()),
                                 // One group, labelled as vLLM 0.32 labels a model's only one.
                                 group: crate::kv_events::CacheGroup::full_attention(),
+                                // Plain text: the simulator takes no salts or images.
+                                block_keys: Vec::new(),
                             });
                         }
                     }

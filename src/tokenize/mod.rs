@@ -443,7 +443,13 @@ enum Piece<'t> {
 /// The chain hashes of every full `block`-token block of `tokens`, as
 /// [`crate::kv_events::chain`] keys a worker's blocks.
 pub fn block_chain(tokens: &[u32], block: usize) -> Vec<u64> {
-    let mut parent = crate::kv_events::ROOT;
+    block_chain_from(crate::kv_events::ROOT, tokens, block)
+}
+
+/// [`block_chain`] from `root` rather than [`crate::kv_events::ROOT`]: a salted prompt's
+/// ([`crate::kv_events::salted_root`]).
+pub fn block_chain_from(root: u64, tokens: &[u32], block: usize) -> Vec<u64> {
+    let mut parent = root;
     tokens
         .chunks_exact(block.max(1))
         .map(|b| {

@@ -10,7 +10,9 @@ Three layouts:
 The map structs are declared as vLLM 0.32.0 declares them: stores name their KV cache group
 (`group_idx`) and its kind (`kv_cache_spec_kind`), removals the group's index only. An event
 of the SPEC may give "group_idx" (default 0) and, for a store, "kind" (default
-"full_attention"), as a hybrid model's worker publishes one group's blocks beside another's.
+"full_attention"), as a hybrid model's worker publishes one group's blocks beside another's;
+a store may give "extra_keys" (one list or null per block, untagged as vLLM 0.32 publishes
+them: LoRA name, [image id, offset] pairs, cache salt) and "lora_name".
 
 Commands, one JSON object per line on stdin; answers on stdout:
   {"encode": SPEC}                    -> {"payload": HEX}
@@ -138,10 +140,13 @@ def build(spec):
             group = e.get("group_idx", 0)
             if kind == "BlockStored":
                 window = e.get("sliding_window")
+                keys = e.get("extra_keys") or [None] * len(e["block_hashes"])
                 events.append(MapStored([as_bytes(h) for h in e["block_hashes"]],
                                         as_bytes(e.get("parent_block_hash")), e["token_ids"],
-                                        e["block_size"], None, "GPU", None,
-                                        extra_keys=[None] * len(e["block_hashes"]),
+                                        e["block_size"], None, "GPU", e.get("lora_name"),
+                                        extra_keys=[None if k is None else tuple(
+                                            tuple(x) if isinstance(x, list) else x for x in k)
+                                            for k in keys],
                                         group_idx=group,
                                         kv_cache_spec_kind=e.get("kind", "full_attention"),
                                         kv_cache_spec_sliding_window=window))

@@ -92,7 +92,8 @@ impl Known {
             None => req.prompt_bytes as f64 / bpt,
         };
         // What each worker's own events say it holds, in tokens, when the request was tokenized.
-        let mut chains = BlockChains::new(req.tokens.as_deref().unwrap_or_default());
+        let mut chains =
+            BlockChains::new(req.tokens.as_deref().unwrap_or_default(), req.token_root);
         let exacts: Vec<Option<u64>> = match req.tokens {
             Some(_) => workers
                 .iter()

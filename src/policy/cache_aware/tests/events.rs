@@ -68,6 +68,7 @@ fn a_worker_whose_events_hold_the_prompt_wins_over_what_the_index_knows() {
                 lora_id: None,
                 medium: None,
                 group: Default::default(),
+                block_keys: Vec::new(),
             });
         } else {
             feed.blocks().apply(&KvEvent::BlockStored {
@@ -78,6 +79,7 @@ fn a_worker_whose_events_hold_the_prompt_wins_over_what_the_index_knows() {
                 lora_id: None,
                 medium: None,
                 group: Default::default(),
+                block_keys: Vec::new(),
             });
         }
         w.events = Some(Arc::new(feed));

@@ -101,6 +101,7 @@ pub(super) fn workers_storing(
                 lora_id: None,
                 medium: None,
                 group: Default::default(),
+                block_keys: Vec::new(),
             });
             w.events = Some(Arc::new(feed));
             Arc::new(w)
