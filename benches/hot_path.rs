@@ -314,6 +314,7 @@ fn tokenize_and_look_up(c: &mut Criterion) {
             token_ids: vec![i; 16],
             block_size: 16,
             lora_id: None,
+            lora_name: None,
             medium: None,
             group: Default::default(),
             block_keys: Vec::new(),

@@ -39,6 +39,9 @@ pub async fn attach(up: &Upstreams, info: &mut RequestInfo, body: &[u8], field: 
         None => None,
     };
     let Some(tokenizer) = tokenizer else { return };
+    // A request for a LoRA adapter the workers' events have shown chains from its root.
+    info.token_root =
+        crate::kv_events::request_root(&up.pool.snapshot(), info.model.as_deref(), info.token_root);
     let counted = &up.metrics.tokenized;
     let how = match tokens_of(up, tokenizer, body, field, info.token_root).await {
         Some((tokens, after)) => {

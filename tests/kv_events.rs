@@ -168,6 +168,7 @@ fn msgspec_encoded_batches_decode_in_every_layout() {
                     token_ids: vec![1, 2, 3, 4],
                     block_size: 2,
                     lora_id: None,
+                    lora_name: None,
                     medium: Some("GPU".into()),
                     group: group.clone(),
                     block_keys: Vec::new(),
@@ -178,6 +179,7 @@ fn msgspec_encoded_batches_decode_in_every_layout() {
                     token_ids: vec![70_000, 8],
                     block_size: 2,
                     lora_id: None,
+                    lora_name: None,
                     medium: Some("GPU".into()),
                     group: group.clone(),
                     block_keys: Vec::new(),
@@ -235,12 +237,12 @@ fn a_hybrid_models_sliding_window_group_does_not_move_what_the_worker_holds() {
 }
 
 /// A store's extra keys, as vLLM 0.32 publishes them, are in the block's hash as they are in
-/// vLLM's: a salted prompt is held for requests with the same salt only, an adapter's blocks
-/// count as the base model's, and a block with an image (and the blocks after it) for no text
+/// vLLM's: a salted prompt is held for requests with the same salt only, an adapter's blocks for
+/// requests for that adapter, and a block with an image (and the blocks after it) for no text
 /// request.
 #[test]
 fn extra_keys_decoded_from_msgspec_key_blocks_as_vllm_does() {
-    use kvroute::kv_events::salted_root;
+    use kvroute::kv_events::{adapter_root, salted_root};
     use kvroute::tokenize::block_chain_from;
     let (mut py, _) = Py::start(&["encode"]);
     let mut blocks = WorkerBlocks::new(100);
@@ -285,7 +287,20 @@ fn extra_keys_decoded_from_msgspec_key_blocks_as_vllm_does() {
         0,
         "another salt"
     );
-    assert_eq!(held(salted_root(b"tenant-b"), &[5, 6, 7, 8]), 2);
+    // Under the adapter, from the adapter's root (salted here): not the base model's blocks.
+    assert_eq!(
+        held(salted_root(b"tenant-b"), &[5, 6, 7, 8]),
+        0,
+        "the base model's"
+    );
+    assert_eq!(
+        held(
+            adapter_root(b"my-adapter", salted_root(b"tenant-b")),
+            &[5, 6, 7, 8]
+        ),
+        2
+    );
+    assert!(blocks.adapters.contains("my-adapter"));
     assert_eq!(held(ROOT, &[9, 9, 9, 9]), 1, "up to the image");
 }
 
@@ -468,6 +483,7 @@ fn the_simulators_batches_decode_with_vllms_msgspec_structs() {
             token_ids: vec![1, 2, 3, 4],
             block_size: 2,
             lora_id: None,
+            lora_name: None,
             medium: Some("GPU".into()),
             group: CacheGroup::full_attention(),
             block_keys: Vec::new(),

@@ -70,6 +70,8 @@ pub enum KvEvent {
         token_ids: Vec<u32>,
         block_size: u32,
         lora_id: Option<i64>,
+        /// The LoRA adapter the blocks were computed under (vLLM's served name of it).
+        lora_name: Option<String>,
         medium: Option<String>,
         group: CacheGroup,
         /// Per block, what its `extra_keys` add to its hash, as a value mixed into its parent's
@@ -253,6 +255,10 @@ fn decode_event(value: &Value) -> Result<Option<KvEvent>> {
                 .filter(|&b| b > 0)
                 .ok_or(DecodeError::Shape("BlockStored without a block size"))?,
             lora_id: f.get("lora_id").and_then(Value::as_i64),
+            lora_name: f
+                .get("lora_name")
+                .and_then(Value::as_str)
+                .map(str::to_owned),
             medium: f.medium(),
             block_keys: block_keys(&f),
             group: CacheGroup {
@@ -273,16 +279,32 @@ fn decode_event(value: &Value) -> Result<Option<KvEvent>> {
     }))
 }
 
-/// Each block's key from a store's `extra_keys` (one entry per block, `nil` for plain text);
-/// empty where every entry is `nil`.
+/// Each block's key from a store's `extra_keys` (one entry per block, `nil` for plain text) and
+/// its LoRA adapter: a prompt's first block under an adapter starts from the adapter's root
+/// ([`super::adapter_root`]), as vLLM hashes the adapter into every block (the blocks after it
+/// chain from it, so they need no key of their own). Empty where no block has a key.
 fn block_keys(f: &Fields) -> Vec<Option<u64>> {
-    let Some(entries) = f.get("extra_keys").and_then(Value::as_array) else {
-        return Vec::new();
-    };
     let lora = f.get("lora_name").and_then(Value::as_str);
-    let keys: Vec<Option<u64>> = entries
-        .iter()
-        .map(|e| block_key(e.as_array()?, lora))
+    let entries = f.get("extra_keys").and_then(Value::as_array);
+    let starts = f.get("parent_block_hash").is_none();
+    let blocks = f
+        .get("block_hashes")
+        .and_then(Value::as_array)
+        .map_or(0, Vec::len);
+    let keys: Vec<Option<u64>> = (0..blocks)
+        .map(|i| {
+            let own = entries
+                .and_then(|e| e.get(i))
+                .and_then(Value::as_array)
+                .and_then(|keys| block_key(keys, lora));
+            match lora {
+                Some(name) if i == 0 && starts => Some(super::adapter_root(
+                    name.as_bytes(),
+                    own.unwrap_or(super::ROOT),
+                )),
+                _ => own,
+            }
+        })
         .collect();
     if keys.iter().all(Option::is_none) {
         Vec::new()
@@ -293,11 +315,11 @@ fn block_keys(f: &Fields) -> Vec<Option<u64>> {
 
 /// What one block's extra keys add to its hash, as vLLM 0.32 publishes them (untagged, in the
 /// order LoRA name, `(image id, offset)` pairs, cache salt, prompt-embedding digests): the
-/// LoRA name is left out (kvroute cannot tell which model names are adapters, so an adapter's
-/// blocks count as its base model's); a lone string left is the request's `cache_salt`, which a
-/// request naming the same salt reproduces ([`super::salted_root`]); anything else (an image, an
-/// embedding) gets a key that no text request makes, so its blocks and those after it never
-/// match one. `None`: the block is plain text.
+/// LoRA name is left out (the adapter keys the prompt's root instead, see [`block_keys`]); a
+/// lone string left is the request's `cache_salt`, which a request naming the same salt
+/// reproduces ([`super::salted_root`]); anything else (an image, an embedding) gets a key that no
+/// text request makes, so its blocks and those after it never match one. `None`: the block is
+/// plain text.
 pub fn block_key(keys: &[Value], lora_name: Option<&str>) -> Option<u64> {
     let keys = match (keys.first().and_then(Value::as_str), lora_name) {
         (Some(first), Some(lora)) if first == lora => &keys[1..],

@@ -18,14 +18,13 @@
 //! prefix hit in vLLM also needs the sliding-window group's last blocks, which are not checked:
 //! where that group has evicted them, the hit is shorter than the events say.
 //!
-//! A block's `extra_keys` (vLLM 0.32) are part of its hash in vLLM, so they are in ours: a
-//! request's `cache_salt` keys its first block ([`salted_root`]), so a salted prefix is held for
-//! requests with the same salt only, as in vLLM; images and prompt embeddings give keys no text
-//! request makes ([`decode::block_key`]).
-//!
-//! Limits, by design: blocks stored under a LoRA adapter have the same token ids as base-model
-//! blocks and are counted as the same prefix (kvroute cannot tell which model names are
-//! adapters); events for a medium other than the GPU (CPU offload tiers) are ignored.
+//! A block's `extra_keys` (vLLM 0.32) and its LoRA adapter are part of its hash in vLLM, so they
+//! are in ours: a request's `cache_salt` keys its first block ([`salted_root`]), and an adapter
+//! the chain's root ([`adapter_root`]; a request's `model` is known as an adapter once events
+//! show blocks under that name, [`request_root`]), so a salted or adapted prefix is held for the
+//! same salt and adapter only, as in vLLM; images and prompt embeddings give keys no text request
+//! makes ([`decode::block_key`]). Events for a medium other than the GPU (CPU offload tiers) are
+//! ignored.
 
 pub mod decode;
 mod subscriber;
@@ -46,6 +45,40 @@ pub fn salted_root(salt: &[u8]) -> u64 {
     // Not 0 (ROOT) for any salt in practice; the seed only sets these apart from other hashes.
     xxh3_64_with_seed(salt, 0x6b76_7361_6c74)
 }
+
+/// The chain value before the first block of a prompt run under LoRA adapter `name` (vLLM's
+/// served name, which requests give as their `model`), from the root it would have otherwise
+/// ([`ROOT`], or [`salted_root`]): vLLM hashes the adapter into every block, so the base model and
+/// other adapters share none of its blocks.
+pub fn adapter_root(name: &[u8], root: u64) -> u64 {
+    xxh3_64_with_seed(name, root ^ 0x6c6f_7261)
+}
+
+/// Where a request's block chain starts on events: `root` (the request's own, with its salt),
+/// moved to its adapter's when some worker's events have shown blocks stored under an adapter of
+/// the request's `model` name. Until then an adapter's requests count as the base model's.
+pub fn request_root(
+    workers: &[std::sync::Arc<crate::workers::Worker>],
+    model: Option<&str>,
+    root: u64,
+) -> u64 {
+    let Some(model) = model else { return root };
+    // Most pools serve no adapters: a flag per feed keeps their workers' locks out of it.
+    let adapter = workers.iter().any(|w| {
+        w.events.as_ref().is_some_and(|f| {
+            f.has_adapters.load(std::sync::atomic::Ordering::Relaxed)
+                && f.blocks().adapters.contains(model)
+        })
+    });
+    if adapter {
+        adapter_root(model.as_bytes(), root)
+    } else {
+        root
+    }
+}
+
+/// Adapter names a worker's events may teach, at most: more than any pool loads.
+const MAX_ADAPTERS: usize = 4096;
 
 /// Our hash of a block: its token ids, chained to the hash of the block before it.
 pub fn chain(parent: u64, tokens: &[u32]) -> u64 {
@@ -163,6 +196,8 @@ pub struct WorkerBlocks {
     followed: Option<i64>,
     /// Events of the worker's other cache groups, left out.
     pub other_groups: u64,
+    /// LoRA adapters blocks were stored under (their served names), up to [`MAX_ADAPTERS`].
+    pub adapters: std::collections::HashSet<String>,
 }
 
 impl WorkerBlocks {
@@ -176,6 +211,7 @@ impl WorkerBlocks {
             size_stale: true,
             followed: None,
             other_groups: 0,
+            adapters: Default::default(),
         }
     }
 
@@ -235,10 +271,16 @@ impl WorkerBlocks {
                 block_size,
                 group,
                 block_keys,
+                lora_name,
                 ..
             } => {
                 if !self.follows(group.index(), group.is_full_attention()) {
                     return;
+                }
+                if let Some(name) = lora_name {
+                    if self.adapters.len() < MAX_ADAPTERS && !self.adapters.contains(name) {
+                        self.adapters.insert(name.clone());
+                    }
                 }
                 let mut parent = match parent_block_hash {
                     None => ROOT,
@@ -315,6 +357,7 @@ mod tests {
             token_ids: tokens,
             block_size: 2,
             lora_id: None,
+            lora_name: None,
             medium: Some("GPU".into()),
             group: CacheGroup::full_attention(),
             block_keys: Vec::new(),
@@ -454,6 +497,46 @@ mod tests {
         assert_eq!(w.block_size, Some(4));
         w.apply(&stored(&[4], None, vec![5, 6]));
         assert_eq!(w.block_size, Some(2));
+    }
+
+    /// vLLM hashes a LoRA adapter into every block it computes: a request for the adapter (its
+    /// `model` is the adapter's served name) chains from the adapter's root once some worker's
+    /// events have shown blocks under it, and finds them there, not the base model's.
+    #[test]
+    fn a_request_for_an_adapter_the_events_showed_chains_from_its_root() {
+        let metrics = crate::metrics::Metrics::new();
+        let worker = |i: u16, events: &[KvEvent]| {
+            let cfg =
+                crate::config::WorkerConfig::from_url(format!("http://127.0.0.1:{}", 13000 + i));
+            let mut w = crate::workers::Worker::new(&cfg, &metrics).unwrap();
+            let feed = Feed::new(100);
+            feed.apply(&crate::sim::events::encode(events));
+            w.events = Some(std::sync::Arc::new(feed));
+            std::sync::Arc::new(w)
+        };
+        let mut lora = stored(&[1, 2], None, vec![1, 2, 3, 4]);
+        if let KvEvent::BlockStored { lora_name, .. } = &mut lora {
+            *lora_name = Some("my-adapter".into());
+        }
+        let base = stored(&[3, 4], None, vec![1, 2, 3, 4]);
+        let ws = vec![worker(0, &[base]), worker(1, &[lora])];
+        let root = request_root(&ws, Some("my-adapter"), ROOT);
+        assert_eq!(root, adapter_root(b"my-adapter", ROOT));
+        assert_eq!(request_root(&ws, Some("base"), ROOT), ROOT);
+        assert_eq!(request_root(&ws, None, ROOT), ROOT);
+        let salted = salted_root(b"t");
+        assert_eq!(
+            request_root(&ws, Some("my-adapter"), salted),
+            adapter_root(b"my-adapter", salted)
+        );
+        // The adapter's request finds the adapter's blocks on worker 1 and nothing on worker 0;
+        // the base model's the other way round.
+        let tokens = [1, 2, 3, 4];
+        let mut chains = BlockChains::new(&tokens, root);
+        let held = |c: &mut BlockChains, i: usize| c.held_by(&ws[i]).unwrap().blocks;
+        assert_eq!((held(&mut chains, 0), held(&mut chains, 1)), (0, 2));
+        let mut chains = BlockChains::new(&tokens, ROOT);
+        assert_eq!((held(&mut chains, 0), held(&mut chains, 1)), (2, 0));
     }
 
     #[test]

@@ -59,6 +59,8 @@ pub struct FeedStats {
 pub struct Feed {
     blocks: Mutex<WorkerBlocks>,
     pub stats: FeedStats,
+    /// Whether blocks were stored under a LoRA adapter (`WorkerBlocks::adapters` is not empty).
+    pub has_adapters: std::sync::atomic::AtomicBool,
 }
 
 impl Feed {
@@ -66,6 +68,7 @@ impl Feed {
         Self {
             blocks: Mutex::new(WorkerBlocks::new(max_blocks)),
             stats: FeedStats::default(),
+            has_adapters: Default::default(),
         }
     }
 
@@ -73,7 +76,8 @@ impl Feed {
         self.blocks.lock()
     }
 
-    fn apply(&self, payload: &[u8]) {
+    /// Applies one published batch (the message's payload frame).
+    pub(crate) fn apply(&self, payload: &[u8]) {
         match decode_batch(payload) {
             Ok(batch) => {
                 let s = &self.stats;
@@ -85,6 +89,9 @@ impl Feed {
                 let mut blocks = self.blocks();
                 for e in &batch.events {
                     blocks.apply(e);
+                }
+                if !blocks.adapters.is_empty() {
+                    self.has_adapters.store(true, Ordering::Relaxed);
                 }
             }
             Err(e) => {

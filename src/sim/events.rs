@@ -121,6 +121,7 @@ fn event(e: &KvEvent) -> Value {
             token_ids,
             block_size,
             lora_id,
+            lora_name,
             medium: m,
             group,
             block_keys: _,
@@ -138,7 +139,10 @@ fn event(e: &KvEvent) -> Value {
             field("block_size", Value::from(*block_size)),
             field("lora_id", lora_id.map_or(Value::Nil, Value::from)),
             field("medium", medium(m)),
-            field("lora_name", Value::Nil),
+            field(
+                "lora_name",
+                lora_name.as_deref().map_or(Value::Nil, Value::from),
+            ),
             // vLLM 0.32 lists each block's extra hash keys (LoRA, images, salt), `nil` for a
             // block of plain text; then the group, where there is one (fields left at their
             // default are left out, as msgspec's `omit_defaults` does).
@@ -186,6 +190,7 @@ mod tests {
                 token_ids: vec![1, 2, 3, 4],
                 block_size: 2,
                 lora_id: None,
+                lora_name: None,
                 medium: Some("GPU".into()),
                 group: crate::kv_events::CacheGroup::full_attention(),
                 block_keys: Vec::new(),

@@ -190,6 +190,7 @@ impl KvCache {
                                 token_ids: block.to_vec(),
                                 block_size: size as u32,
                                 lora_id: None,
+                                lora_name: None,
                                 medium: Some(crate::kv_events::decode::MEDIUM_GPU.into()),
                                 // One group, labelled as vLLM 0.32 labels a model's only one.
                                 group: crate::kv_events::CacheGroup::full_attention(),

@@ -99,6 +99,7 @@ pub(super) fn workers_storing(
                 token_ids: tokens.clone(),
                 block_size: 4,
                 lora_id: None,
+                lora_name: None,
                 medium: None,
                 group: Default::default(),
                 block_keys: Vec::new(),
