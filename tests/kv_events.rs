@@ -196,12 +196,14 @@ fn msgspec_encoded_batches_decode_in_every_layout() {
     }
 }
 
-/// A hybrid model's worker (Gemma 3's shape: full attention in group 0, a 1,024-token sliding
-/// window in group 1) publishes both groups' blocks under the same hashes, encoded by msgspec
-/// from vLLM 0.32's structs; what the worker holds is its full-attention group's, whatever the
-/// window's group stores or evicts.
+/// A hybrid model's worker in the shape vLLM 0.32 publishes Gemma 3's (seen from a CPU vLLM
+/// serving a two-layer Gemma 3): its sliding-window group (0, a window of 4 tokens here, so a
+/// hit needs the 2 blocks before it) stores only the last blocks of a prompt, before the
+/// full-attention group (1) stores them all, under the same hashes; encoded by msgspec from
+/// vLLM 0.32's structs. A prefix counts as far as vLLM would reuse it: to where the window's
+/// blocks are held too.
 #[test]
-fn a_hybrid_models_sliding_window_group_does_not_move_what_the_worker_holds() {
+fn a_hybrid_models_sliding_window_group_limits_the_prefix_as_vllm_does() {
     let (mut py, _) = Py::start(&["encode"]);
     let mut blocks = WorkerBlocks::new(100);
     let mut apply = |blocks: &mut WorkerBlocks, events: Value| {
@@ -213,27 +215,54 @@ fn a_hybrid_models_sliding_window_group_does_not_move_what_the_worker_holds() {
             blocks.apply(&e);
         }
     };
-    let window = |mut e: Value| {
-        e["group_idx"] = json!(1);
+    let in_group = |mut e: Value, idx: u64, kind: &str| {
+        e["group_idx"] = json!(idx);
         if e["type"] == "BlockStored" {
-            e["kind"] = json!("sliding_window");
-            e["sliding_window"] = json!(1024);
+            e["kind"] = json!(kind);
+            if kind == "sliding_window" {
+                e["sliding_window"] = json!(4);
+            }
         }
         e
     };
     let removed = |h: u64| json!({"type": "BlockRemoved", "block_hashes": [h]});
-    let both = stored(&[5, 6], None, &[1, 2, 3, 4]);
-    // The window's group happens to publish first; neither its store nor its order counts.
-    apply(&mut blocks, json!([window(both.clone()), both]));
+    let prompt = [1, 2, 3, 4, 5, 6];
+    apply(
+        &mut blocks,
+        json!([
+            in_group(stored(&[6, 7], None, &prompt), 0, "sliding_window"),
+            in_group(stored(&[5, 6, 7], None, &prompt), 1, "full_attention"),
+        ]),
+    );
     let a = chain(ROOT, &[1, 2]);
     let b = chain(a, &[3, 4]);
-    assert_eq!((blocks.prefix_depth(&[a, b]), blocks.other_groups), (2, 1));
-    // The window slides past block 5 and its group evicts it: full attention still holds it.
-    apply(&mut blocks, json!([window(removed(5))]));
-    assert_eq!((blocks.prefix_depth(&[a, b]), blocks.other_groups), (2, 2));
-    // Full attention evicts block 6: the first block is left.
-    apply(&mut blocks, json!([removed(6)]));
-    assert_eq!((blocks.prefix_depth(&[a, b]), blocks.len()), (1, 1));
+    let c = chain(b, &[5, 6]);
+    assert_eq!(blocks.prefix_depth(&[a, b, c]), 3, "the prompt itself");
+    let other = chain(b, &[9, 9]);
+    assert_eq!(
+        blocks.prefix_depth(&[a, b, other]),
+        0,
+        "its first two blocks under another ending: vLLM reuses none"
+    );
+    assert_eq!((blocks.len(), blocks.other_groups), (3, 0));
+    // A Mamba group's events are not modelled: counted and left out.
+    apply(
+        &mut blocks,
+        json!([in_group(stored(&[8], None, &[1, 2]), 2, "mamba")]),
+    );
+    assert_eq!(blocks.other_groups, 1);
+    // The window's group evicts the prompt's last block: nothing of it is reusable, though
+    // full attention holds every block.
+    apply(
+        &mut blocks,
+        json!([in_group(removed(7), 0, "sliding_window")]),
+    );
+    assert_eq!((blocks.prefix_depth(&[a, b, c]), blocks.len()), (0, 3));
+    apply(
+        &mut blocks,
+        json!([in_group(removed(7), 1, "full_attention")]),
+    );
+    assert_eq!(blocks.len(), 2);
 }
 
 /// A store's extra keys, as vLLM 0.32 publishes them, are in the block's hash as they are in

@@ -1132,6 +1132,110 @@ async fn real_vllm_kv_events_name_the_blocks_of_the_prompt_it_served() {
     stop.cancel();
 }
 
+/// A hybrid model (the pool's tiny Gemma 3: a 64-token sliding-window layer beside a
+/// full-attention one) keeps two KV cache groups, and vLLM reuses a prefix only where both hold
+/// it: a prompt again, or its continuation, but not a system prompt it shares with a prompt that
+/// ended elsewhere, although full attention holds those blocks. What the events say the worker
+/// would reuse must be what vLLM reports it reused (`cached_tokens`), request by request.
+#[tokio::test]
+#[ignore = "needs a real hybrid vLLM worker: tests/vllm/pool.sh --workers 1 --kv-events --model gemma3 -- cargo test --test real_vllm hybrid -- --ignored"]
+async fn real_vllm_hybrid_kv_events_predict_the_cached_tokens_it_reports() {
+    use kvroute::kv_events::{follow, Feed};
+    use std::sync::{atomic::Ordering, Arc};
+    let pool = Pool::from_env();
+    assert_eq!(
+        pool.model, "tiny-gemma3",
+        "run under tests/vllm/pool.sh --model gemma3"
+    );
+    let source = kv_event_source().expect("the pool publishes no KV events: --kv-events");
+    let _turn = SERIAL.lock().await;
+    pool.reset_caches().await;
+    let feed = Arc::new(Feed::new(1 << 20));
+    let stop = tokio_util::sync::CancellationToken::new();
+    tokio::spawn({
+        let (feed, stop) = (Arc::clone(&feed), stop.clone());
+        async move { follow(source, &feed, stop).await }
+    });
+    let worker = pool.addr(0);
+    // The prompt's token ids as vLLM counts them, and what it reports reusing of them.
+    let tokens_of = |prompt: &str| {
+        let body = json!({"model": pool.model, "prompt": prompt}).to_string();
+        async move { common::token_ids(&request(worker, "POST", "/tokenize", body.as_bytes()).await) }
+    };
+    let cached = |prompt: &str| {
+        let body = json!({"model": pool.model, "prompt": prompt, "max_tokens": 1}).to_string();
+        async move {
+            let r = request(worker, "POST", "/v1/completions", body.as_bytes()).await;
+            assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+            r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+                .as_u64()
+                .unwrap_or(0)
+        }
+    };
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    let mut k = 0;
+    while feed.stats.batches.load(Ordering::Relaxed) == 0 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "no KV events in 60 s"
+        );
+        cached(&words(5_000 + k, 100)).await;
+        k += 1;
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    const BLOCK: usize = 32;
+    let system = words(6_001, 300);
+    let ask = |seed: u64| format!("{system} {}", words(seed, 100));
+    let first = ask(6_002);
+    let first_tokens = tokens_of(&first).await;
+    cached(&first).await;
+    // Wait until the feed has the first prompt's blocks.
+    let chain = kvroute::tokenize::block_chain(&first_tokens, BLOCK);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    while feed.blocks().prefix_depth(&chain) < chain.len() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the feed reuses {} of the prompt's {} blocks ({:?})",
+            feed.blocks().prefix_depth(&chain),
+            chain.len(),
+            feed.stats
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // Another question under the same system prompt, the same prompt again, and its
+    // continuation: each predicted from the events before it is sent, then compared.
+    for (what, prompt) in [
+        ("another question", ask(6_003)),
+        ("the same prompt", first.clone()),
+        ("its continuation", format!("{first} {}", words(6_004, 60))),
+    ] {
+        let tokens = tokens_of(&prompt).await;
+        let chain = kvroute::tokenize::block_chain(&tokens, BLOCK);
+        let (reused, held) = {
+            let b = feed.blocks();
+            (b.prefix_depth(&chain), b.held_depth(&chain))
+        };
+        // vLLM computes at least the prompt's last token.
+        let predicted = (reused * BLOCK).min((tokens.len() - 1) / BLOCK * BLOCK) as u64;
+        let reported = cached(&prompt).await;
+        assert_eq!(
+            predicted, reported,
+            "{what}: predicted {predicted} cached tokens, vLLM reported {reported} \
+             (full attention holds {held} blocks)"
+        );
+        if what == "another question" {
+            assert!(
+                reported == 0 && held * BLOCK >= 256,
+                "{what}: full attention holds the system prompt ({held} blocks), vLLM reuses \
+                 none of it ({reported})"
+            );
+        }
+    }
+    assert_eq!(feed.blocks().other_groups, 0, "both groups are modelled");
+    assert_eq!(feed.stats.decode_errors.load(Ordering::Relaxed), 0);
+    stop.cancel();
+}
+
 #[tokio::test]
 #[ignore = "needs real vLLM workers: tests/vllm/pool.sh --kv-events -- cargo test --test real_vllm -- --ignored"]
 async fn tokenizing_like_the_worker_matches_vllms_tokenize_endpoint() {

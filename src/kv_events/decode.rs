@@ -29,12 +29,18 @@ pub const MEDIUM_GPU: &str = "GPU";
 pub const FULL_ATTENTION_KINDS: &[&str] =
     &["full_attention", "mla_attention", "sink_full_attention"];
 
+/// `kv_cache_spec_kind`s of a sliding window, whose last blocks before a hit point vLLM also
+/// needs cached to reuse a prefix up to there.
+pub const SLIDING_WINDOW_KINDS: &[&str] = &["sliding_window", "sliding_window_mla"];
+
 /// The KV cache group an event belongs to: vLLM's `group_idx` and, on stores, the group's
-/// `kv_cache_spec_kind`. Both absent in releases before hybrid models had groups.
+/// `kv_cache_spec_kind` and window (`kv_cache_spec_sliding_window`, in tokens). All absent in
+/// releases before hybrid models had groups.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct CacheGroup {
     pub idx: Option<i64>,
     pub kind: Option<String>,
+    pub sliding_window: Option<u32>,
 }
 
 impl CacheGroup {
@@ -43,7 +49,18 @@ impl CacheGroup {
         Self {
             idx: Some(0),
             kind: Some("full_attention".into()),
+            sliding_window: None,
         }
+    }
+
+    /// The window in tokens of a sliding-window group's store; `None` for other groups (or a
+    /// store that does not say its window).
+    pub fn window(&self) -> Option<u32> {
+        let kind = self.kind.as_deref()?;
+        SLIDING_WINDOW_KINDS
+            .contains(&kind)
+            .then_some(self.sliding_window?)
+            .filter(|&w| w > 0)
     }
 
     /// The group's index, with releases that did not send one counted as group 0 (they had one
@@ -207,6 +224,7 @@ const STORED: &[&str] = &[
     "extra_keys",
     "group_idx",
     "kv_cache_spec_kind",
+    "kv_cache_spec_sliding_window",
 ];
 const REMOVED: &[&str] = &["block_hashes", "medium", "group_idx"];
 
@@ -267,6 +285,10 @@ fn decode_event(value: &Value) -> Result<Option<KvEvent>> {
                     .get("kv_cache_spec_kind")
                     .and_then(Value::as_str)
                     .map(str::to_owned),
+                sliding_window: f
+                    .get("kv_cache_spec_sliding_window")
+                    .and_then(Value::as_u64)
+                    .and_then(|w| u32::try_from(w).ok()),
             },
         },
         "BlockRemoved" => KvEvent::BlockRemoved {
@@ -427,9 +449,11 @@ mod tests {
             *group,
             CacheGroup {
                 idx: Some(1),
-                kind: Some("sliding_window".into())
+                kind: Some("sliding_window".into()),
+                sliding_window: Some(1024),
             }
         );
+        assert_eq!(group.window(), Some(1024));
         assert!(!group.is_full_attention());
         assert!(matches!(
             events[1],
@@ -473,6 +497,7 @@ mod tests {
         let g = |idx: Option<i64>, kind: Option<&str>| CacheGroup {
             idx,
             kind: kind.map(str::to_owned),
+            sliding_window: None,
         };
         for kind in FULL_ATTENTION_KINDS {
             assert!(g(Some(2), Some(kind)).is_full_attention(), "{kind}");

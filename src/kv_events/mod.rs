@@ -11,12 +11,16 @@
 //! [`chain`]`(parent, tokens)` can be computed both from events and from a tokenized request;
 //! the engine hash → own hash map lets `BlockRemoved` (hashes only) be applied.
 //!
-//! A hybrid model's worker publishes each of its KV cache groups' blocks under the same hashes
-//! (a sliding-window group stores and evicts the blocks its full-attention group holds, on its
-//! own schedule), so one group is followed: the first full-attention group it stores blocks of
-//! ([`decode::CacheGroup::is_full_attention`]); the others' events are counted and left out. A
-//! prefix hit in vLLM also needs the sliding-window group's last blocks, which are not checked:
-//! where that group has evicted them, the hit is shorter than the events say.
+//! A hybrid model's worker publishes each of its KV cache groups' blocks under the same hashes,
+//! each group storing and evicting on its own schedule. The first full-attention group it stores
+//! blocks of ([`decode::CacheGroup::is_full_attention`]) gives the blocks held, keyed as above.
+//! A sliding-window group keeps only the blocks within its window of where each prompt ended, and
+//! vLLM reuses a prefix only up to a point where that group also holds the blocks its window
+//! reaches back over (`cdiv(window - 1, block_size)` of them), so a prefix that other prompts
+//! share but none ended at (a system prompt, under different questions) is not reused at all:
+//! its blocks are tracked too ([`WindowGroup`]), and [`WorkerBlocks::prefix_depth`] counts a
+//! prefix only up to such a point. Other groups' events (Mamba states, chunked local attention)
+//! are counted and left out, so on such models the depth may be more than vLLM reuses.
 //!
 //! A block's `extra_keys` (vLLM 0.32) and its LoRA adapter are part of its hash in vLLM, so they
 //! are in ours: a request's `cache_salt` keys its first block ([`salted_root`]), and an adapter
@@ -169,9 +173,18 @@ pub fn some_worker_holds_all(
     root: u64,
 ) -> bool {
     let mut chains = BlockChains::new(tokens, root);
-    workers
-        .iter()
-        .any(|w| chains.held_by(w).is_some_and(|h| h.blocks == h.of))
+    // Full attention's blocks, not what a sliding window lets the head's end reuse: a prompt
+    // that ended further on keeps its window there, and its blocks are reusable up to there.
+    workers.iter().any(|w| {
+        let Some(feed) = w.events.as_ref() else {
+            return false;
+        };
+        let blocks = feed.blocks();
+        blocks.block_size.is_some_and(|size| {
+            let chain = chains.chain(size);
+            blocks.held_depth(chain) == chain.len()
+        })
+    })
 }
 
 /// The blocks one worker holds, as its events said.
@@ -198,6 +211,22 @@ pub struct WorkerBlocks {
     pub other_groups: u64,
     /// LoRA adapters blocks were stored under (their served names), up to [`MAX_ADAPTERS`].
     pub adapters: std::collections::HashSet<String>,
+    /// A hybrid model's sliding-window groups.
+    windows: Vec<WindowGroup>,
+    /// Our chain hash → an engine hash of it, for the blocks held, kept while `windows` is not
+    /// empty (a window group's events name engine hashes; the chains are ours).
+    engine_of: HashMap<u64, u64>,
+}
+
+/// A sliding-window cache group of a hybrid model: the blocks it holds, and how many of them
+/// before a hit point vLLM needs for a hit there.
+#[derive(Debug)]
+struct WindowGroup {
+    idx: i64,
+    /// `cdiv(window - 1, block_size)`, as vLLM's sliding-window manager counts them.
+    reach: usize,
+    /// Engine hashes of the blocks it holds.
+    held: std::collections::HashSet<u64>,
 }
 
 impl WorkerBlocks {
@@ -212,6 +241,8 @@ impl WorkerBlocks {
             followed: None,
             other_groups: 0,
             adapters: Default::default(),
+            windows: Vec::new(),
+            engine_of: HashMap::new(),
         }
     }
 
@@ -229,9 +260,35 @@ impl WorkerBlocks {
         self.held.contains_key(&own)
     }
 
-    /// How many of `chain_hashes` (a request's blocks, in order) the worker holds from the first.
-    pub fn prefix_depth(&self, chain_hashes: &[u64]) -> usize {
+    /// How many of `chain_hashes` the worker's full-attention blocks hold from the first, whether
+    /// or not a sliding window lets vLLM reuse them (see [`Self::prefix_depth`]).
+    pub fn held_depth(&self, chain_hashes: &[u64]) -> usize {
         chain_hashes.iter().take_while(|h| self.holds(**h)).count()
+    }
+
+    /// How many of `chain_hashes` (a request's blocks, in order) the worker would reuse: those
+    /// it holds from the first, and of a hybrid model's, only up to the last point where each
+    /// sliding-window group holds the blocks its window reaches back over.
+    pub fn prefix_depth(&self, chain_hashes: &[u64]) -> usize {
+        let held = self.held_depth(chain_hashes);
+        if self.windows.is_empty() {
+            return held;
+        }
+        let in_window = |w: &WindowGroup, own: &u64| {
+            self.engine_of
+                .get(own)
+                .is_some_and(|engine| w.held.contains(engine))
+        };
+        (1..=held)
+            .rev()
+            .find(|&p| {
+                self.windows.iter().all(|w| {
+                    chain_hashes[p.saturating_sub(w.reach)..p]
+                        .iter()
+                        .all(|own| in_window(w, own))
+                })
+            })
+            .unwrap_or(0)
     }
 
     pub fn clear(&mut self) {
@@ -239,6 +296,53 @@ impl WorkerBlocks {
         self.held.clear();
         self.size_stale = true;
         self.followed = None;
+        self.windows.clear();
+        self.engine_of.clear();
+    }
+
+    /// Applies a sliding-window group's event, if `idx` is one (a store registers it); false
+    /// for another group's.
+    fn apply_to_window(&mut self, idx: i64, event: &KvEvent) -> bool {
+        if let KvEvent::BlockStored {
+            group, block_size, ..
+        } = event
+        {
+            if let Some(window) = group.window() {
+                if !self.windows.iter().any(|w| w.idx == idx) {
+                    if self.windows.is_empty() {
+                        // From now on the held blocks need their engine hashes.
+                        for (&engine, &own) in &self.by_engine {
+                            self.engine_of.entry(own).or_insert(engine);
+                        }
+                    }
+                    self.windows.push(WindowGroup {
+                        idx,
+                        reach: (window as usize - 1).div_ceil((*block_size).max(1) as usize),
+                        held: Default::default(),
+                    });
+                }
+            }
+        }
+        let max = self.max_blocks;
+        let Some(w) = self.windows.iter_mut().find(|w| w.idx == idx) else {
+            return false;
+        };
+        match event {
+            KvEvent::BlockStored { block_hashes, .. } => {
+                for &engine in block_hashes {
+                    if w.held.len() < max {
+                        w.held.insert(engine);
+                    }
+                }
+            }
+            KvEvent::BlockRemoved { block_hashes, .. } => {
+                for engine in block_hashes {
+                    w.held.remove(engine);
+                }
+            }
+            KvEvent::AllBlocksCleared => {}
+        }
+        true
     }
 
     /// Whether an event of cache group `idx` is the followed group's; a store of a
@@ -274,6 +378,11 @@ impl WorkerBlocks {
                 lora_name,
                 ..
             } => {
+                let idx = group.index();
+                let window = group.window().is_some() || self.windows.iter().any(|w| w.idx == idx);
+                if window && self.apply_to_window(idx, event) {
+                    return;
+                }
                 if !self.follows(group.index(), group.is_full_attention()) {
                     return;
                 }
@@ -319,6 +428,9 @@ impl WorkerBlocks {
                     }
                     self.by_engine.insert(engine, own);
                     *self.held.entry(own).or_default() += 1;
+                    if !self.windows.is_empty() {
+                        self.engine_of.entry(own).or_insert(engine);
+                    }
                 }
             }
             KvEvent::BlockRemoved {
@@ -326,7 +438,11 @@ impl WorkerBlocks {
                 group_idx,
                 ..
             } => {
-                if !self.follows(group_idx.unwrap_or(0), false) {
+                let idx = group_idx.unwrap_or(0);
+                if self.windows.iter().any(|w| w.idx == idx) && self.apply_to_window(idx, event) {
+                    return;
+                }
+                if !self.follows(idx, false) {
                     return;
                 }
                 for engine in block_hashes {
@@ -337,6 +453,7 @@ impl WorkerBlocks {
                         *n -= 1;
                         if *n == 0 {
                             self.held.remove(&own);
+                            self.engine_of.remove(&own);
                         }
                     }
                 }
@@ -377,6 +494,7 @@ mod tests {
             *group = CacheGroup {
                 idx: Some(idx),
                 kind: Some(kind.into()),
+                sliding_window: None,
             };
         }
         e
@@ -477,6 +595,105 @@ mod tests {
         ));
         assert!(w.holds(chain(ROOT, &[7, 7])));
         assert!(!w.holds(chain(ROOT, &[8, 8])));
+    }
+
+    /// Gemma 3's shape as vLLM 0.32 publishes it (seen from a CPU vLLM serving a two-layer
+    /// Gemma 3 with a 64-token window): the window group, 0 here, stores only the last blocks of
+    /// each prompt (its `token_ids` are the whole prompt's), before the full-attention group
+    /// stores them all. vLLM reuses a prefix only up to a point the window group also holds the
+    /// blocks before: the prompt itself and its continuations, not a prefix it shares with
+    /// another prompt that ended elsewhere (its system prompt, under another question).
+    #[test]
+    fn a_sliding_window_group_limits_the_prefix_to_where_its_window_is_held() {
+        let mut w = WorkerBlocks::new(100);
+        // Window 4 tokens, blocks of 2: a hit needs the cdiv(3, 2) = 2 blocks before it.
+        let mut window = in_group(
+            stored(&[2, 3], None, vec![1, 2, 3, 4, 5, 6]),
+            0,
+            "sliding_window",
+        );
+        if let KvEvent::BlockStored { group, .. } = &mut window {
+            group.sliding_window = Some(4);
+        }
+        w.apply(&window);
+        w.apply(&in_group(
+            stored(&[1, 2, 3], None, vec![1, 2, 3, 4, 5, 6]),
+            1,
+            "full_attention",
+        ));
+        let a = block_chain(&[1, 2, 3, 4, 5, 6, 7, 8]);
+        assert_eq!(w.prefix_depth(&a[..3]), 3, "the prompt itself");
+        assert_eq!(
+            w.prefix_depth(&a),
+            3,
+            "its continuation, up to where it ended"
+        );
+        let b = block_chain(&[1, 2, 3, 4, 9, 9]);
+        assert_eq!(w.len(), 3);
+        assert_eq!(
+            w.prefix_depth(&b),
+            0,
+            "its first two blocks under another ending"
+        );
+        // A prompt that ended at the shared part makes it reusable.
+        let mut ended = in_group(stored(&[1], None, vec![1, 2, 3, 4]), 0, "sliding_window");
+        if let KvEvent::BlockStored { group, .. } = &mut ended {
+            group.sliding_window = Some(4);
+        }
+        w.apply(&ended);
+        assert_eq!(w.prefix_depth(&b), 2);
+        // The window group evicts the prompt's last block: its full length is no longer reused.
+        w.apply(&removed(&[3], Some(0)));
+        assert_eq!(w.prefix_depth(&a[..3]), 2);
+        assert_eq!(w.len(), 3, "full attention still holds every block");
+        assert_eq!(w.other_groups, 0, "both groups modelled");
+        w.apply(&KvEvent::AllBlocksCleared);
+        w.apply(&stored(&[7], None, vec![1, 2]));
+        assert_eq!(w.prefix_depth(&a), 1, "a cleared worker is followed afresh");
+    }
+
+    /// Whether to tokenize past a head asks whether a worker may hold more than the head: on a
+    /// hybrid model, its full-attention blocks say so, even where the window group holds
+    /// nothing at the head's end (the prompt it served ended further on).
+    #[test]
+    fn a_hybrid_worker_holding_past_the_head_asks_for_more_of_the_prompt() {
+        let metrics = crate::metrics::Metrics::new();
+        let cfg = crate::config::WorkerConfig::from_url("http://127.0.0.1:13100");
+        let mut w = crate::workers::Worker::new(&cfg, &metrics).unwrap();
+        let feed = Feed::new(100);
+        let mut window = in_group(
+            stored(&[3], None, vec![1, 2, 3, 4, 5, 6]),
+            0,
+            "sliding_window",
+        );
+        if let KvEvent::BlockStored { group, .. } = &mut window {
+            group.sliding_window = Some(2);
+        }
+        let full = in_group(
+            stored(&[1, 2, 3], None, vec![1, 2, 3, 4, 5, 6]),
+            1,
+            "full_attention",
+        );
+        feed.apply(&crate::sim::events::encode(&[window, full]));
+        w.events = Some(std::sync::Arc::new(feed));
+        let ws = vec![std::sync::Arc::new(w)];
+        let head = [1, 2, 3, 4];
+        assert_eq!(
+            ws[0]
+                .events
+                .as_ref()
+                .unwrap()
+                .blocks()
+                .prefix_depth(&block_chain(&head)),
+            0,
+            "nothing reusable that ends at the head"
+        );
+        assert!(some_worker_holds_all(&ws, &head, ROOT));
+        assert!(!some_worker_holds_all(&ws, &[1, 2, 9, 9], ROOT));
+    }
+
+    fn block_chain(tokens: &[u32]) -> Vec<u64> {
+        crate::tokenize::block_chain(tokens, 2)
     }
 
     /// A hybrid model whose attention blocks are larger than its hashing blocks also stores

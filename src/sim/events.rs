@@ -159,6 +159,11 @@ fn event(e: &KvEvent) -> Value {
                 .as_deref()
                 .map(|k| field("kv_cache_spec_kind", Value::from(k))),
         )
+        .chain(
+            group
+                .sliding_window
+                .map(|w| field("kv_cache_spec_sliding_window", Value::from(w))),
+        )
         .collect(),
         KvEvent::BlockRemoved {
             block_hashes,

