@@ -1021,22 +1021,69 @@ fn kv_event_source() -> Option<kvroute::kv_events::EventSource> {
     })
 }
 
-#[tokio::test]
-#[ignore = "needs real vLLM workers: tests/vllm/pool.sh --kv-events -- cargo test --test real_vllm -- --ignored"]
-async fn real_vllm_kv_events_name_the_blocks_of_the_prompt_it_served() {
-    use kvroute::kv_events::{follow, Feed};
+/// A feed following the first worker's events, on caches just emptied, once it receives them:
+/// a SUB socket misses what is published before it has joined, so the worker is prompted until
+/// events arrive (60 s at most). Cancel the token to stop it.
+async fn feed_on_first_worker(
+    pool: &Pool,
+) -> (
+    std::sync::Arc<kvroute::kv_events::Feed>,
+    tokio_util::sync::CancellationToken,
+) {
     use std::sync::{atomic::Ordering, Arc};
-    let pool = Pool::from_env();
     let source = kv_event_source()
         .expect("the pool publishes no KV events: start it with tests/vllm/pool.sh --kv-events");
-    let _turn = SERIAL.lock().await;
     pool.reset_caches().await;
-    let feed = Arc::new(Feed::new(1 << 20));
+    let feed = Arc::new(kvroute::kv_events::Feed::new(1 << 20));
     let stop = tokio_util::sync::CancellationToken::new();
     tokio::spawn({
         let (feed, stop) = (Arc::clone(&feed), stop.clone());
-        async move { follow(source, &feed, stop).await }
+        async move { kvroute::kv_events::follow(source, &feed, stop).await }
     });
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    let mut k = 0;
+    while feed.stats.batches.load(Ordering::Relaxed) == 0 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "no KV events from vLLM in 60 s"
+        );
+        let body = json!({"model": pool.model, "prompt": words(7_000 + k, 100), "max_tokens": 1});
+        let r = request(
+            pool.addr(0),
+            "POST",
+            "/v1/completions",
+            body.to_string().as_bytes(),
+        )
+        .await;
+        assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+        k += 1;
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    (feed, stop)
+}
+
+/// Waits until `feed` counts every block of `chain` as the worker's to reuse (20 s at most).
+async fn until_reusable(feed: &kvroute::kv_events::Feed, chain: &[u64], what: &str) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    while feed.blocks().prefix_depth(chain) < chain.len() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{what}: the feed holds {} of its {} full blocks ({:?})",
+            feed.blocks().prefix_depth(chain),
+            chain.len(),
+            feed.stats
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test]
+#[ignore = "needs real vLLM workers: tests/vllm/pool.sh --kv-events -- cargo test --test real_vllm -- --ignored"]
+async fn real_vllm_kv_events_name_the_blocks_of_the_prompt_it_served() {
+    use std::sync::atomic::Ordering;
+    let pool = Pool::from_env();
+    let _turn = SERIAL.lock().await;
+    let (feed, stop) = feed_on_first_worker(&pool).await;
     let worker = pool.addr(0);
     let complete_salted = |prompt: String, salt: Option<&str>| {
         let mut body = json!({"model": pool.model, "prompt": prompt, "max_tokens": 1});
@@ -1055,18 +1102,6 @@ async fn real_vllm_kv_events_name_the_blocks_of_the_prompt_it_served() {
         }
     };
     let complete = |prompt: String| complete_salted(prompt, None);
-    // A SUB socket misses what is published before it has joined: prompt until events arrive.
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
-    let mut k = 0;
-    while feed.stats.batches.load(Ordering::Relaxed) == 0 {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "no KV events from vLLM in 60 s"
-        );
-        complete(words(7_000 + k, 100)).await;
-        k += 1;
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
     // The prompt whose blocks we look for, and its token ids as vLLM counts them.
     let prompt = words(8_123, 300);
     let t = request(
@@ -1085,17 +1120,7 @@ async fn real_vllm_kv_events_name_the_blocks_of_the_prompt_it_served() {
     assert_eq!(feed.blocks().prefix_depth(&chained), 0, "not served yet");
     let prompt_again = prompt.clone();
     complete(prompt).await;
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
-    while feed.blocks().prefix_depth(&chained) < chained.len() {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "the feed holds {} of the prompt's {} full blocks ({:?})",
-            feed.blocks().prefix_depth(&chained),
-            chained.len(),
-            feed.stats
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    until_reusable(&feed, &chained, "the prompt").await;
     assert_eq!(feed.stats.decode_errors.load(Ordering::Relaxed), 0);
     // The same prompt under a `cache_salt`: vLLM keys its first block by the salt, so it
     // stores the prompt again, and the feed holds it for that salt, not for another.
@@ -1104,17 +1129,7 @@ async fn real_vllm_kv_events_name_the_blocks_of_the_prompt_it_served() {
     };
     assert_eq!(feed.blocks().prefix_depth(&salted(b"tenant-a")), 0);
     complete_salted(prompt_again, Some("tenant-a")).await;
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
-    while feed.blocks().prefix_depth(&salted(b"tenant-a")) < chained.len() {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "the feed holds {} of the salted prompt's {} full blocks ({:?})",
-            feed.blocks().prefix_depth(&salted(b"tenant-a")),
-            chained.len(),
-            feed.stats
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    until_reusable(&feed, &salted(b"tenant-a"), "the salted prompt").await;
     assert_eq!(feed.blocks().prefix_depth(&salted(b"tenant-b")), 0);
     // Resetting the prefix cache empties the worker: the feed follows. vLLM publishes the
     // clearing with the next engine step's events, so another request makes it go out.
@@ -1140,22 +1155,14 @@ async fn real_vllm_kv_events_name_the_blocks_of_the_prompt_it_served() {
 #[tokio::test]
 #[ignore = "needs a real hybrid vLLM worker: tests/vllm/pool.sh --workers 1 --kv-events --model gemma3 -- cargo test --test real_vllm hybrid -- --ignored"]
 async fn real_vllm_hybrid_kv_events_predict_the_cached_tokens_it_reports() {
-    use kvroute::kv_events::{follow, Feed};
-    use std::sync::{atomic::Ordering, Arc};
+    use std::sync::atomic::Ordering;
     let pool = Pool::from_env();
     assert_eq!(
         pool.model, "tiny-gemma3",
         "run under tests/vllm/pool.sh --model gemma3"
     );
-    let source = kv_event_source().expect("the pool publishes no KV events: --kv-events");
     let _turn = SERIAL.lock().await;
-    pool.reset_caches().await;
-    let feed = Arc::new(Feed::new(1 << 20));
-    let stop = tokio_util::sync::CancellationToken::new();
-    tokio::spawn({
-        let (feed, stop) = (Arc::clone(&feed), stop.clone());
-        async move { follow(source, &feed, stop).await }
-    });
+    let (feed, stop) = feed_on_first_worker(&pool).await;
     let worker = pool.addr(0);
     // The prompt's token ids as vLLM counts them, and what it reports reusing of them.
     let tokens_of = |prompt: &str| {
@@ -1172,17 +1179,6 @@ async fn real_vllm_hybrid_kv_events_predict_the_cached_tokens_it_reports() {
                 .unwrap_or(0)
         }
     };
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
-    let mut k = 0;
-    while feed.stats.batches.load(Ordering::Relaxed) == 0 {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "no KV events in 60 s"
-        );
-        cached(&words(5_000 + k, 100)).await;
-        k += 1;
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
     const BLOCK: usize = 32;
     let system = words(6_001, 300);
     let ask = |seed: u64| format!("{system} {}", words(seed, 100));
@@ -1191,17 +1187,7 @@ async fn real_vllm_hybrid_kv_events_predict_the_cached_tokens_it_reports() {
     cached(&first).await;
     // Wait until the feed has the first prompt's blocks.
     let chain = kvroute::tokenize::block_chain(&first_tokens, BLOCK);
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
-    while feed.blocks().prefix_depth(&chain) < chain.len() {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "the feed reuses {} of the prompt's {} blocks ({:?})",
-            feed.blocks().prefix_depth(&chain),
-            chain.len(),
-            feed.stats
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    until_reusable(&feed, &chain, "the first prompt").await;
     // Another question under the same system prompt, the same prompt again, and its
     // continuation: each predicted from the events before it is sent, then compared.
     for (what, prompt) in [
