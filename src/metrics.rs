@@ -354,7 +354,7 @@ impl Metrics {
             ),
             kv_event_errors: counter(
                 "kvroute_kv_event_errors_total",
-                "KV event messages from a worker that could not be decoded.",
+                "KV event messages from a worker that could not be decoded, and events in them that could not be read (such an event is skipped, the rest of its message applied).",
                 &["worker"],
             ),
             kv_event_blocks: gauge(
@@ -473,7 +473,7 @@ impl Metrics {
         );
         up(
             self.kv_event_errors.with_label_values(&[worker]),
-            s.decode_errors.load(Relaxed),
+            s.decode_errors.load(Relaxed) + s.malformed_events.load(Relaxed),
         );
         let (held, other_groups) = {
             let blocks = feed.blocks();

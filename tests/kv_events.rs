@@ -333,6 +333,34 @@ fn extra_keys_decoded_from_msgspec_key_blocks_as_vllm_does() {
     assert_eq!(held(ROOT, &[9, 9, 9, 9]), 1, "up to the image");
 }
 
+/// vLLM 0.32's offloading tiers publish in the same step's batch as the GPU's, some of their
+/// stores placeholders (no tokens, block size 0, medium `CPU`): they are read and left out, and
+/// the GPU's blocks of that batch still count.
+#[test]
+fn an_offloading_tiers_placeholder_does_not_cost_the_batchs_gpu_blocks() {
+    let (mut py, _) = Py::start(&["encode"]);
+    let mut placeholder = stored(&[9], None, &[]);
+    placeholder["block_size"] = json!(0);
+    placeholder["medium"] = json!("CPU");
+    let answer = py.ask(json!({"encode": {"layout": "mixed", "events": [
+        stored(&[5], None, &[1, 2]),
+        placeholder,
+        stored(&[6], Some(5), &[3, 4]),
+    ]}}));
+    let batch = decode_batch(&unhex(answer["payload"].as_str().unwrap())).unwrap();
+    assert_eq!(
+        (batch.events.len(), batch.malformed, batch.unknown),
+        (3, 0, 0)
+    );
+    let mut blocks = WorkerBlocks::new(100);
+    for e in &batch.events {
+        blocks.apply(e);
+    }
+    let a = chain(ROOT, &[1, 2]);
+    assert_eq!(blocks.prefix_depth(&[a, chain(a, &[3, 4])]), 2);
+    assert_eq!(blocks.len(), 2);
+}
+
 fn unhex(hex: &str) -> Vec<u8> {
     (0..hex.len())
         .step_by(2)

@@ -122,6 +122,9 @@ pub struct EventBatch {
     pub data_parallel_rank: Option<i64>,
     /// Events of a type this decoder does not know, left out of `events`.
     pub unknown: usize,
+    /// Events of a known type that could not be read, left out of `events`: the rest of the
+    /// batch still applies (a step's batch carries every tier's and group's events).
+    pub malformed: usize,
 }
 
 #[derive(Debug, thiserror::Error, PartialEq)]
@@ -158,11 +161,16 @@ pub fn decode_batch(mut payload: &[u8]) -> Result<EventBatch> {
         events: Vec::with_capacity(list.len()),
         data_parallel_rank: rank.and_then(Value::as_i64),
         unknown: 0,
+        malformed: 0,
     };
     for event in list {
-        match decode_event(event)? {
-            Some(e) => batch.events.push(e),
-            None => batch.unknown += 1,
+        match decode_event(event) {
+            Ok(Some(e)) => batch.events.push(e),
+            Ok(None) => batch.unknown += 1,
+            Err(e) => {
+                tracing::debug!(error = %e, "KV event skipped");
+                batch.malformed += 1;
+            }
         }
     }
     Ok(batch)
@@ -270,7 +278,7 @@ fn decode_event(value: &Value) -> Result<Option<KvEvent>> {
                 .get("block_size")
                 .and_then(Value::as_u64)
                 .and_then(|b| u32::try_from(b).ok())
-                .filter(|&b| b > 0)
+                // 0 in the placeholder stores of vLLM's offloading tiers, which carry no tokens.
                 .ok_or(DecodeError::Shape("BlockStored without a block size"))?,
             lora_id: f.get("lora_id").and_then(Value::as_i64),
             lora_name: f
@@ -388,11 +396,25 @@ mod tests {
         assert!(decode_batch(b"").is_err());
         assert!(decode_batch(&[0xc1]).is_err());
         assert!(decode_batch(&encode(&Value::from(3))).is_err());
-        let bad_event = Value::Array(vec![
+        let not_a_list = Value::Array(vec![Value::F64(1.0), Value::from(3)]);
+        assert!(decode_batch(&encode(&not_a_list)).is_err());
+    }
+
+    /// One event that cannot be read is skipped and counted; the batch's others still apply,
+    /// since a step's batch carries every cache group's and tier's events together.
+    #[test]
+    fn a_malformed_event_is_skipped_and_the_rest_of_its_batch_kept() {
+        let batch = Value::Array(vec![
             Value::F64(1.0),
-            Value::Array(vec![Value::Array(vec![Value::from("BlockStored")])]),
+            Value::Array(vec![
+                Value::Array(vec![Value::from("BlockStored")]),
+                Value::from(7),
+                Value::Array(vec![Value::from("AllBlocksCleared")]),
+            ]),
         ]);
-        assert!(decode_batch(&encode(&bad_event)).is_err());
+        let b = decode_batch(&encode(&batch)).unwrap();
+        assert_eq!(b.events, vec![KvEvent::AllBlocksCleared]);
+        assert_eq!((b.malformed, b.unknown), (2, 0));
     }
 
     #[test]

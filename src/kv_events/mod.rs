@@ -391,6 +391,11 @@ impl WorkerBlocks {
                         self.adapters.insert(name.clone());
                     }
                 }
+                if *block_size == 0 {
+                    // Nothing to chain (offloading tiers' placeholders; not on the GPU anyway).
+                    self.skipped += block_hashes.len() as u64;
+                    return;
+                }
                 let mut parent = match parent_block_hash {
                     None => ROOT,
                     Some(p) => match self.by_engine.get(p) {

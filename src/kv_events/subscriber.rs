@@ -52,6 +52,8 @@ pub struct FeedStats {
     pub decode_errors: AtomicU64,
     /// Events of a type this gateway does not know.
     pub unknown_events: AtomicU64,
+    /// Events of a known type that could not be read (skipped; their batch applied).
+    pub malformed_events: AtomicU64,
 }
 
 /// What a feed knows about its worker.
@@ -86,6 +88,8 @@ impl Feed {
                     .fetch_add(batch.events.len() as u64, Ordering::Relaxed);
                 s.unknown_events
                     .fetch_add(batch.unknown as u64, Ordering::Relaxed);
+                s.malformed_events
+                    .fetch_add(batch.malformed as u64, Ordering::Relaxed);
                 let mut blocks = self.blocks();
                 for e in &batch.events {
                     blocks.apply(e);

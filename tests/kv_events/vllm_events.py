@@ -12,7 +12,8 @@ The map structs are declared as vLLM 0.32.0 declares them: stores name their KV 
 of the SPEC may give "group_idx" (default 0) and, for a store, "kind" (default
 "full_attention") and "sliding_window" (the window in tokens, for a sliding-window kind), as a hybrid model's worker publishes one group's blocks beside another's;
 a store may give "extra_keys" (one list or null per block, untagged as vLLM 0.32 publishes
-them: LoRA name, [image id, offset] pairs, cache salt) and "lora_name".
+them: LoRA name, [image id, offset] pairs, cache salt) and "lora_name"; any event "medium"
+(default "GPU": "CPU" for an offloading tier's).
 
 Commands, one JSON object per line on stdin; answers on stdout:
   {"encode": SPEC}                    -> {"payload": HEX}
@@ -143,7 +144,8 @@ def build(spec):
                 keys = e.get("extra_keys") or [None] * len(e["block_hashes"])
                 events.append(MapStored([as_bytes(h) for h in e["block_hashes"]],
                                         as_bytes(e.get("parent_block_hash")), e["token_ids"],
-                                        e["block_size"], None, "GPU", e.get("lora_name"),
+                                        e["block_size"], None, e.get("medium", "GPU"),
+                                        e.get("lora_name"),
                                         extra_keys=[None if k is None else tuple(
                                             tuple(x) if isinstance(x, list) else x for x in k)
                                             for k in keys],
@@ -151,8 +153,8 @@ def build(spec):
                                         kv_cache_spec_kind=e.get("kind", "full_attention"),
                                         kv_cache_spec_sliding_window=window))
             elif kind == "BlockRemoved":
-                events.append(MapRemoved([as_bytes(h) for h in e["block_hashes"]], "GPU",
-                                         group_idx=group))
+                events.append(MapRemoved([as_bytes(h) for h in e["block_hashes"]],
+                                         e.get("medium", "GPU"), group_idx=group))
             else:
                 events.append(MapCleared())
     ts = time.time()
