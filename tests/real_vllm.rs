@@ -1062,6 +1062,26 @@ async fn feed_on_first_worker(
     (feed, stop)
 }
 
+/// The prompt tokens `worker` reports it reused for a one-token completion of `prompt` by
+/// `model`, under `salt` if given.
+async fn cached_tokens(worker: SocketAddr, model: &str, prompt: &str, salt: Option<&str>) -> u64 {
+    let mut body = json!({"model": model, "prompt": prompt, "max_tokens": 1});
+    if let Some(s) = salt {
+        body["cache_salt"] = json!(s);
+    }
+    let r = request(
+        worker,
+        "POST",
+        "/v1/completions",
+        body.to_string().as_bytes(),
+    )
+    .await;
+    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+    r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap_or(0)
+}
+
 /// Waits until `feed` counts every block of `chain` as the worker's to reuse (20 s at most).
 async fn until_reusable(feed: &kvroute::kv_events::Feed, chain: &[u64], what: &str) {
     let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
@@ -1169,22 +1189,12 @@ async fn real_vllm_hybrid_kv_events_predict_the_cached_tokens_it_reports() {
         let body = json!({"model": pool.model, "prompt": prompt}).to_string();
         async move { common::token_ids(&request(worker, "POST", "/tokenize", body.as_bytes()).await) }
     };
-    let cached = |prompt: &str| {
-        let body = json!({"model": pool.model, "prompt": prompt, "max_tokens": 1}).to_string();
-        async move {
-            let r = request(worker, "POST", "/v1/completions", body.as_bytes()).await;
-            assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
-            r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
-                .as_u64()
-                .unwrap_or(0)
-        }
-    };
     const BLOCK: usize = 32;
     let system = words(6_001, 300);
     let ask = |seed: u64| format!("{system} {}", words(seed, 100));
     let first = ask(6_002);
     let first_tokens = tokens_of(&first).await;
-    cached(&first).await;
+    cached_tokens(worker, &pool.model, &first, None).await;
     // Wait until the feed has the first prompt's blocks.
     let chain = kvroute::tokenize::block_chain(&first_tokens, BLOCK);
     until_reusable(&feed, &chain, "the first prompt").await;
@@ -1203,7 +1213,7 @@ async fn real_vllm_hybrid_kv_events_predict_the_cached_tokens_it_reports() {
         };
         // vLLM computes at least the prompt's last token.
         let predicted = (reused * BLOCK).min((tokens.len() - 1) / BLOCK * BLOCK) as u64;
-        let reported = cached(&prompt).await;
+        let reported = cached_tokens(worker, &pool.model, &prompt, None).await;
         assert_eq!(
             predicted, reported,
             "{what}: predicted {predicted} cached tokens, vLLM reported {reported} \
@@ -1237,25 +1247,6 @@ async fn real_vllm_lora_adapter_blocks_are_held_for_the_adapter_only() {
     let _turn = SERIAL.lock().await;
     let (feed, stop) = feed_on_first_worker(&pool).await;
     let worker = pool.addr(0);
-    let cached = |model: &str, prompt: &str, salt: Option<&str>| {
-        let mut body = json!({"model": model, "prompt": prompt, "max_tokens": 1});
-        if let Some(s) = salt {
-            body["cache_salt"] = json!(s);
-        }
-        async move {
-            let r = request(
-                worker,
-                "POST",
-                "/v1/completions",
-                body.to_string().as_bytes(),
-            )
-            .await;
-            assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
-            r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
-                .as_u64()
-                .unwrap_or(0)
-        }
-    };
     const BLOCK: usize = 32;
     let prompt = words(8_301, 150);
     let body = json!({"model": pool.model, "prompt": prompt}).to_string();
@@ -1264,7 +1255,7 @@ async fn real_vllm_lora_adapter_blocks_are_held_for_the_adapter_only() {
     let adapter_plain = adapter_root(adapter.as_bytes(), ROOT);
     let adapter_salted = adapter_root(adapter.as_bytes(), salted_root(b"s1"));
     let chain = |root: u64| block_chain_from(root, &tokens, BLOCK);
-    assert_eq!(cached(&adapter, &prompt, None).await, 0);
+    assert_eq!(cached_tokens(worker, &adapter, &prompt, None).await, 0);
     until_reusable(&feed, &chain(adapter_plain), "the adapter's prompt").await;
     assert!(feed.blocks().adapters.contains(&adapter));
     // Each request predicted from the events before it is sent, then compared with vLLM.
@@ -1280,7 +1271,7 @@ async fn real_vllm_lora_adapter_blocks_are_held_for_the_adapter_only() {
         ),
     ] {
         let predicted = (feed.blocks().prefix_depth(&chain(root)) * BLOCK).min(reusable) as u64;
-        let reported = cached(model, &prompt, salt).await;
+        let reported = cached_tokens(worker, model, &prompt, salt).await;
         assert_eq!(
             predicted, reported,
             "{what}: predicted {predicted}, vLLM reported {reported}"
