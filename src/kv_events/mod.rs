@@ -279,16 +279,24 @@ impl WorkerBlocks {
                 .get(own)
                 .is_some_and(|engine| w.held.contains(engine))
         };
-        (1..=held)
-            .rev()
-            .find(|&p| {
-                self.windows.iter().all(|w| {
-                    chain_hashes[p.saturating_sub(w.reach)..p]
-                        .iter()
-                        .all(|own| in_window(w, own))
-                })
-            })
-            .unwrap_or(0)
+        // From the longest down: a point fails at the last block its window lacks, and every
+        // point past that block reaches back over it too, so the next to try ends there. Each
+        // block is looked at about once per group.
+        let mut p = held;
+        while p > 0 {
+            let missing = self.windows.iter().find_map(|w| {
+                let from = p.saturating_sub(w.reach);
+                chain_hashes[from..p]
+                    .iter()
+                    .rposition(|own| !in_window(w, own))
+                    .map(|i| from + i)
+            });
+            match missing {
+                None => return p,
+                Some(block) => p = block,
+            }
+        }
+        0
     }
 
     pub fn clear(&mut self) {
@@ -695,6 +703,39 @@ mod tests {
         );
         assert!(some_worker_holds_all(&ws, &head, ROOT));
         assert!(!some_worker_holds_all(&ws, &[1, 2, 9, 9], ROOT));
+    }
+
+    proptest::proptest! {
+        /// The depth a sliding window allows is the longest point up to which full attention
+        /// holds every block and the window the `reach` blocks before it, as a plain search over
+        /// every point finds it.
+        #[test]
+        fn the_window_limited_depth_is_the_longest_point_the_window_holds_before(
+            held in 0usize..24,
+            extra in 0usize..8,
+            window in 1u32..12,
+            in_window in proptest::collection::vec(proptest::bool::ANY, 32),
+        ) {
+            let n = held + extra;
+            let tokens: Vec<u32> = (0..2 * n as u32).collect();
+            let mut w = WorkerBlocks::new(1000);
+            let mut sw = in_group(stored(&[], None, vec![]), 0, "sliding_window");
+            if let KvEvent::BlockStored { group, block_hashes, token_ids, .. } = &mut sw {
+                group.sliding_window = Some(window);
+                *block_hashes = (0..held as u64).filter(|&i| in_window[i as usize]).map(|i| i + 1).collect();
+                *token_ids = tokens.clone();
+            }
+            w.apply(&sw);
+            let full: Vec<u64> = (1..=held as u64).collect();
+            w.apply(&in_group(stored(&full, None, tokens[..2 * held].to_vec()), 1, "full_attention"));
+            let chain = block_chain(&tokens);
+            let reach = (window as usize - 1).div_ceil(2);
+            let naive = (1..=held)
+                .rev()
+                .find(|&p| (p.saturating_sub(reach)..p).all(|b| in_window[b]))
+                .unwrap_or(0);
+            proptest::prop_assert_eq!(w.prefix_depth(&chain), naive);
+        }
     }
 
     fn block_chain(tokens: &[u32]) -> Vec<u64> {
