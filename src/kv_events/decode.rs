@@ -14,8 +14,8 @@
 //! A hybrid model (sliding-window or Mamba layers beside full attention: Gemma 3, GPT-OSS,
 //! Qwen3.5, ...) keeps one KV cache group per kind of layer, and vLLM publishes each group's
 //! blocks under the same block hashes, told apart by `group_idx`; stores also say the group's
-//! kind (`kv_cache_spec_kind`, from vLLM 0.32 on; removals carry only the index). Both are read,
-//! so that [`super::WorkerBlocks`] can follow one group.
+//! kind (`kv_cache_spec_kind`, and a sliding window's size, from vLLM 0.32 on; removals carry
+//! only the index). All are read, so that [`super::WorkerBlocks`] can tell the groups apart.
 
 use rmpv::Value;
 use xxhash_rust::xxh3::xxh3_64;
