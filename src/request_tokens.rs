@@ -18,6 +18,7 @@ use crate::{
     proxy::Upstreams,
     routing_key::{PromptField, RequestInfo},
     tokenize::{ModelTokenizer, Pending, TokenizeError, HEAD_BYTES},
+    workers::Worker,
 };
 
 /// Text to encode above which tokenizing moves to the blocking pool (about 0.3 ms of encoding
@@ -39,11 +40,13 @@ pub async fn attach(up: &Upstreams, info: &mut RequestInfo, body: &[u8], field: 
         None => None,
     };
     let Some(tokenizer) = tokenizer else { return };
+    let workers = up.pool.snapshot();
     // A request for a LoRA adapter the workers' events have shown chains from its root.
     info.token_root =
-        crate::kv_events::request_root(&up.pool.snapshot(), info.model.as_deref(), info.token_root);
+        crate::kv_events::request_root(&workers, info.model.as_deref(), info.token_root);
     let counted = &up.metrics.tokenized;
-    let how = match tokens_of(up, tokenizer, body, field, info.token_root).await {
+    let chain = (&workers[..], info.token_root);
+    let how = match tokens_of(up, tokenizer, body, field, chain).await {
         Some((tokens, after)) => {
             info.tokens = Some(tokens.into());
             info.tokens_after = u32::try_from(after).unwrap_or(u32::MAX);
@@ -64,7 +67,7 @@ async fn tokens_of(
     tokenizer: &Arc<ModelTokenizer>,
     body: &[u8],
     field: PromptField,
-    root: u64,
+    chain: (&[Arc<Worker>], u64),
 ) -> Option<(Vec<u32>, usize)> {
     // Only the field the tokenizer reads is built; the rest of the body is skipped.
     #[derive(serde::Deserialize)]
@@ -86,7 +89,7 @@ async fn tokens_of(
     };
     let tokens = match pending {
         Ok(p) if p.uncached_bytes() > 2 * HEAD_BYTES && tokenizer.encodes_heads() => {
-            head_or_whole(up, tokenizer, p, root).await
+            head_or_whole(up, tokenizer, p, chain).await
         }
         Ok(p) => whole(tokenizer, p).await.map(|t| (t, 0)),
         Err(e) => Err(e),
@@ -111,16 +114,15 @@ async fn head_or_whole(
     up: &Upstreams,
     tokenizer: &Arc<ModelTokenizer>,
     pending: Pending,
-    root: u64,
+    (workers, root): (&[Arc<Worker>], u64),
 ) -> Result<(Vec<u32>, usize), TokenizeError> {
-    let workers = up.pool.snapshot();
     let mut budget = HEAD_BYTES;
     while budget <= MAX_HEAD_BYTES {
         let head = tokenizer.head(&pending, budget)?;
         if head.rest_tokens == 0 {
             return Ok((head.ids, 0));
         }
-        if !crate::kv_events::some_worker_holds_all(&workers, &head.ids, root) {
+        if !crate::kv_events::some_worker_holds_all(workers, &head.ids, root) {
             if pending.fills_cache() && !fill_cache_later(tokenizer, pending) {
                 up.metrics.tokenize_fills_skipped.inc();
             }

@@ -45,7 +45,9 @@ pub struct RequestInfo {
     pub tokens_after: u32,
     /// Where the chain of `tokens`' blocks starts: [`crate::kv_events::ROOT`], or for a request
     /// with a `cache_salt`, [`crate::kv_events::salted_root`] of it (vLLM hashes the salt into
-    /// the first block, so a salted prompt shares blocks with the same salt only).
+    /// the first block, so a salted prompt shares blocks with the same salt only); moved on to
+    /// its adapter's root when tokenized for an adapter the events have shown
+    /// ([`crate::kv_events::request_root`]).
     pub token_root: u64,
 }
 

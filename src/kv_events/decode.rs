@@ -316,6 +316,9 @@ fn decode_event(value: &Value) -> Result<Option<KvEvent>> {
 fn block_keys(f: &Fields) -> Vec<Option<u64>> {
     let lora = f.get("lora_name").and_then(Value::as_str);
     let entries = f.get("extra_keys").and_then(Value::as_array);
+    if lora.is_none() && entries.is_none_or(|e| e.iter().all(Value::is_nil)) {
+        return Vec::new(); // plain text, the common store: nothing to key
+    }
     let starts = f.get("parent_block_hash").is_none();
     let blocks = f
         .get("block_hashes")
