@@ -444,8 +444,9 @@ impl StepClock {
 
 /// Reads vLLM's load gauges from a Prometheus text exposition, summing label sets, and what its
 /// KV cache holds ([`KvClock`]). `None` when none of the gauges is there (not a vLLM worker, or
-/// not yet serving).
-pub fn parse_vllm_metrics(text: &str) -> Option<Polled> {
+/// not yet serving). With `engine`, only that data-parallel engine's series (vLLM's `engine`
+/// label is the rank) and those of no engine count.
+pub fn parse_vllm_metrics(text: &str, engine: Option<u32>) -> Option<Polled> {
     let mut p = Polled::default();
     let mut seen = false;
     for line in text.lines() {
@@ -456,6 +457,12 @@ pub fn parse_vllm_metrics(text: &str) -> Option<Polled> {
             continue;
         };
         let name_end = rest.find(['{', ' ']).unwrap_or(rest.len());
+        if let Some(rank) = engine {
+            let other = label(rest, "engine").is_some_and(|e| e.parse::<u32>() != Ok(rank));
+            if other {
+                continue;
+            }
+        }
         let Some(value) = line
             .rsplit(' ')
             .next()
@@ -672,7 +679,8 @@ async fn poll(up: &Upstreams, w: &Worker, path: &str, timeout: Duration) -> Opti
             .collect()
             .await
             .ok()?;
-        parse_vllm_metrics(std::str::from_utf8(&body.to_bytes()).ok()?)
+        let rank = w.data_parallel_rank.as_ref().map(|r| r.0);
+        parse_vllm_metrics(std::str::from_utf8(&body.to_bytes()).ok()?, rank)
     };
     tokio::time::timeout(timeout, read).await.ok().flatten()
 }
@@ -692,7 +700,7 @@ mod tests {
             vllm:kv_cache_usage_perc{engine=\"0\",model_name=\"m\"} 0.25\n\
             vllm:num_requests_waiting_by_reason{reason=\"x\"} 9.0\n\
             vllm:prompt_tokens_total{engine=\"0\"} 1000.0\n";
-        let p = parse_vllm_metrics(text).unwrap();
+        let p = parse_vllm_metrics(text, None).unwrap();
         assert_eq!(
             p,
             Polled {
@@ -704,7 +712,38 @@ mod tests {
                 started: None,
             }
         );
-        assert_eq!(parse_vllm_metrics("other_metric 1\n"), None);
+        assert_eq!(parse_vllm_metrics("other_metric 1\n", None), None);
+    }
+
+    #[test]
+    fn one_data_parallel_rank_reads_its_own_engines_series_only() {
+        let text = "process_start_time_seconds 1700000000.5\n\
+            vllm:num_requests_running{engine=\"0\",model_name=\"m\"} 3.0\n\
+            vllm:num_requests_running{engine=\"1\",model_name=\"m\"} 2.0\n\
+            vllm:num_requests_waiting{engine=\"0\",model_name=\"m\"} 4.0\n\
+            vllm:num_requests_waiting{engine=\"1\",model_name=\"m\"} 1.0\n\
+            vllm:kv_cache_usage_perc{engine=\"1\",model_name=\"m\"} 0.5\n\
+            vllm:cache_config_info{block_size=\"16\",engine=\"0\",num_gpu_blocks=\"100\"} 1.0\n\
+            vllm:cache_config_info{block_size=\"16\",engine=\"1\",num_gpu_blocks=\"300\"} 1.0\n\
+            vllm:prompt_tokens_total{engine=\"0\"} 1000.0\n\
+            vllm:prompt_tokens_total{engine=\"1\"} 70.0\n";
+        let one = parse_vllm_metrics(text, Some(1)).unwrap();
+        assert_eq!(
+            one,
+            Polled {
+                running: 2.0,
+                waiting: 1.0,
+                kv_usage: 0.5,
+                kv_capacity: 300.0 * 16.0,
+                prompt_tokens: Some(70.0),
+                started: Some(1700000000.5),
+            }
+        );
+        let zero = parse_vllm_metrics(text, Some(0)).unwrap();
+        assert_eq!((zero.running, zero.waiting), (3.0, 4.0));
+        assert_eq!(zero.prompt_tokens, Some(1000.0));
+        // A rank the server does not have shows no gauges: not read as an idle worker.
+        assert_eq!(parse_vllm_metrics(text, Some(2)), None);
     }
 
     #[test]
@@ -713,13 +752,13 @@ mod tests {
             vllm:cache_config_info{block_size=\"16\",cache_dtype=\"auto\",enable_prefix_caching=\"True\",engine=\"0\",num_gpu_blocks=\"5400\"} 1.0\n\
             vllm:cache_config_info{block_size=\"16\",engine=\"1\",num_gpu_blocks=\"100\"} 1.0\n\
             vllm:cache_config_info{block_size=\"16\",engine=\"2\"} 1.0\n";
-        let p = parse_vllm_metrics(text).unwrap();
+        let p = parse_vllm_metrics(text, None).unwrap();
         assert_eq!(
             p.kv_capacity,
             5500.0 * 16.0,
             "an engine without its block count adds none"
         );
-        let p = parse_vllm_metrics("vllm:num_requests_running 1.0\n").unwrap();
+        let p = parse_vllm_metrics("vllm:num_requests_running 1.0\n", None).unwrap();
         assert_eq!(p.kv_capacity, 0.0);
     }
 
@@ -759,7 +798,7 @@ mod tests {
             vllm:prompt_tokens_total{engine=\"1\",model_name=\"m\"} 300.0\n\
             vllm:prompt_tokens_created{engine=\"0\",model_name=\"m\"} 1.7e9\n\
             process_start_time_seconds 1.76427538912e+09\n";
-        let p = parse_vllm_metrics(text).unwrap();
+        let p = parse_vllm_metrics(text, None).unwrap();
         assert_eq!(p.prompt_tokens, Some(1000.0));
         assert_eq!(p.started, Some(1_764_275_389.12));
         let polled = |prompt_tokens: Option<f64>, started: Option<f64>| Polled {

@@ -52,6 +52,9 @@ pub struct Worker {
     pub host_header: http::HeaderValue,
     /// The worker's name as the `x-kvroute-worker` response header, when it can be one.
     pub name_header: Option<http::HeaderValue>,
+    /// For one data-parallel rank of a server: the rank, which its requests name in
+    /// `X-data-parallel-rank` (made once) and whose engine's series its load is read from.
+    pub data_parallel_rank: Option<(u32, http::HeaderValue)>,
     /// Models served; empty means any.
     pub models: Vec<String>,
     inflight_gauge: prometheus::IntGauge,
@@ -141,6 +144,9 @@ impl Worker {
             authority,
             host_header,
             name_header: http::HeaderValue::from_str(&name).ok(),
+            data_parallel_rank: cfg
+                .data_parallel_rank
+                .map(|r| (r, http::HeaderValue::from(r))),
             models: cfg.models.clone(),
             id_hash: xxh3_64(name.as_bytes()),
             inflight_gauge: metrics.worker_inflight.with_label_values(&[&name]),
@@ -328,12 +334,15 @@ impl Pool {
         metrics: &Metrics,
     ) -> Result<(usize, usize), String> {
         let old = self.snapshot();
+        let cfgs = crate::config::expand_ranks(cfgs);
+        let cfgs = &cfgs[..];
         let mut next = Vec::with_capacity(cfgs.len());
         let mut added = 0;
         for c in cfgs {
             let name = worker_name(c);
             let kept = old.iter().find(|w| {
                 w.name == name
+                    && w.data_parallel_rank.as_ref().map(|r| r.0) == c.data_parallel_rank
                     && c.url
                         .parse::<http::Uri>()
                         .ok()

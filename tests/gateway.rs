@@ -190,6 +190,47 @@ async fn served_by(addr: std::net::SocketAddr, path: &str, v: serde_json::Value)
     r.header("x-kvroute-worker").unwrap().to_owned()
 }
 
+/// A server running vLLM's data parallelism behind one API server is routed to rank by rank:
+/// each rank a worker of its own, every request naming the rank the gateway chose in vLLM's
+/// `X-data-parallel-rank` (replacing one the client named), while a worker without ranks passes
+/// the client's header on untouched.
+#[tokio::test]
+async fn each_data_parallel_rank_is_a_worker_named_in_its_requests() {
+    let up = upstream("dp", &[]).await;
+    let mut config = config_for(&[&up], "round_robin");
+    config.workers[0].name = None;
+    config.workers[0].data_parallel_size = Some(2);
+    let gw = gateway(config).await;
+    let host = up.addr.to_string();
+    let client_says = [("x-data-parallel-rank", "7")];
+    let mut ranks: HashMap<String, usize> = HashMap::new();
+    for _ in 0..6 {
+        let req = body(json!({"prompt": "p"}));
+        let r = request_with(gw.addr, "POST", "/v1/completions", &client_says, &req).await;
+        assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+        let rank = r.json()["data_parallel_rank"]
+            .as_str()
+            .expect("the worker was told a rank")
+            .to_owned();
+        assert_eq!(
+            r.header("x-kvroute-worker"),
+            Some(format!("{host}/dp{rank}").as_str())
+        );
+        *ranks.entry(rank).or_default() += 1;
+    }
+    assert_eq!(ranks, HashMap::from([("0".into(), 3), ("1".into(), 3)]));
+    let m = metrics_text(gw.addr).await;
+    for rank in 0..2 {
+        let series = format!("kvroute_worker_healthy{{worker=\"{host}/dp{rank}\"}}");
+        assert_eq!(metric(&m, &series), Some(1.0), "{m}");
+    }
+
+    let plain = gateway(config_for(&[&up], "round_robin")).await;
+    let req = body(json!({"prompt": "p"}));
+    let r = request_with(plain.addr, "POST", "/v1/completions", &client_says, &req).await;
+    assert_eq!(r.json()["data_parallel_rank"], "7");
+}
+
 #[tokio::test]
 async fn round_robin_spreads_evenly() {
     let ups = [

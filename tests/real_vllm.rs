@@ -509,7 +509,7 @@ async fn real_vllms_metrics_give_its_kv_capacity_and_what_shows_a_restart() {
     let pool = Pool::from_env();
     let _turn = SERIAL.lock().await;
     let text = worker_metrics(pool.addr(0)).await;
-    let polled = kvroute::load::parse_vllm_metrics(&text).unwrap();
+    let polled = kvroute::load::parse_vllm_metrics(&text, None).unwrap();
     // vLLM needs room for at least one whole sequence of its max_model_len (4,096 here).
     assert!(polled.kv_capacity >= 4096.0, "{polled:?}");
     let info = text

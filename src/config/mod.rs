@@ -145,7 +145,20 @@ pub struct WorkerConfig {
     /// `kv_events.replay_port`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kv_events_replay: Option<String>,
+    /// The worker runs vLLM's `--data-parallel-size` this many engines behind one API server.
+    /// vLLM would place each request on an engine by load alone, so each rank is routed to as a
+    /// worker of its own ([`WorkerConfig::ranks`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub data_parallel_size: Option<u32>,
+    /// The one data-parallel rank of the server this entry routes to: its requests carry
+    /// `X-data-parallel-rank`, its load is read from that engine's series of `/metrics`, and its
+    /// KV events come from the endpoints' ports plus the rank, as vLLM offsets them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub data_parallel_rank: Option<u32>,
 }
+
+/// The most data-parallel ranks one worker entry may expand into.
+pub const MAX_DATA_PARALLEL_SIZE: u32 = 256;
 
 impl WorkerConfig {
     pub fn from_url(url: impl Into<String>) -> Self {
@@ -156,8 +169,38 @@ impl WorkerConfig {
             draining: false,
             kv_events: None,
             kv_events_replay: None,
+            data_parallel_size: None,
+            data_parallel_rank: None,
         }
     }
+
+    /// The workers this entry routes to: with `data_parallel_size` N, one entry per rank 0..N
+    /// (named `<name>/dp<rank>`, each with `data_parallel_rank` set); else itself.
+    pub fn ranks(&self) -> Vec<WorkerConfig> {
+        match self.data_parallel_size {
+            Some(n) if self.data_parallel_rank.is_none() => (0..n)
+                .map(|rank| WorkerConfig {
+                    name: self.name.as_ref().map(|n| format!("{n}/dp{rank}")),
+                    data_parallel_size: None,
+                    data_parallel_rank: Some(rank),
+                    ..self.clone()
+                })
+                .collect(),
+            _ => vec![self.clone()],
+        }
+    }
+}
+
+/// `cfgs` with every data-parallel entry expanded into its ranks ([`WorkerConfig::ranks`]);
+/// borrowed when none is.
+pub fn expand_ranks(cfgs: &[WorkerConfig]) -> std::borrow::Cow<'_, [WorkerConfig]> {
+    if cfgs
+        .iter()
+        .all(|c| c.data_parallel_size.is_none() || c.data_parallel_rank.is_some())
+    {
+        return std::borrow::Cow::Borrowed(cfgs);
+    }
+    std::borrow::Cow::Owned(cfgs.iter().flat_map(WorkerConfig::ranks).collect())
 }
 
 /// A served model's tokenizer, as the worker loads it.
@@ -197,8 +240,26 @@ impl KvEventsConfig {
             .kv_events_replay
             .clone()
             .or_else(|| at(self.replay_port?));
-        Some(crate::kv_events::EventSource { endpoint, replay })
+        // Each data-parallel rank publishes on the configured ports plus its rank.
+        let rank = worker.data_parallel_rank.unwrap_or(0);
+        Some(crate::kv_events::EventSource {
+            endpoint: offset_port(&endpoint, rank),
+            replay: replay.map(|r| offset_port(&r, rank)),
+        })
     }
+}
+
+/// `endpoint` (`tcp://host:port`) with its port moved up by `by`, as vLLM moves a
+/// data-parallel rank's publisher; unchanged when `by` is 0 or there is no numeric port.
+fn offset_port(endpoint: &str, by: u32) -> String {
+    let moved = (by > 0)
+        .then(|| {
+            let (base, port) = endpoint.rsplit_once(':')?;
+            let port = port.parse::<u32>().ok()?.checked_add(by)?;
+            Some(format!("{base}:{port}"))
+        })
+        .flatten();
+    moved.unwrap_or_else(|| endpoint.to_owned())
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -305,6 +366,23 @@ impl Config {
         }
         let mut names = std::collections::HashSet::new();
         for w in &self.workers {
+            match (w.data_parallel_size, w.data_parallel_rank) {
+                (Some(n), _) if n == 0 || n > MAX_DATA_PARALLEL_SIZE => {
+                    return bad(format!(
+                        "worker {:?}: data_parallel_size must be 1 to {MAX_DATA_PARALLEL_SIZE}",
+                        w.url
+                    ))
+                }
+                (Some(n), Some(r)) if r >= n => {
+                    return bad(format!(
+                        "worker {:?}: data_parallel_rank {r} is not below data_parallel_size {n}",
+                        w.url
+                    ))
+                }
+                _ => {}
+            }
+        }
+        for w in expand_ranks(&self.workers).iter() {
             let uri: http::Uri = match w.url.parse() {
                 Ok(u) => u,
                 Err(e) => return bad(format!("worker url {:?}: {e}", w.url)),
@@ -499,16 +577,22 @@ pub fn read_yaml<T: serde::de::DeserializeOwned>(path: &Path) -> Result<T, Confi
     })
 }
 
-/// The name a worker goes by: its configured name, else the URL's authority.
+/// The name a worker goes by: its configured name, else the URL's authority (with `/dp<rank>` for
+/// one data-parallel rank of a server).
 pub fn worker_name(w: &WorkerConfig) -> String {
     if let Some(n) = &w.name {
         return n.clone();
     }
-    w.url
+    let authority = w
+        .url
         .parse::<http::Uri>()
         .ok()
         .and_then(|u| u.authority().map(|a| a.to_string()))
-        .unwrap_or_else(|| w.url.clone())
+        .unwrap_or_else(|| w.url.clone());
+    match w.data_parallel_rank {
+        Some(rank) => format!("{authority}/dp{rank}"),
+        None => authority,
+    }
 }
 
 #[cfg(test)]
@@ -532,6 +616,67 @@ mod tests {
         );
         assert_eq!(c.body_limit_bytes, Config::default().body_limit_bytes);
         assert_eq!(worker_name(&c.workers[0]), "127.0.0.1:9000");
+    }
+
+    #[test]
+    fn a_data_parallel_worker_is_routed_to_rank_by_rank() {
+        let c = Config::from_yaml(
+            "workers:\n\
+             - {url: 'http://10.0.0.7:8000', data_parallel_size: 3}\n\
+             - {url: 'http://10.0.0.8:8000', name: big, data_parallel_size: 2, kv_events: 'tcp://10.0.0.8:5557'}\n\
+             - {url: 'http://10.0.0.9:8000'}\n\
+             kv_events: {port: 5557, replay_port: 5558}",
+        )
+        .unwrap();
+        let all = expand_ranks(&c.workers);
+        let names: Vec<String> = all.iter().map(worker_name).collect();
+        assert_eq!(
+            names,
+            [
+                "10.0.0.7:8000/dp0",
+                "10.0.0.7:8000/dp1",
+                "10.0.0.7:8000/dp2",
+                "big/dp0",
+                "big/dp1",
+                "10.0.0.9:8000"
+            ]
+        );
+        let ranks: Vec<Option<u32>> = all.iter().map(|w| w.data_parallel_rank).collect();
+        assert_eq!(ranks, [Some(0), Some(1), Some(2), Some(0), Some(1), None]);
+        // Each rank publishes on the configured ports plus its rank, as vLLM offsets them.
+        let source = |i: usize| c.kv_events.source_for(&all[i]).unwrap();
+        assert_eq!(source(0).endpoint, "tcp://10.0.0.7:5557");
+        assert_eq!(source(2).endpoint, "tcp://10.0.0.7:5559");
+        assert_eq!(source(2).replay.as_deref(), Some("tcp://10.0.0.7:5560"));
+        assert_eq!(source(4).endpoint, "tcp://10.0.0.8:5558");
+        assert_eq!(source(5).endpoint, "tcp://10.0.0.9:5557");
+        // Without data parallelism the list is the configured one, not a copy.
+        let plain = [WorkerConfig::from_url("http://a:1")];
+        assert!(matches!(
+            expand_ranks(&plain),
+            std::borrow::Cow::Borrowed(_)
+        ));
+    }
+
+    #[test]
+    fn data_parallel_sizes_and_ranks_are_checked() {
+        for (worker, says) in [
+            ("{url: 'http://a:1', data_parallel_size: 0}", "data_parallel_size must be"),
+            ("{url: 'http://a:1', data_parallel_size: 100000}", "data_parallel_size must be"),
+            (
+                "{url: 'http://a:1', data_parallel_size: 2, data_parallel_rank: 2}",
+                "is not below",
+            ),
+        ] {
+            let e = Config::from_yaml(&format!("workers: [{worker}]")).unwrap_err();
+            assert!(e.to_string().contains(says), "{worker}: {e}");
+        }
+        // Two entries for the same rank of one server are one worker twice.
+        let e = Config::from_yaml(
+            "workers: [{url: 'http://a:1', data_parallel_rank: 1}, {url: 'http://a:1', data_parallel_size: 2}]",
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("a:1/dp1"), "{e}");
     }
 
     #[test]

@@ -38,14 +38,16 @@ fn invalid(what: impl Into<String>) -> io::Error {
     io::Error::new(io::ErrorKind::InvalidData, what.into())
 }
 
-/// Writes `req`'s head (with `host` as its `Host`) and body. On failure, also says how many bytes
-/// had been written: none means the worker never saw any of the request.
+/// Writes `req`'s head (with `host` as its `Host`, and `rank` as its `X-data-parallel-rank` when
+/// given) and body. On failure, also says how many bytes had been written: none means the worker
+/// never saw any of the request.
 pub(super) async fn write_request(
     io: &mut TcpStream,
     req: &Outgoing<'_>,
     host: &HeaderValue,
+    rank: Option<&HeaderValue>,
 ) -> Result<(), (io::Error, usize)> {
-    let head = encode_head(req, host);
+    let head = encode_head(req, host, rank);
     let body = &req.body[..];
     let mut slices = [IoSlice::new(&head), IoSlice::new(body)];
     let mut bufs: &mut [IoSlice<'_>] = if body.is_empty() {
@@ -67,9 +69,17 @@ pub(super) async fn write_request(
     Ok(())
 }
 
+/// vLLM's header naming the data-parallel engine a request is for (its API server reads it).
+const DATA_PARALLEL_RANK: &str = "x-data-parallel-rank";
+
 /// The request line and headers: the client's end-to-end headers, then `Host`, the body's
-/// length (unless the method needs none and there is no body) and the gateway's key.
-pub(super) fn encode_head(req: &Outgoing<'_>, host: &HeaderValue) -> Vec<u8> {
+/// length (unless the method needs none and there is no body), the gateway's key, and the
+/// data-parallel rank the gateway chose (replacing any the client named).
+pub(super) fn encode_head(
+    req: &Outgoing<'_>,
+    host: &HeaderValue,
+    rank: Option<&HeaderValue>,
+) -> Vec<u8> {
     let parts = req.parts;
     let mut out = Vec::with_capacity(
         96 + parts
@@ -92,7 +102,8 @@ pub(super) fn encode_head(req: &Outgoing<'_>, host: &HeaderValue) -> Vec<u8> {
     for (name, value) in end_to_end(&parts.headers) {
         let replaced = *name == header::HOST
             || *name == header::CONTENT_LENGTH
-            || (*name == header::AUTHORIZATION && req.authorization.is_some());
+            || (*name == header::AUTHORIZATION && req.authorization.is_some())
+            || (rank.is_some() && name.as_str() == DATA_PARALLEL_RANK);
         if !replaced {
             field(&mut out, name.as_str().as_bytes(), value.as_bytes());
         }
@@ -110,6 +121,9 @@ pub(super) fn encode_head(req: &Outgoing<'_>, host: &HeaderValue) -> Vec<u8> {
     }
     if let Some(key) = req.authorization {
         field(&mut out, b"authorization", key.as_bytes());
+    }
+    if let Some(rank) = rank {
+        field(&mut out, DATA_PARALLEL_RANK.as_bytes(), rank.as_bytes());
     }
     out.extend_from_slice(b"\r\n");
     out

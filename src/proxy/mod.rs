@@ -571,7 +571,7 @@ mod tests {
             authorization: key.as_ref(),
         };
         let w = worker("http://127.0.0.1:8001");
-        String::from_utf8(http1::encode_head(&out, &w.host_header)).unwrap()
+        String::from_utf8(http1::encode_head(&out, &w.host_header, None)).unwrap()
     }
 
     #[test]
@@ -607,7 +607,7 @@ mod tests {
             authorization: None,
         };
         assert_eq!(
-            String::from_utf8(http1::encode_head(&out, &w.host_header)).unwrap(),
+            String::from_utf8(http1::encode_head(&out, &w.host_header, None)).unwrap(),
             "GET /v1/models HTTP/1.1\r\nhost: vllm-0.vllm\r\n\r\n"
         );
     }

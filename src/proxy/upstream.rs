@@ -195,7 +195,8 @@ impl Connections {
             };
             // Nothing of the answer can be there before the request is.
             let sent_at = Instant::now();
-            match http1::write_request(&mut io, req, &worker.host_header).await {
+            let rank = worker.data_parallel_rank.as_ref().map(|r| &r.1);
+            match http1::write_request(&mut io, req, &worker.host_header, rank).await {
                 Ok(()) => break (io, pooled, sent_at),
                 // Nothing written: the pooled connection had closed. Another one sends it.
                 Err((_, 0)) if pooled => continue,

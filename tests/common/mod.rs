@@ -137,6 +137,11 @@ async fn generate(State(s): State<UpState>, req: Request) -> Response {
         .get("authorization")
         .and_then(|v| v.to_str().ok())
         .map(str::to_owned);
+    let rank = req
+        .headers()
+        .get("x-data-parallel-rank")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_owned);
     let bytes = axum::body::to_bytes(req.into_body(), 1 << 24)
         .await
         .unwrap();
@@ -160,7 +165,7 @@ async fn generate(State(s): State<UpState>, req: Request) -> Response {
             [("x-upstream", s.name.clone())],
             Json(serde_json::json!({
                 "text": text, "path": path, "worker": s.name, "authorization": authorization,
-                "arrival": arrival
+                "arrival": arrival, "data_parallel_rank": rank
             })),
         )
             .into_response();
