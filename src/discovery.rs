@@ -73,13 +73,20 @@ impl Resolve for SystemResolver {
     }
 }
 
-/// The worker list for a set of resolved addresses: sorted, deduplicated, named `ip:port`.
-pub fn workers_from_addrs(mut addrs: Vec<SocketAddr>) -> Vec<WorkerConfig> {
+/// The worker list for a set of resolved addresses: sorted, deduplicated, named `ip:port`, each
+/// with `data_parallel_size` engines behind it when set.
+pub fn workers_from_addrs(
+    mut addrs: Vec<SocketAddr>,
+    data_parallel_size: Option<u32>,
+) -> Vec<WorkerConfig> {
     addrs.sort();
     addrs.dedup();
     addrs
         .into_iter()
-        .map(|a| WorkerConfig::from_url(format!("http://{a}")))
+        .map(|a| WorkerConfig {
+            data_parallel_size,
+            ..WorkerConfig::from_url(format!("http://{a}"))
+        })
         .collect()
 }
 
@@ -91,6 +98,7 @@ pub async fn run(up: Arc<Upstreams>, resolver: Arc<dyn Resolve>, cancel: Cancell
             host,
             port,
             interval_seconds,
+            data_parallel_size,
         } => {
             let mut tick = tokio::time::interval(Duration::from_secs_f64(interval_seconds));
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -100,7 +108,7 @@ pub async fn run(up: Arc<Upstreams>, resolver: Arc<dyn Resolve>, cancel: Cancell
                     _ = tick.tick() => {}
                 }
                 match resolver.resolve(&host, port).await {
-                    Ok(addrs) => apply(&up, "dns", &workers_from_addrs(addrs)),
+                    Ok(addrs) => apply(&up, "dns", &workers_from_addrs(addrs, data_parallel_size)),
                     Err(e) => {
                         // Keep the last known set: a resolver outage is not an empty pool.
                         tracing::warn!(%host, error = %e, "DNS discovery failed; keeping the current workers");
@@ -121,6 +129,7 @@ pub async fn run(up: Arc<Upstreams>, resolver: Arc<dyn Resolve>, cancel: Cancell
             ca_file,
             token_file,
             watch_timeout_seconds,
+            data_parallel_size,
         } => {
             let api = match KubeApi::new(api_url, &ca_file, token_file) {
                 Ok(api) => api,
@@ -139,6 +148,7 @@ pub async fn run(up: Arc<Upstreams>, resolver: Arc<dyn Resolve>, cancel: Cancell
                 service,
                 port_name,
                 port,
+                data_parallel_size,
             };
             let timeout = Duration::from_secs_f64(watch_timeout_seconds);
             kubernetes(&up, &api, &target, &cancel, timeout).await;
@@ -251,6 +261,8 @@ pub struct SliceTarget {
     pub service: String,
     pub port_name: Option<String>,
     pub port: Option<u16>,
+    /// The data-parallel engines behind each endpoint's API server, if any.
+    pub data_parallel_size: Option<u32>,
 }
 
 impl SliceTarget {
@@ -310,8 +322,11 @@ impl SliceTarget {
 /// Slice name → its usable endpoints.
 type Slices = BTreeMap<String, Vec<SocketAddr>>;
 
-fn workers_of(slices: &Slices) -> Vec<WorkerConfig> {
-    workers_from_addrs(slices.values().flatten().copied().collect())
+fn workers_of(slices: &Slices, target: &SliceTarget) -> Vec<WorkerConfig> {
+    workers_from_addrs(
+        slices.values().flatten().copied().collect(),
+        target.data_parallel_size,
+    )
 }
 
 /// Exponential backoff between failed API calls: 100 ms doubling to 10 s, reset by success.
@@ -373,7 +388,7 @@ async fn kubernetes(
                 };
                 match r {
                     Ok(x) => {
-                        apply(up, "kubernetes", &workers_of(&x.0));
+                        apply(up, "kubernetes", &workers_of(&x.0, target));
                         listed.insert(x)
                     }
                     Err(e) => {
@@ -532,7 +547,7 @@ async fn follow(
                 "BOOKMARK" => continue,
                 other => return Err(WatchEnd::Failed(format!("unknown watch event {other:?}"))),
             }
-            apply(up, "kubernetes", &workers_of(slices));
+            apply(up, "kubernetes", &workers_of(slices, t));
         }
     }
     Ok(())

@@ -62,6 +62,7 @@ async fn dns_discovery_follows_the_answers_and_survives_a_resolver_outage() {
         host: "vllm.test".into(),
         port: 8000,
         interval_seconds: 1.0,
+        data_parallel_size: None,
     });
     let state = AppState::new(cfg).unwrap();
     let up = state.upstreams.clone();
@@ -376,6 +377,7 @@ fn kube_config(api_url: String, ca_file: String, token_file: String) -> Config {
         ca_file,
         token_file,
         watch_timeout_seconds: 290.0,
+        data_parallel_size: None,
     })
 }
 
@@ -419,6 +421,50 @@ async fn kubernetes_discovery_uses_ready_endpoints_and_resumes_watches() {
     let api = Arc::new(FakeApi::default());
     let cfg = plain_config(&api).await;
     scenario(api, cfg).await;
+}
+
+/// Pods that each run vLLM's data parallelism behind one API server: every rank of every ready
+/// endpoint becomes a worker, with the rank that its requests will name and a pod's ranks gone
+/// with the pod.
+#[tokio::test]
+async fn kubernetes_discovery_routes_to_each_data_parallel_rank_of_each_pod() {
+    let api = Arc::new(FakeApi::default());
+    api.put(slice(
+        "vllm-a",
+        &[
+            ("127.0.0.51", Some(true), false),
+            ("127.0.0.52", Some(true), false),
+        ],
+    ));
+    let mut cfg = plain_config(&api).await;
+    if let DiscoveryConfig::Kubernetes {
+        data_parallel_size, ..
+    } = &mut cfg.discovery
+    {
+        *data_parallel_size = Some(2);
+    }
+    let (up, cancel) = start(cfg);
+    eventually("both pods' ranks", || names(&up).len() == 4).await;
+    assert_eq!(
+        names(&up),
+        [
+            "127.0.0.51:8000/dp0",
+            "127.0.0.51:8000/dp1",
+            "127.0.0.52:8000/dp0",
+            "127.0.0.52:8000/dp1"
+        ]
+    );
+    let ranks: Vec<Option<u32>> = up
+        .pool
+        .snapshot()
+        .iter()
+        .map(|w| w.data_parallel_rank.as_ref().map(|r| r.0))
+        .collect();
+    assert_eq!(ranks, [Some(0), Some(1), Some(0), Some(1)]);
+    api.put(slice("vllm-a", &[("127.0.0.52", Some(true), false)]));
+    eventually("the first pod's ranks gone", || names(&up).len() == 2).await;
+    assert_eq!(names(&up), ["127.0.0.52:8000/dp0", "127.0.0.52:8000/dp1"]);
+    cancel.cancel();
 }
 
 #[tokio::test]

@@ -532,6 +532,14 @@ impl Config {
 impl DiscoveryConfig {
     /// What each way of finding workers needs.
     fn validate(&self) -> Result<(), String> {
+        if self
+            .data_parallel_size()
+            .is_some_and(|n| n == 0 || n > MAX_DATA_PARALLEL_SIZE)
+        {
+            return Err(format!(
+                "discovery.data_parallel_size must be 1 to {MAX_DATA_PARALLEL_SIZE}"
+            ));
+        }
         match self {
             DiscoveryConfig::Static => {}
             DiscoveryConfig::Dns {
@@ -661,8 +669,14 @@ mod tests {
     #[test]
     fn data_parallel_sizes_and_ranks_are_checked() {
         for (worker, says) in [
-            ("{url: 'http://a:1', data_parallel_size: 0}", "data_parallel_size must be"),
-            ("{url: 'http://a:1', data_parallel_size: 100000}", "data_parallel_size must be"),
+            (
+                "{url: 'http://a:1', data_parallel_size: 0}",
+                "data_parallel_size must be",
+            ),
+            (
+                "{url: 'http://a:1', data_parallel_size: 100000}",
+                "data_parallel_size must be",
+            ),
             (
                 "{url: 'http://a:1', data_parallel_size: 2, data_parallel_rank: 2}",
                 "is not below",

@@ -129,7 +129,9 @@ impl Default for LoadSignalsConfig {
 /// Worker discovery. `static` uses `workers`; `dns` re-resolves `host` (e.g. a headless Service)
 /// every `interval_seconds` and uses every address on `port`; `kubernetes` watches the
 /// EndpointSlices of `service` in `namespace` and uses the Ready, non-terminating endpoints on
-/// `port_name` (or `port`).
+/// `port_name` (or `port`). With `data_parallel_size`, every worker found runs that many vLLM
+/// data-parallel engines behind its API server and is routed to rank by rank (as a worker entry's
+/// `data_parallel_size`).
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
 pub enum DiscoveryConfig {
@@ -140,6 +142,8 @@ pub enum DiscoveryConfig {
         port: u16,
         #[serde(default = "default_interval")]
         interval_seconds: f64,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        data_parallel_size: Option<u32>,
     },
     Kubernetes {
         #[serde(default = "default_namespace")]
@@ -165,7 +169,24 @@ pub enum DiscoveryConfig {
         /// (a quarter of it, at most 15 s) counts as a half-dead connection and is resumed too.
         #[serde(default = "default_watch_timeout")]
         watch_timeout_seconds: f64,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        data_parallel_size: Option<u32>,
     },
+}
+
+impl DiscoveryConfig {
+    /// The data-parallel engines behind each discovered worker's API server, if set.
+    pub fn data_parallel_size(&self) -> Option<u32> {
+        match self {
+            DiscoveryConfig::Static => None,
+            DiscoveryConfig::Dns {
+                data_parallel_size, ..
+            }
+            | DiscoveryConfig::Kubernetes {
+                data_parallel_size, ..
+            } => *data_parallel_size,
+        }
+    }
 }
 
 fn default_interval() -> f64 {
