@@ -114,7 +114,7 @@ impl Worker {
         cfg: &WorkerConfig,
         metrics: &Metrics,
         freed: Arc<SlotFreed>,
-        events: Option<crate::kv_events::EventSource>,
+        events: Option<crate::kv_events::EventsFrom>,
     ) -> Result<Self, String> {
         let uri: http::Uri = cfg.url.parse().map_err(|e| format!("{}: {e}", cfg.url))?;
         let name = worker_name(cfg);
@@ -125,12 +125,25 @@ impl Worker {
         let host_header = host_header(&uri).ok_or_else(|| format!("{}: bad host", cfg.url))?;
         metrics.worker_born(&name);
         let (events, follow) = match (events, tokio::runtime::Handle::try_current()) {
-            (Some(source), Ok(rt)) => {
+            (Some(from), Ok(rt)) => {
+                use crate::kv_events::{discover::discover, follow, EventsFrom};
                 let feed = Arc::new(crate::kv_events::Feed::new(EVENT_BLOCKS_PER_WORKER));
                 let stop = tokio_util::sync::CancellationToken::new();
                 rt.spawn({
-                    let (feed, stop) = (Arc::clone(&feed), stop.clone());
-                    async move { crate::kv_events::follow(source, &feed, stop).await }
+                    let (feed, stop, authority) =
+                        (Arc::clone(&feed), stop.clone(), authority.clone());
+                    async move {
+                        let source = match from {
+                            EventsFrom::At(source) => source,
+                            EventsFrom::Ask { rank } => {
+                                match discover(&authority, rank, &stop).await {
+                                    Some(source) => source,
+                                    None => return,
+                                }
+                            }
+                        };
+                        follow(source, &feed, stop).await
+                    }
                 });
                 (Some(feed), Some(stop.drop_guard()))
             }
@@ -357,7 +370,7 @@ impl Pool {
                 }
                 None => {
                     added += 1;
-                    let events = self.kv_events.source_for(c);
+                    let events = self.kv_events.events_for(c);
                     Arc::new(Worker::in_pool(
                         c,
                         metrics,

@@ -861,3 +861,83 @@ async fn a_simulated_worker_with_a_models_tokenizer_is_routed_to_by_its_events()
     assert_eq!(head["outcome"], "exact_match", "{head}");
     cancel.cancel();
 }
+
+/// A gateway given no event endpoints but told to discover them asks each worker at vLLM's
+/// `GET /kv_event_sources` (which the simulated worker serves as vLLM 0.32 does: the bound
+/// publisher's host a wildcard) and follows what it lists at the worker's own host; a worker that
+/// lists nothing (`{}`) is asked again later, and has no events meanwhile.
+#[tokio::test]
+async fn a_gateway_finds_each_workers_event_endpoints_by_asking_it() {
+    use common::{gateway, metric, metrics_text, request};
+    let publishing = kvroute::sim::SimConfig {
+        workers: 1,
+        port: 0,
+        time_scale: 50.0,
+        kv_events: true,
+        ..Default::default()
+    };
+    let silent = kvroute::sim::SimConfig {
+        kv_events: false,
+        ..publishing.clone()
+    };
+    let (with, cancel, _tasks) = start_sims(&publishing).await;
+    let (without, cancel_too, _more) = start_sims(&silent).await;
+    let listing = request(with[0].addr, "GET", "/kv_event_sources", b"")
+        .await
+        .json();
+    let port = |e: &str| e.rsplit_once(':').unwrap().1.to_owned();
+    let source = with[0].kv_events.clone().unwrap();
+    assert_eq!(
+        listing["0"]["endpoint"],
+        format!("tcp://*:{}", port(&source.endpoint))
+    );
+    assert_eq!(listing["0"]["publisher"], "zmq");
+    let nothing = request(without[0].addr, "GET", "/kv_event_sources", b"").await;
+    assert_eq!(nothing.json(), json!({}));
+
+    let mut config = kvroute::config::Config {
+        workers: [("w0", with[0].addr), ("w1", without[0].addr)]
+            .into_iter()
+            .map(|(name, addr)| kvroute::config::WorkerConfig {
+                name: Some(name.into()),
+                ..kvroute::config::WorkerConfig::from_url(format!("http://{addr}"))
+            })
+            .collect(),
+        ..kvroute::config::Config::default()
+    }
+    .with_overrides(kvroute::config::Overrides {
+        policy: Some("cache_aware".into()),
+        ..Default::default()
+    })
+    .unwrap();
+    config.kv_events.discover = true;
+    config.load_signals.interval_seconds = 0.0;
+    let gw = gateway(config).await;
+    let series = |m: &str, name: &str, w: &str| metric(m, &format!("{name}{{worker=\"{w}\"}}"));
+    // The feed joins late (ZMQ): prompt the worker directly until its blocks are counted.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    for k in 0.. {
+        let m = metrics_text(gw.addr).await;
+        if series(&m, "kvroute_kv_event_blocks", "w0").unwrap_or(0.0) > 0.0 {
+            let none = series(&m, "kvroute_kv_event_batches_total", "w1").unwrap_or(0.0);
+            assert_eq!(none, 0.0, "{m}");
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the discovered feed never joined: {m}"
+        );
+        let body = json!({"prompt": format!("discover {k} ").repeat(40), "max_tokens": 1});
+        let r = request(
+            with[0].addr,
+            "POST",
+            "/v1/completions",
+            body.to_string().as_bytes(),
+        )
+        .await;
+        assert_eq!(r.status, 200);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    cancel.cancel();
+    cancel_too.cancel();
+}

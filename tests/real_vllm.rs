@@ -1492,7 +1492,8 @@ async fn cache_aware_routes_on_real_vllm_kv_events_to_a_prefix_it_never_routed()
 
 /// One vLLM server running two data-parallel engines behind its API server (`pool.sh
 /// --data-parallel 2`), listed once with `data_parallel_size: 2`: each rank is a worker of the
-/// gateway's, followed on its own event ports (vLLM's plus the rank). A long prefix served by
+/// gateway's, followed on its own event ports (given: vLLM's plus the rank; or discovered: asked
+/// of the server at `/kv_event_sources`, in a second gateway). A long prefix served by
 /// one rank behind the gateway's back is routed to that rank, by the `X-data-parallel-rank` the
 /// gateway sends, and vLLM reports reusing it there; the other rank, which holds its own cache,
 /// reuses none of it. Each rank's load is read from its own engine's series.
@@ -1522,104 +1523,117 @@ async fn real_vllm_data_parallel_ranks_are_routed_to_where_their_events_place_a_
             "rank {rank}'s engine has its own series: {text}"
         );
     }
-    let mut config = Config {
-        workers: vec![WorkerConfig {
-            kv_events: Some(source.endpoint.clone()),
-            kv_events_replay: source.replay.clone(),
-            data_parallel_size: Some(ranks),
-            ..WorkerConfig::from_url(pool.urls[0].clone())
-        }],
-        tokenizers: vec![kvroute::config::TokenizerConfig {
-            model: pool.model.clone(),
-            tokenizer_json: tokenizer_json.into(),
-            tokenizer_config: None,
-        }],
-        ..Config::default()
-    }
-    .with_overrides(Overrides {
-        policy: Some("cache_aware".into()),
-        ..Default::default()
-    })
-    .unwrap();
-    config.load_signals.interval_seconds = 0.0;
-    let gw = gateway(config).await;
-    let host = pool.urls[0].trim_start_matches("http://").to_owned();
-    let name = |rank: u32| format!("{host}/dp{rank}");
-    // A one-token completion of `prompt`, through `addr`, on `rank` when given.
-    let complete = |addr: SocketAddr, prompt: String, rank: Option<u32>| {
-        let body = json!({"model": pool.model, "prompt": prompt, "max_tokens": 1}).to_string();
-        async move {
-            let rank = rank.map(|r| r.to_string());
-            let headers: Vec<(&str, &str)> = rank
-                .iter()
-                .map(|r| ("x-data-parallel-rank", r.as_str()))
-                .collect();
-            let r =
-                common::request_with(addr, "POST", "/v1/completions", &headers, body.as_bytes())
-                    .await;
-            assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
-            r
+    // Once with the event endpoints given (rank 0's; the gateway adds each rank to their ports),
+    // once with the gateway asking the server for each rank's (`/kv_event_sources`).
+    for (mode, seeds) in [
+        ("given", [41_001, 41_002]),
+        ("discovered", [42_001, 42_002]),
+    ] {
+        let given = mode == "given";
+        let mut config = Config {
+            workers: vec![WorkerConfig {
+                kv_events: given.then(|| source.endpoint.clone()),
+                kv_events_replay: if given { source.replay.clone() } else { None },
+                data_parallel_size: Some(ranks),
+                ..WorkerConfig::from_url(pool.urls[0].clone())
+            }],
+            tokenizers: vec![kvroute::config::TokenizerConfig {
+                model: pool.model.clone(),
+                tokenizer_json: tokenizer_json.clone().into(),
+                tokenizer_config: None,
+            }],
+            ..Config::default()
         }
-    };
-    let cached = |r: &common::RawResponse| {
-        r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
-            .as_u64()
-            .unwrap_or(0)
-    };
-    let series = |m: &str, metric: &str, rank: u32| {
-        let labels = format!("{metric}{{worker=\"{}\"}}", name(rank));
-        common::metric(m, &labels).unwrap_or(0.0)
-    };
-    // The gateway's feeds join late (ZMQ): prompt each rank directly until each has a batch.
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
-    let mut k = 0;
-    loop {
-        let m = metrics_text(gw.addr).await;
-        if (0..ranks).all(|r| series(&m, "kvroute_kv_event_batches_total", r) > 0.0) {
-            break;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "the ranks' feeds never joined: {m}"
-        );
-        for rank in 0..ranks {
-            complete(worker, words(40_000 + k, 80), Some(rank)).await;
-        }
-        k += 1;
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
-    // Rank 1 first: vLLM's own balancer would send a request to an idle server's rank 0.
-    for (rank, seed) in [(1, 41_001), (0, 41_002)] {
-        let prefix = words(seed, 600);
-        complete(worker, format!("{prefix} first"), Some(rank)).await;
-        // Until the rank's events have told the gateway of the prefix: asked where the next
-        // request would go (without sending it), it names that rank and the prefix's blocks.
-        let next =
-            json!({"model": pool.model, "prompt": format!("{prefix} second"), "max_tokens": 1});
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+        .with_overrides(Overrides {
+            policy: Some("cache_aware".into()),
+            ..Default::default()
+        })
+        .unwrap();
+        config.kv_events.discover = !given;
+        config.load_signals.interval_seconds = 0.0;
+        let gw = gateway(config).await;
+        let host = pool.urls[0].trim_start_matches("http://").to_owned();
+        let name = |rank: u32| format!("{host}/dp{rank}");
+        // A one-token completion of `prompt`, through `addr`, on `rank` when given.
+        let complete = |addr: SocketAddr, prompt: String, rank: Option<u32>| {
+            let body = json!({"model": pool.model, "prompt": prompt, "max_tokens": 1}).to_string();
+            async move {
+                let rank = rank.map(|r| r.to_string());
+                let headers: Vec<(&str, &str)> = rank
+                    .iter()
+                    .map(|r| ("x-data-parallel-rank", r.as_str()))
+                    .collect();
+                let r = common::request_with(
+                    addr,
+                    "POST",
+                    "/v1/completions",
+                    &headers,
+                    body.as_bytes(),
+                )
+                .await;
+                assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+                r
+            }
+        };
+        let cached = |r: &common::RawResponse| {
+            r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+                .as_u64()
+                .unwrap_or(0)
+        };
+        let series = |m: &str, metric: &str, rank: u32| {
+            let labels = format!("{metric}{{worker=\"{}\"}}", name(rank));
+            common::metric(m, &labels).unwrap_or(0.0)
+        };
+        // The gateway's feeds join late (ZMQ): prompt each rank directly until each has a batch.
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+        let mut k = 0;
         loop {
-            let path = "/debug/route/v1/completions";
-            let d = request(gw.addr, "POST", path, next.to_string().as_bytes()).await;
-            assert_eq!(d.status, 200, "{}", String::from_utf8_lossy(&d.body));
-            let d = d.json();
-            if d["worker"] == name(rank) && d["predicted_cached_tokens"].as_u64() >= Some(512) {
+            let m = metrics_text(gw.addr).await;
+            if (0..ranks).all(|r| series(&m, "kvroute_kv_event_batches_total", r) > 0.0) {
                 break;
             }
             assert!(
                 tokio::time::Instant::now() < deadline,
-                "rank {rank}'s blocks never arrived: {d}"
+                "{mode}: the ranks' feeds never joined: {m}"
             );
-            tokio::time::sleep(Duration::from_millis(20)).await;
+            for rank in 0..ranks {
+                complete(worker, words(40_000 + k, 80), Some(rank)).await;
+            }
+            k += 1;
+            tokio::time::sleep(Duration::from_millis(200)).await;
         }
-        let r = complete(gw.addr, format!("{prefix} second"), None).await;
-        assert_eq!(r.header("x-kvroute-worker"), Some(name(rank).as_str()));
-        let reused = cached(&r);
-        assert!(
-            reused >= 512,
-            "rank {rank}: vLLM reused the prefix there: {reused} cached tokens"
-        );
-        let m = metrics_text(gw.addr).await;
-        let predicted = common::metric(
+        // Rank 1 first: vLLM's own balancer would send a request to an idle server's rank 0.
+        for (rank, seed) in [(1, seeds[0]), (0, seeds[1])] {
+            let prefix = words(seed, 600);
+            complete(worker, format!("{prefix} first"), Some(rank)).await;
+            // Until the rank's events have told the gateway of the prefix: asked where the next
+            // request would go (without sending it), it names that rank and the prefix's blocks.
+            let next =
+                json!({"model": pool.model, "prompt": format!("{prefix} second"), "max_tokens": 1});
+            let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+            loop {
+                let path = "/debug/route/v1/completions";
+                let d = request(gw.addr, "POST", path, next.to_string().as_bytes()).await;
+                assert_eq!(d.status, 200, "{}", String::from_utf8_lossy(&d.body));
+                let d = d.json();
+                if d["worker"] == name(rank) && d["predicted_cached_tokens"].as_u64() >= Some(512) {
+                    break;
+                }
+                assert!(
+                    tokio::time::Instant::now() < deadline,
+                    "{mode}: rank {rank}'s blocks never arrived: {d}"
+                );
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            let r = complete(gw.addr, format!("{prefix} second"), None).await;
+            assert_eq!(r.header("x-kvroute-worker"), Some(name(rank).as_str()));
+            let reused = cached(&r);
+            assert!(
+                reused >= 512,
+                "rank {rank}: vLLM reused the prefix there: {reused} cached tokens"
+            );
+            let m = metrics_text(gw.addr).await;
+            let predicted = common::metric(
             &m,
             &format!(
                 r#"kvroute_predicted_cached_tokens_total{{arm="cache_aware",policy="cache_aware",worker="{}"}}"#,
@@ -1627,14 +1641,18 @@ async fn real_vllm_data_parallel_ranks_are_routed_to_where_their_events_place_a_
             ),
         )
         .unwrap_or(0.0);
-        println!("rank {rank}: predicted {predicted} cached tokens, vLLM reported {reused}");
-        assert!(
-            (predicted - reused as f64).abs() <= 32.0,
-            "rank {rank}: predicted {predicted} vs reported {reused}: within one block"
-        );
-        // The other rank keeps a cache of its own: the prefix is not there.
-        let other = complete(worker, format!("{prefix} third"), Some(1 - rank)).await;
-        assert_eq!(cached(&other), 0, "rank {}'s cache is its own", 1 - rank);
+            println!(
+                "{mode}, rank {rank}: predicted {predicted} cached tokens, vLLM reported {reused}"
+            );
+            assert!(
+                (predicted - reused as f64).abs() <= 32.0,
+                "rank {rank}: predicted {predicted} vs reported {reused}: within one block"
+            );
+            // The other rank keeps a cache of its own: the prefix is not there.
+            let other = complete(worker, format!("{prefix} third"), Some(1 - rank)).await;
+            assert_eq!(cached(&other), 0, "rank {}'s cache is its own", 1 - rank);
+        }
+        gw.shutdown.cancel();
     }
 }
 

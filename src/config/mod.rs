@@ -225,10 +225,25 @@ pub struct KvEventsConfig {
     pub port: Option<u16>,
     /// The replay port on every worker's host.
     pub replay_port: Option<u16>,
+    /// Workers given no endpoints (by `port` or their own) are asked for theirs at vLLM's
+    /// `GET /kv_event_sources` (vLLM 0.32 on), until they list them.
+    pub discover: bool,
 }
 
 impl KvEventsConfig {
-    /// Where `worker` publishes its events, if anywhere.
+    /// Where `worker`'s events come from: the endpoints configured for it, else (with
+    /// `discover`) the worker's own listing, else nowhere.
+    pub fn events_for(&self, worker: &WorkerConfig) -> Option<crate::kv_events::EventsFrom> {
+        use crate::kv_events::EventsFrom;
+        match self.source_for(worker) {
+            Some(source) => Some(EventsFrom::At(source)),
+            None => self.discover.then(|| EventsFrom::Ask {
+                rank: worker.data_parallel_rank.unwrap_or(0),
+            }),
+        }
+    }
+
+    /// Where `worker` publishes its events, if configured.
     pub fn source_for(&self, worker: &WorkerConfig) -> Option<crate::kv_events::EventSource> {
         let host = || {
             let uri: http::Uri = worker.url.parse().ok()?;

@@ -31,6 +31,7 @@
 //! ignored.
 
 pub mod decode;
+pub mod discover;
 mod subscriber;
 
 use std::collections::HashMap;
@@ -38,7 +39,7 @@ use std::collections::HashMap;
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 pub use decode::{decode_batch, CacheGroup, EventBatch, KvEvent};
-pub use subscriber::{follow, EventSource, Feed, FeedStats};
+pub use subscriber::{follow, EventSource, EventsFrom, Feed, FeedStats};
 
 /// The chain value before a prompt's first block.
 pub const ROOT: u64 = 0;

@@ -32,6 +32,14 @@ pub struct EventSource {
     pub replay: Option<String>,
 }
 
+/// Where a worker's events are to be found: at endpoints given, or by asking the worker (vLLM's
+/// `/kv_event_sources`, [`super::discover`]) for those of its data-parallel rank.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum EventsFrom {
+    At(EventSource),
+    Ask { rank: u32 },
+}
+
 /// Counters of one feed, for metrics and tests.
 #[derive(Debug, Default)]
 pub struct FeedStats {

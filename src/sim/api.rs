@@ -43,6 +43,8 @@ pub struct WorkerState {
     pub tokenizer: SimTokenizer,
     /// Responses API answers kept, when the store is on.
     pub responses: super::responses::Store,
+    /// What `/kv_event_sources` lists: the publisher's endpoints, when it publishes.
+    kv_event_sources: Value,
     requests: AtomicU64,
     in_flight: Arc<AtomicUsize>,
 }
@@ -66,6 +68,7 @@ impl WorkerState {
             seed,
             tokenizer,
             responses: super::responses::Store::default(),
+            kv_event_sources: json!({}),
             requests: AtomicU64::new(0),
             in_flight: Arc::new(AtomicUsize::new(0)),
         }
@@ -75,6 +78,28 @@ impl WorkerState {
     /// `VLLM_ENABLE_RESPONSES_API_STORE=1`.
     pub fn with_responses_store(mut self, on: bool) -> Self {
         self.responses = super::responses::Store::new(on);
+        self
+    }
+
+    /// Lists `source` at `/kv_event_sources` as vLLM lists a publisher it binds (the host a
+    /// wildcard), for rank 0, with vLLM's defaults for what the simulator does not model.
+    pub fn with_kv_event_source(mut self, source: Option<&crate::kv_events::EventSource>) -> Self {
+        let wildcard = |endpoint: &str| match endpoint.rsplit_once(':') {
+            Some((_, port)) => format!("tcp://*:{port}"),
+            None => endpoint.to_owned(),
+        };
+        if let Some(source) = source {
+            self.kv_event_sources = json!({"0": {
+                "enable_kv_cache_events": true,
+                "publisher": "zmq",
+                "endpoint": wildcard(&source.endpoint),
+                "replay_endpoint": source.replay.as_deref().map(wildcard),
+                "buffer_steps": super::events::BUFFER_STEPS,
+                "hwm": 100_000,
+                "max_queue_size": 100_000,
+                "topic": "",
+            }});
+        }
         self
     }
 
@@ -102,6 +127,7 @@ pub fn router(state: Arc<WorkerState>) -> Router {
         .route("/detokenize", post(detokenize))
         .route("/health", get(health))
         .route("/load", get(load))
+        .route("/kv_event_sources", get(kv_event_sources))
         .route("/reset_prefix_cache", post(reset_prefix_cache))
         .route("/metrics", get(metrics))
         .fallback(not_found)
@@ -163,6 +189,10 @@ async fn health(State(s): State<Arc<WorkerState>>) -> Response {
 
 async fn load(State(s): State<Arc<WorkerState>>) -> Json<Value> {
     Json(json!({"server_load": s.in_flight.load(Ordering::Relaxed)}))
+}
+
+async fn kv_event_sources(State(s): State<Arc<WorkerState>>) -> Json<Value> {
+    Json(s.kv_event_sources.clone())
 }
 
 async fn reset_prefix_cache(State(s): State<Arc<WorkerState>>) -> Json<Value> {

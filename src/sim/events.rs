@@ -19,7 +19,7 @@ use zeromq::{Socket, SocketRecv, SocketSend, ZmqMessage};
 use crate::kv_events::{EventSource, KvEvent};
 
 /// Batches kept for replay (vLLM's `buffer_steps` default).
-const BUFFER_STEPS: usize = 10_000;
+pub const BUFFER_STEPS: usize = 10_000;
 
 /// Binds the PUB and ROUTER sockets on `host` (free ports) and returns their endpoints with the
 /// sockets, ready for [`run`].

@@ -255,6 +255,7 @@ pub async fn start(
         } else {
             (None, None)
         };
+        let listing = kv_events.clone();
         workers.push(SimWorker { addr, kv_events });
         let metrics = Arc::new(metrics::SimMetrics::new(&params));
         let (handle, engine_task) = worker::spawn(
@@ -281,7 +282,8 @@ pub async fn start(
                 engine::splitmix(cfg.seed ^ i as u64),
                 tokenizer.clone(),
             )
-            .with_responses_store(cfg.responses_store),
+            .with_responses_store(cfg.responses_store)
+            .with_kv_event_source(listing.as_ref()),
         );
         let app = api::router(state);
         let stop = cancel.clone();
