@@ -250,6 +250,7 @@ async fn compare_on_a_running_pool_empties_its_caches_before_each_arm() {
             time_scale: sim.time_scale,
             kv_events: Vec::new(),
             tokenizer: None,
+            data_parallel_size: None,
         },
         &arms,
         &load,
@@ -283,6 +284,30 @@ async fn compare_on_a_running_pool_empties_its_caches_before_each_arm() {
         "the second arm started on the first one's cache"
     );
     assert!(limit.is_some_and(|l| l > 0.5), "{limit:?}");
+}
+
+/// `--pool-data-parallel`: a kvroute arm in front of running workers that each run vLLM's data
+/// parallelism routes to every rank of each, naming it in `X-data-parallel-rank`.
+#[tokio::test]
+async fn a_kvroute_arm_on_a_data_parallel_pool_routes_to_each_rank() {
+    let up = common::upstream("dp", &[]).await;
+    let exact = bench::Exact {
+        data_parallel_size: Some(2),
+        ..Default::default()
+    };
+    let pool = bench::start_on_existing(&[up.url()], "round_robin", 1, 1.0, &exact)
+        .await
+        .unwrap();
+    let gateway: std::net::SocketAddr = pool.gateway.trim_start_matches("http://").parse().unwrap();
+    let mut ranks = Vec::new();
+    for _ in 0..4 {
+        let body = serde_json::json!({"prompt": "p"}).to_string();
+        let r = common::request(gateway, "POST", "/v1/completions", body.as_bytes()).await;
+        assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+        ranks.push(r.json()["data_parallel_rank"].as_str().unwrap().to_owned());
+    }
+    ranks.sort();
+    assert_eq!(ranks, ["0", "0", "1", "1"]);
 }
 
 /// The simulator refuses to empty its cache while a request holds blocks, as vLLM does.

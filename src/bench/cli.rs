@@ -69,6 +69,12 @@ pub enum BenchCommand {
         /// `tcp://HOST:PUB` or `tcp://HOST:PUB|tcp://HOST:REPLAY`.
         #[arg(long, value_delimiter = ',')]
         pool_kv_events: Vec<String>,
+        /// With --pool: each worker runs this many vLLM data-parallel engines behind its API
+        /// server (`--data-parallel-size`); kvroute's arms route to each rank as a worker of its
+        /// own (`data_parallel_size`), other routers get the workers' URLs. --pool-kv-events then
+        /// names rank 0's endpoints.
+        #[arg(long, value_parser = clap::value_parser!(u32).range(1..=256))]
+        pool_data_parallel: Option<u32>,
         /// Run the whole comparison once per seed, comma-separated (fresh pools each time, the
         /// arms' order rotated by each seed), then print each arm's medians over the runs, every
         /// run's figure and the spread of its TTFT p95; replaces --seed.
@@ -343,6 +349,7 @@ pub async fn run(cmd: BenchCommand) -> Result<(), BenchError> {
             tokenizer,
             tokenizer_config,
             pool_kv_events,
+            pool_data_parallel,
             seeds,
             load,
         } => {
@@ -405,6 +412,7 @@ pub async fn run(cmd: BenchCommand) -> Result<(), BenchError> {
                         tokenizer_json,
                         tokenizer_config,
                     }),
+                    data_parallel_size: pool_data_parallel,
                 }
             };
             for arm in &policies {

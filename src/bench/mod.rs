@@ -167,6 +167,8 @@ pub enum Target {
         /// Each worker's KV event endpoints, in `workers` order, for `+events` arms.
         kv_events: Vec<Option<EventSource>>,
         tokenizer: Option<TokenizerFiles>,
+        /// The data-parallel engines behind each worker's API server, if any.
+        data_parallel_size: Option<u32>,
     },
 }
 
@@ -210,6 +212,7 @@ pub async fn start_pool_replicated(
             tokenizer_json,
             tokenizer_config: cfg.tokenizer_config.clone(),
         }),
+        data_parallel_size: None,
     };
     let gateway = Gateway {
         host: cfg.host,
@@ -227,12 +230,16 @@ struct Gateway {
     time_scale: f64,
 }
 
-/// What a `+events` arm's gateway is told beyond the workers' URLs.
+/// What an arm's gateway is told beyond the workers' URLs: for `+events` arms, where the events
+/// are and how to tokenize; for every kvroute arm, the data-parallel engines behind each worker.
 #[derive(Clone, Debug, Default)]
 pub struct Exact {
     /// Each worker's KV event endpoints, in pool order.
     pub kv_events: Vec<Option<EventSource>>,
     pub tokenizer: Option<TokenizerFiles>,
+    /// Each worker runs this many data-parallel engines, which kvroute's arms route to rank by
+    /// rank (other routers are given the workers' URLs).
+    pub data_parallel_size: Option<u32>,
 }
 
 /// A gateway running `arm` in front of running workers whose prefix caches are emptied first.
@@ -313,6 +320,9 @@ async fn start_gateway(
     // other replicas sent is five times staler than in production.
     if time_scale > 0.0 {
         config.load_signals.interval_seconds /= time_scale;
+    }
+    for w in &mut config.workers {
+        w.data_parallel_size = exact.data_parallel_size;
     }
     if events {
         follow_events(&mut config, &workers, exact).await?;
@@ -441,11 +451,13 @@ pub async fn compare_replicated(
                 workers,
                 kv_events,
                 tokenizer,
+                data_parallel_size,
                 ..
             } => {
                 let exact = Exact {
                     kv_events: kv_events.clone(),
                     tokenizer: tokenizer.clone(),
+                    data_parallel_size: *data_parallel_size,
                 };
                 start_on_existing(workers, policy, replicas, target.time_scale(), &exact).await?
             }
