@@ -1082,6 +1082,15 @@ async fn cached_tokens(worker: SocketAddr, model: &str, prompt: &str, salt: Opti
         .unwrap_or(0)
 }
 
+/// The cached tokens a `cache_aware` gateway's metrics `m` say it predicted for `worker`'s
+/// answers, over those that reported theirs.
+fn predicted_cached(m: &str, worker: &str) -> f64 {
+    let series = format!(
+        r#"kvroute_predicted_cached_tokens_total{{arm="cache_aware",policy="cache_aware",worker="{worker}"}}"#
+    );
+    common::metric(m, &series).unwrap_or(0.0)
+}
+
 /// Waits until `feed` counts every block of `chain` as the worker's to reuse (20 s at most).
 async fn until_reusable(feed: &kvroute::kv_events::Feed, chain: &[u64], what: &str) {
     let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
@@ -1476,11 +1485,7 @@ async fn cache_aware_routes_on_real_vllm_kv_events_to_a_prefix_it_never_routed()
         Some(1.0),
         "{m}"
     );
-    let predicted = common::metric(
-        &m,
-        &format!(r#"kvroute_predicted_cached_tokens_total{{arm="cache_aware",policy="cache_aware",worker="{worker1}"}}"#),
-    )
-    .unwrap_or(0.0);
+    let predicted = predicted_cached(&m, worker1);
     println!(
         "exact routing against vLLM: predicted {predicted} cached tokens, vLLM reported {cached}"
     );
@@ -1633,14 +1638,7 @@ async fn real_vllm_data_parallel_ranks_are_routed_to_where_their_events_place_a_
                 "rank {rank}: vLLM reused the prefix there: {reused} cached tokens"
             );
             let m = metrics_text(gw.addr).await;
-            let predicted = common::metric(
-            &m,
-            &format!(
-                r#"kvroute_predicted_cached_tokens_total{{arm="cache_aware",policy="cache_aware",worker="{}"}}"#,
-                name(rank)
-            ),
-        )
-        .unwrap_or(0.0);
+            let predicted = predicted_cached(&m, &name(rank));
             println!(
                 "{mode}, rank {rank}: predicted {predicted} cached tokens, vLLM reported {reused}"
             );

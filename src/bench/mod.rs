@@ -66,10 +66,23 @@ pub async fn run_once(
     slo: (f64, f64),
     time_scale: f64,
 ) -> Result<(Run, Vec<Sample>), BenchError> {
+    run_once_on_engines(label, spec, worker_metrics, None, slo, time_scale).await
+}
+
+/// [`run_once`], reporting each of every worker's `engines` data-parallel engines as a worker
+/// (by its `engine` series) when given.
+pub async fn run_once_on_engines(
+    label: &str,
+    spec: &LoadSpec,
+    worker_metrics: &[String],
+    engines: Option<u32>,
+    slo: (f64, f64),
+    time_scale: f64,
+) -> Result<(Run, Vec<Sample>), BenchError> {
     // Counters at the start of the window, and after the run.
-    let snapshot = |urls: Vec<String>, target: String| async move {
+    let snapshot = move |urls: Vec<String>, target: String| async move {
         (
-            workers::scrape_each(&urls).await,
+            workers::scrape_each(&urls, engines).await,
             workers::gateway_counters(&target).await,
         )
     };
@@ -90,12 +103,12 @@ pub async fn run_once(
     }
     let (workers_before, routing_before) = before.await.unwrap_or_default();
     let (workers_after, routing) = snapshot(worker_metrics.to_vec(), spec.url.clone()).await;
-    let per_worker: Vec<WorkerReport> = worker_metrics
-        .iter()
+    let per_worker: Vec<WorkerReport> = workers::scraped_names(worker_metrics, engines)
+        .into_iter()
         .zip(&workers_after)
         .enumerate()
-        .map(|(i, (url, after))| WorkerReport {
-            worker: url.clone(),
+        .map(|(i, (worker, after))| WorkerReport {
+            worker,
             counters: after.since(&workers_before.get(i).cloned().unwrap_or_default()),
         })
         .collect();
@@ -476,7 +489,14 @@ pub async fn compare_replicated(
                     + suffix
             }
         };
-        let (mut run, samples) = run_once(&label, &spec, &pool.workers, slo, k).await?;
+        let engines = match target {
+            Target::Existing {
+                data_parallel_size, ..
+            } => *data_parallel_size,
+            Target::Sim(_) => None,
+        };
+        let (mut run, samples) =
+            run_once_on_engines(&label, &spec, &pool.workers, engines, slo, k).await?;
         if replicas > 1 && external::parse(policy).is_none() {
             let model = match &spec.model {
                 Some(m) => m.clone(),

@@ -56,8 +56,23 @@ impl WorkerCounters {
 
     /// Sums the named series of a Prometheus text exposition (any labels).
     pub fn add_exposition(&mut self, text: &str) {
+        self.add_engine_exposition(text, None);
+    }
+
+    /// [`Self::add_exposition`] of one data-parallel engine's series (vLLM's `engine` label is
+    /// its rank), with those of no engine counted for rank 0 (so the engines add up to the
+    /// server); every engine's with `None`.
+    pub fn add_engine_exposition(&mut self, text: &str, engine: Option<u32>) {
         for line in text.lines().filter(|l| !l.starts_with('#')) {
             let name = line.split(['{', ' ']).next().unwrap_or("");
+            let other_engine =
+                engine.is_some_and(|rank| match crate::load::label(line, "engine") {
+                    Some(e) => e.parse::<u32>() != Ok(rank),
+                    None => rank != 0,
+                });
+            if other_engine {
+                continue;
+            }
             let Some(v) = line.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok()) else {
                 continue;
             };
@@ -113,18 +128,38 @@ async fn metrics_text(client: &HttpClient, base: &str) -> Option<String> {
     }
 }
 
-/// Reads every worker's `/metrics` (base URLs), one entry per worker (zero when unreachable).
-pub async fn scrape_each(workers: &[String]) -> Vec<WorkerCounters> {
+/// Reads every worker's `/metrics` (base URLs), one entry per worker (zero when unreachable);
+/// with `engines`, one entry per data-parallel engine of each, in worker then rank order.
+pub async fn scrape_each(workers: &[String], engines: Option<u32>) -> Vec<WorkerCounters> {
     let client = client();
-    let mut out = Vec::with_capacity(workers.len());
+    let ranks: Vec<Option<u32>> = match engines {
+        Some(n) => (0..n).map(Some).collect(),
+        None => vec![None],
+    };
+    let mut out = Vec::with_capacity(workers.len() * ranks.len());
     for w in workers {
-        let mut c = WorkerCounters::default();
-        if let Some(text) = metrics_text(&client, w).await {
-            c.add_exposition(&text);
+        let text = metrics_text(&client, w).await;
+        for &rank in &ranks {
+            let mut c = WorkerCounters::default();
+            if let Some(text) = &text {
+                c.add_engine_exposition(text, rank);
+            }
+            out.push(c);
         }
-        out.push(c);
     }
     out
+}
+
+/// The names [`scrape_each`]'s entries are reported under: each worker's URL, with `/dp<rank>`
+/// for each of its engines when it has several.
+pub fn scraped_names(workers: &[String], engines: Option<u32>) -> Vec<String> {
+    match engines {
+        Some(n) => workers
+            .iter()
+            .flat_map(|w| (0..n).map(move |r| format!("{w}/dp{r}")))
+            .collect(),
+        None => workers.to_vec(),
+    }
 }
 
 /// What a kvroute target counted about its own routing, summed over its replicas; empty for a
@@ -302,5 +337,41 @@ mod tests {
             (window.tokenized["head"], window.tokenized["whole"]),
             (5.0, 0.0)
         );
+    }
+
+    /// A data-parallel worker's engines are counted apart, each by its `engine` series, and
+    /// named after the worker and the rank.
+    #[test]
+    fn a_data_parallel_workers_engines_are_counted_apart() {
+        let text = "vllm:prefix_cache_hits_total{engine=\"0\",model_name=\"m\"} 22208.0\n\
+            vllm:prefix_cache_hits_total{engine=\"1\",model_name=\"m\"} 31328.0\n\
+            vllm:prefix_cache_queries_total{engine=\"0\",model_name=\"m\"} 25060.0\n\
+            vllm:prefix_cache_queries_total{engine=\"1\",model_name=\"m\"} 35054.0\n\
+            vllm:e2e_request_latency_seconds_count{engine=\"0\",model_name=\"m\"} 40.0\n\
+            vllm:e2e_request_latency_seconds_count{engine=\"1\",model_name=\"m\"} 56.0\n\
+            kvroute_sim_tokens_after_disconnect_total 3\n";
+        let of = |engine| {
+            let mut c = WorkerCounters::default();
+            c.add_engine_exposition(text, engine);
+            c
+        };
+        let (zero, one, all) = (of(Some(0)), of(Some(1)), of(None));
+        assert_eq!((zero.requests, zero.prefix_hits), (40.0, 22208.0));
+        assert_eq!((one.requests, one.prefix_queries), (56.0, 35054.0));
+        assert_eq!(all.requests, 96.0);
+        // A series of no engine counts once, for rank 0.
+        assert_eq!(zero.tokens_after_disconnect, 3.0);
+        assert_eq!(one.tokens_after_disconnect, 0.0);
+        let urls = ["http://a:1".to_string(), "http://b:1".to_string()];
+        assert_eq!(
+            scraped_names(&urls, Some(2)),
+            [
+                "http://a:1/dp0",
+                "http://a:1/dp1",
+                "http://b:1/dp0",
+                "http://b:1/dp1"
+            ]
+        );
+        assert_eq!(scraped_names(&urls, None), urls);
     }
 }
