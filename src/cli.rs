@@ -224,7 +224,8 @@ fn serve(path: Option<PathBuf>, overrides: Overrides, check: bool) -> ExitCode {
                 crate::policy::arms::Arms::new(&config.policy, config.ab.as_ref()).describe()
             ),
         };
-        println!("config ok: {routing}, {} worker(s)", config.workers.len());
+        let workers = crate::config::expand_ranks(&config.workers).len();
+        println!("config ok: {routing}, {workers} worker(s)");
         return ExitCode::SUCCESS;
     }
     let loops = match config.threads {

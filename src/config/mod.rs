@@ -394,6 +394,12 @@ impl Config {
                         w.url
                     ))
                 }
+                (None, Some(r)) if r >= MAX_DATA_PARALLEL_SIZE => {
+                    return bad(format!(
+                        "worker {:?}: data_parallel_rank must be below {MAX_DATA_PARALLEL_SIZE}",
+                        w.url
+                    ))
+                }
                 _ => {}
             }
         }
@@ -695,6 +701,10 @@ mod tests {
             (
                 "{url: 'http://a:1', data_parallel_size: 2, data_parallel_rank: 2}",
                 "is not below",
+            ),
+            (
+                "{url: 'http://a:1', data_parallel_rank: 300}",
+                "must be below",
             ),
         ] {
             let e = Config::from_yaml(&format!("workers: [{worker}]")).unwrap_err();

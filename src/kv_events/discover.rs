@@ -123,7 +123,12 @@ pub async fn discover(
 
 /// `GET /kv_event_sources` on one fresh connection: the body of a 200 answer.
 async fn listing(authority: &http::uri::Authority) -> Result<bytes::Bytes, String> {
-    let stream = tokio::net::TcpStream::connect(authority.as_str())
+    let port = authority.port_u16().unwrap_or(80);
+    let host = authority
+        .host()
+        .trim_start_matches('[')
+        .trim_end_matches(']');
+    let stream = tokio::net::TcpStream::connect((host, port))
         .await
         .map_err(|e| format!("connect: {e}"))?;
     let (mut send, conn) =
