@@ -52,6 +52,10 @@ enum Command {
         /// Worker base URLs, repeatable or several after one flag (replace the file's list).
         #[arg(long = "worker", num_args = 1..)]
         workers: Vec<String>,
+        /// Each --worker runs vLLM's --data-parallel-size this many engines behind its API
+        /// server: route to each rank as a worker of its own (`data_parallel_size`).
+        #[arg(long, requires = "workers")]
+        data_parallel_size: Option<u32>,
         /// Routing policy: round_robin, least_conn, prefix or cache_aware (overrides the file).
         #[arg(long, env = POLICY_ENV)]
         policy: Option<String>,
@@ -177,6 +181,7 @@ pub fn main() -> ExitCode {
             listen,
             admin_listen,
             workers,
+            data_parallel_size,
             policy,
         } => serve(
             config,
@@ -184,6 +189,7 @@ pub fn main() -> ExitCode {
                 listen,
                 admin_listen,
                 workers,
+                data_parallel_size,
                 policy,
             },
             check,

@@ -90,6 +90,35 @@ fn flags_and_env_override_the_policy() {
     assert!(!out.status.success());
 }
 
+/// `--data-parallel-size` makes each `--worker` one worker per rank, and is checked.
+#[test]
+fn the_workers_data_parallel_ranks_are_workers_and_counted_by_check() {
+    let out = kvroute(&[
+        "serve",
+        "--worker",
+        "http://127.0.0.1:9",
+        "http://127.0.0.1:10",
+        "--data-parallel-size",
+        "3",
+        "--check",
+    ]);
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert!(said.contains("6 worker(s)"), "{out:?}");
+    let out = kvroute(&[
+        "serve",
+        "--worker",
+        "http://127.0.0.1:9",
+        "--data-parallel-size",
+        "0",
+        "--check",
+    ]);
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("data_parallel_size must be 1 to 256"),
+        "{out:?}"
+    );
+}
+
 /// Starts `kvroute serve` in front of a closed port, with stderr piped; returns the child, the
 /// gateway's address (read from its "listening" line), the lines read so far, and the rest of
 /// its log once its stderr closes.

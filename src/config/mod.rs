@@ -120,6 +120,8 @@ pub struct Overrides {
     pub admin_listen: Option<SocketAddr>,
     /// Replaces the file's worker list when not empty.
     pub workers: Vec<String>,
+    /// The data-parallel engines behind each of `workers` (`WorkerConfig::data_parallel_size`).
+    pub data_parallel_size: Option<u32>,
     pub policy: Option<String>,
 }
 
@@ -355,7 +357,14 @@ impl Config {
             self.admin_listen = Some(admin);
         }
         if !o.workers.is_empty() {
-            self.workers = o.workers.into_iter().map(WorkerConfig::from_url).collect();
+            self.workers = o
+                .workers
+                .into_iter()
+                .map(|url| WorkerConfig {
+                    data_parallel_size: o.data_parallel_size,
+                    ..WorkerConfig::from_url(url)
+                })
+                .collect();
         }
         if let Some(name) = o.policy {
             // One policy named on the command line or in KVROUTE_POLICY ends any A/B split.
