@@ -457,11 +457,8 @@ pub fn parse_vllm_metrics(text: &str, engine: Option<u32>) -> Option<Polled> {
             continue;
         };
         let name_end = rest.find(['{', ' ']).unwrap_or(rest.len());
-        if let Some(rank) = engine {
-            let other = label(rest, "engine").is_some_and(|e| e.parse::<u32>() != Ok(rank));
-            if other {
-                continue;
-            }
+        if engine.is_some_and(|rank| engine_of(rest).is_some_and(|e| e != Some(rank))) {
+            continue;
         }
         let Some(value) = line
             .rsplit(' ')
@@ -496,8 +493,14 @@ pub fn parse_vllm_metrics(text: &str, engine: Option<u32>) -> Option<Polled> {
     seen.then_some(p)
 }
 
+/// The data-parallel engine a vLLM sample is of (its `engine` label, the rank): `None` for a
+/// sample of no engine, `Some(None)` for one whose label is not a rank.
+pub(crate) fn engine_of(sample: &str) -> Option<Option<u32>> {
+    label(sample, "engine").map(|e| e.parse().ok())
+}
+
 /// The value of label `name` in a sample's `{...}`, unescaped values only (vLLM's numbers).
-pub(crate) fn label<'a>(sample: &'a str, name: &str) -> Option<&'a str> {
+fn label<'a>(sample: &'a str, name: &str) -> Option<&'a str> {
     let labels = &sample[sample.find('{')? + 1..sample.find('}')?];
     labels.split(',').find_map(|kv| {
         let (k, v) = kv.split_once('=')?;

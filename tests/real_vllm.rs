@@ -1501,7 +1501,8 @@ async fn cache_aware_routes_on_real_vllm_kv_events_to_a_prefix_it_never_routed()
 /// of the server at `/kv_event_sources`, in a second gateway). A long prefix served by
 /// one rank behind the gateway's back is routed to that rank, by the `X-data-parallel-rank` the
 /// gateway sends, and vLLM reports reusing it there; the other rank, which holds its own cache,
-/// reuses none of it. Each rank's load is read from its own engine's series.
+/// reuses none of it. Real vLLM's `/metrics` carries each engine's series apart, which the
+/// gateway's parser reads rank by rank (the gateway's own polling is off here).
 #[tokio::test]
 #[ignore = "needs a real vLLM worker with 2 data-parallel ranks: tests/vllm/pool.sh --workers 1 --kv-events --data-parallel 2 -- cargo test --test real_vllm data_parallel -- --ignored"]
 async fn real_vllm_data_parallel_ranks_are_routed_to_where_their_events_place_a_prefix() {

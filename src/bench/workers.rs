@@ -65,11 +65,10 @@ impl WorkerCounters {
     pub fn add_engine_exposition(&mut self, text: &str, engine: Option<u32>) {
         for line in text.lines().filter(|l| !l.starts_with('#')) {
             let name = line.split(['{', ' ']).next().unwrap_or("");
-            let other_engine =
-                engine.is_some_and(|rank| match crate::load::label(line, "engine") {
-                    Some(e) => e.parse::<u32>() != Ok(rank),
-                    None => rank != 0,
-                });
+            let other_engine = engine.is_some_and(|rank| match crate::load::engine_of(line) {
+                Some(e) => e != Some(rank),
+                None => rank != 0,
+            });
             if other_engine {
                 continue;
             }
