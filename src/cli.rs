@@ -136,6 +136,11 @@ struct SimArgs {
     /// VLLM_ENABLE_RESPONSES_API_STORE=1, so previous_response_id and GET /v1/responses/{id} work.
     #[arg(long)]
     responses_store: bool,
+    /// Run this many data-parallel engines behind each worker's API server, as vLLM's
+    /// --data-parallel-size: a request goes to the rank its X-data-parallel-rank header names,
+    /// or where vLLM's balancer puts it; rank r's KV events on the printed ports plus r.
+    #[arg(long)]
+    data_parallel_size: Option<usize>,
     /// List the presets and exit.
     #[arg(long)]
     list_presets: bool,
@@ -166,6 +171,7 @@ impl SimArgs {
         c.tokenizer = self.tokenizer.or(c.tokenizer);
         c.tokenizer_config = self.tokenizer_config.or(c.tokenizer_config);
         c.responses_store |= self.responses_store;
+        c.data_parallel_size = self.data_parallel_size.unwrap_or(c.data_parallel_size);
         c.validate()?;
         Ok(c)
     }

@@ -941,3 +941,155 @@ async fn a_gateway_finds_each_workers_event_endpoints_by_asking_it() {
     cancel.cancel();
     cancel_too.cancel();
 }
+
+/// A simulated server with two data-parallel engines publishes each rank's events on rank 0's
+/// ports plus the rank and lists them at `/kv_event_sources`; a gateway that routes to the ranks
+/// (`data_parallel_size: 2`), given rank 0's endpoints or asking for them, follows both feeds and
+/// sends the next request of a prefix that one rank served (named in `X-data-parallel-rank`,
+/// behind the gateway's back) to that rank, which reports reusing what the gateway predicted;
+/// the other rank, with a cache of its own, reuses none of it.
+#[tokio::test]
+async fn a_data_parallel_simulated_server_is_routed_to_the_rank_its_events_name() {
+    use common::{gateway, metric, metrics_text, request, request_with};
+    let tokenizer_json = repo("tests/tokenize/tiny-tokenizer.json");
+    let cfg = kvroute::sim::SimConfig {
+        workers: 1,
+        port: 0,
+        time_scale: 50.0,
+        kv_events: true,
+        tokenizer: Some(tokenizer_json.clone()),
+        data_parallel_size: 2,
+        ..Default::default()
+    };
+    let (sims, cancel, _tasks) = start_sims(&cfg).await;
+    let model = cfg.engine_params().unwrap().model;
+    let worker = sims[0].addr;
+    let source = sims[0].kv_events.clone().unwrap();
+    let port = |e: &str| e.rsplit_once(':').unwrap().1.parse::<u16>().unwrap();
+    let listing = request(worker, "GET", "/kv_event_sources", b"")
+        .await
+        .json();
+    for rank in 0..2u16 {
+        let at = |p: u16| format!("tcp://*:{}", p + rank);
+        let listed = &listing[rank.to_string()];
+        assert_eq!(listed["endpoint"], at(port(&source.endpoint)), "{listing}");
+        let replay = port(source.replay.as_deref().unwrap());
+        assert_eq!(listed["replay_endpoint"], at(replay), "{listing}");
+    }
+    let complete = |addr: std::net::SocketAddr, prompt: String, rank: Option<&'static str>| {
+        let body = json!({"model": model, "prompt": prompt, "max_tokens": 1}).to_string();
+        async move {
+            let headers: Vec<(&str, &str)> = rank
+                .map(|r| ("x-data-parallel-rank", r))
+                .into_iter()
+                .collect();
+            let r = request_with(addr, "POST", "/v1/completions", &headers, body.as_bytes()).await;
+            assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+            r
+        }
+    };
+    let cached = |r: &common::RawResponse| {
+        r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap()
+    };
+    for (mode, words) in [("given", "alpha"), ("discovered", "omega")] {
+        let given = mode == "given";
+        let mut config = kvroute::config::Config {
+            workers: vec![kvroute::config::WorkerConfig {
+                kv_events: given.then(|| source.endpoint.clone()),
+                kv_events_replay: if given { source.replay.clone() } else { None },
+                data_parallel_size: Some(2),
+                ..kvroute::config::WorkerConfig::from_url(format!("http://{worker}"))
+            }],
+            tokenizers: vec![kvroute::config::TokenizerConfig {
+                model: model.clone(),
+                tokenizer_json: tokenizer_json.clone(),
+                tokenizer_config: None,
+            }],
+            ..kvroute::config::Config::default()
+        }
+        .with_overrides(kvroute::config::Overrides {
+            policy: Some("cache_aware".into()),
+            ..Default::default()
+        })
+        .unwrap();
+        config.kv_events.discover = !given;
+        config.load_signals.interval_seconds = 0.0;
+        let gw = gateway(config).await;
+        let name = |rank: &str| format!("{worker}/dp{rank}");
+        let series = |m: &str, metric_name: &str, rank: &str| {
+            metric(m, &format!("{metric_name}{{worker=\"{}\"}}", name(rank))).unwrap_or(0.0)
+        };
+        // The feeds join late (ZMQ): prompt each rank directly until each has a batch counted.
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        for k in 0.. {
+            let m = metrics_text(gw.addr).await;
+            if ["0", "1"]
+                .iter()
+                .all(|r| series(&m, "kvroute_kv_event_batches_total", r) > 0.0)
+            {
+                break;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "{mode}: the ranks' feeds never joined: {m}"
+            );
+            for rank in ["0", "1"] {
+                complete(
+                    worker,
+                    format!("{mode} warm-up {k} ").repeat(20),
+                    Some(rank),
+                )
+                .await;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        for (rank, other) in [("1", "0"), ("0", "1")] {
+            let prefix = format!("{words} {rank} the prefix this rank holds ").repeat(20);
+            complete(worker, format!("{prefix} first"), Some(rank)).await;
+            let next =
+                json!({"model": model, "prompt": format!("{prefix} second"), "max_tokens": 1});
+            let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+            loop {
+                let path = "/debug/route/v1/completions";
+                let d = request(gw.addr, "POST", path, next.to_string().as_bytes()).await;
+                assert_eq!(d.status, 200, "{}", String::from_utf8_lossy(&d.body));
+                let d = d.json();
+                if d["worker"] == name(rank) && d["predicted_cached_tokens"].as_u64() > Some(0) {
+                    break;
+                }
+                assert!(
+                    tokio::time::Instant::now() < deadline,
+                    "{mode}: rank {rank}'s blocks never arrived: {d}"
+                );
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            let r = complete(gw.addr, format!("{prefix} second"), None).await;
+            assert_eq!(r.header("x-kvroute-worker"), Some(name(rank).as_str()));
+            let reused = cached(&r);
+            assert!(reused > 0, "{mode}: rank {rank} reused the prefix");
+            let m = metrics_text(gw.addr).await;
+            let predicted = metric(
+                &m,
+                &format!(
+                    r#"kvroute_predicted_cached_tokens_total{{arm="cache_aware",policy="cache_aware",worker="{}"}}"#,
+                    name(rank)
+                ),
+            );
+            let reported = metric(
+                &m,
+                &format!(
+                    r#"kvroute_reported_cached_tokens_total{{arm="cache_aware",policy="cache_aware",worker="{}"}}"#,
+                    name(rank)
+                ),
+            );
+            assert_eq!(predicted, Some(reused as f64), "{mode}, rank {rank}: {m}");
+            assert_eq!(reported, Some(reused as f64), "{mode}, rank {rank}: {m}");
+            let elsewhere = complete(worker, format!("{prefix} third"), Some(other)).await;
+            assert_eq!(cached(&elsewhere), 0, "rank {other}'s cache is its own");
+        }
+        gw.shutdown.cancel();
+    }
+    cancel.cancel();
+}

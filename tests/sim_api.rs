@@ -5,7 +5,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{metric, metrics_text, read_until, request, send, wait_metric};
+use common::{metric, metrics_text, read_until, request, request_with, send, wait_metric};
 use kvroute::sim::{self, Faults, SimConfig};
 use serde_json::{json, Value};
 use tokio::task::JoinSet;
@@ -749,4 +749,80 @@ async fn with_the_store_a_continued_response_prefills_only_its_new_turn() {
     )
     .await;
     assert_eq!(r.status, 404);
+}
+
+/// A server running two data-parallel engines (`data_parallel_size: 2`, as vLLM's
+/// `--data-parallel-size 2`) keeps a KV cache and a set of `/metrics` series per rank: a request
+/// that names its rank in `X-data-parallel-rank` runs there, reuses only what that rank cached,
+/// and a rank the server does not have is refused with vLLM's 400; one that names no rank (or
+/// not an integer, which vLLM ignores) is placed by the balancer, which sends requests to idle
+/// engines in turn.
+#[tokio::test]
+async fn a_data_parallel_server_keeps_each_ranks_cache_and_series_apart() {
+    let s = start(SimConfig {
+        data_parallel_size: 2,
+        ..cfg(1)
+    })
+    .await;
+    let addr = s.addrs[0];
+    let prompt = "Rank by rank, every engine keeps a cache of its own. ".repeat(8);
+    let body = json!({"prompt": prompt, "max_tokens": 2}).to_string();
+    let on = |rank: &'static str| {
+        let body = body.clone();
+        async move {
+            let headers = [("x-data-parallel-rank", rank)];
+            request_with(addr, "POST", "/v1/completions", &headers, body.as_bytes()).await
+        }
+    };
+    let cached = |r: &Value| r["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64();
+    let first = on("1").await.json();
+    let again = on("1").await.json();
+    let elsewhere = on("0").await.json();
+    assert_eq!(cached(&first), Some(0));
+    let reused = cached(&again).unwrap();
+    assert!(reused > 0, "rank 1 reuses its own blocks: {again}");
+    assert_eq!(cached(&elsewhere), Some(0), "rank 0 has a cache of its own");
+
+    let missing = on("2").await;
+    assert_eq!(missing.status, 400);
+    let message = missing.json()["error"]["message"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    assert!(message.contains("out of range"), "{message}");
+
+    for i in 0..4 {
+        let body = json!({"prompt": format!("balanced {i}"), "max_tokens": 1}).to_string();
+        let r = request(addr, "POST", "/v1/completions", body.as_bytes()).await;
+        assert_eq!(r.status, 200);
+    }
+    let unranked = json!({"prompt": "no rank here", "max_tokens": 1}).to_string();
+    let headers = [("x-data-parallel-rank", "one")];
+    let r = request_with(
+        addr,
+        "POST",
+        "/v1/completions",
+        &headers,
+        unranked.as_bytes(),
+    )
+    .await;
+    assert_eq!(r.status, 200, "a rank that is not a number is ignored");
+
+    let m = metrics_text(addr).await;
+    let series = |name: &str, rank: u32| {
+        metric(
+            &m,
+            &format!("{name}{{engine=\"{rank}\",model_name=\"{MODEL}\"}}"),
+        )
+    };
+    assert_eq!(
+        series("vllm:prefix_cache_hits_total", 1),
+        Some(reused as f64)
+    );
+    assert_eq!(series("vllm:prefix_cache_hits_total", 0), Some(0.0));
+    // Named: two on rank 1, one on rank 0; then five placed by the balancer, in turn from rank 0.
+    let finished = "vllm:e2e_request_latency_seconds_count";
+    assert_eq!(series(finished, 0), Some(4.0), "{m}");
+    assert_eq!(series(finished, 1), Some(4.0), "{m}");
+    assert_eq!(m.matches("vllm:cache_config_info{").count(), 1, "{m}");
 }

@@ -14,7 +14,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use axum::body::{Body, Bytes};
 use axum::extract::State;
-use axum::http::{header, StatusCode};
+use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
@@ -22,10 +22,10 @@ use futures_util::stream;
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
-use super::engine::{splitmix, Event};
+use super::data_parallel::{Engines, RankSlot, Refused, RANK_HEADER};
+use super::engine::{splitmix, EngineRequest, Event};
 use super::metrics::SimMetrics;
 use super::request::{self, Reject};
-use super::worker::EngineHandle;
 use super::{tokenizer::SimTokenizer, Faults};
 use crate::error::error_response;
 
@@ -33,7 +33,8 @@ use crate::error::error_response;
 const SYSTEM_FINGERPRINT: &str = "kvroute-sim";
 
 pub struct WorkerState {
-    pub engine: EngineHandle,
+    /// Its engine, or its data-parallel ranks' engines.
+    pub engines: Engines,
     pub metrics: Arc<SimMetrics>,
     pub model: String,
     pub max_model_len: usize,
@@ -51,7 +52,7 @@ pub struct WorkerState {
 
 impl WorkerState {
     pub fn new(
-        engine: EngineHandle,
+        engines: Engines,
         metrics: Arc<SimMetrics>,
         model: String,
         max_model_len: usize,
@@ -60,7 +61,7 @@ impl WorkerState {
         tokenizer: SimTokenizer,
     ) -> Self {
         Self {
-            engine,
+            engines,
             metrics,
             model,
             max_model_len,
@@ -81,32 +82,42 @@ impl WorkerState {
         self
     }
 
-    /// Lists `source` at `/kv_event_sources` as vLLM lists a publisher it binds (the host a
-    /// wildcard), for rank 0, with vLLM's defaults for what the simulator does not model.
-    pub fn with_kv_event_source(mut self, source: Option<&crate::kv_events::EventSource>) -> Self {
+    /// Lists `sources` (one per data-parallel rank, in rank order) at `/kv_event_sources` as
+    /// vLLM lists publishers it binds (the host a wildcard), with vLLM's defaults for what the
+    /// simulator does not model.
+    pub fn with_kv_event_sources(mut self, sources: &[crate::kv_events::EventSource]) -> Self {
         let wildcard = |endpoint: &str| match endpoint.rsplit_once(':') {
             Some((_, port)) => format!("tcp://*:{port}"),
             None => endpoint.to_owned(),
         };
-        if let Some(source) = source {
-            self.kv_event_sources = json!({"0": {
-                "enable_kv_cache_events": true,
-                "publisher": "zmq",
-                "endpoint": wildcard(&source.endpoint),
-                "replay_endpoint": source.replay.as_deref().map(wildcard),
-                "buffer_steps": super::events::BUFFER_STEPS,
-                "hwm": 100_000,
-                "max_queue_size": 100_000,
-                "topic": "",
-            }});
-        }
+        let listing: serde_json::Map<String, Value> = sources
+            .iter()
+            .enumerate()
+            .map(|(rank, source)| {
+                let config = json!({
+                    "enable_kv_cache_events": true,
+                    "publisher": "zmq",
+                    "endpoint": wildcard(&source.endpoint),
+                    "replay_endpoint": source.replay.as_deref().map(wildcard),
+                    "buffer_steps": super::events::BUFFER_STEPS,
+                    "hwm": 100_000,
+                    "max_queue_size": 100_000,
+                    "topic": "",
+                });
+                (rank.to_string(), config)
+            })
+            .collect();
+        self.kv_event_sources = Value::Object(listing);
         self
     }
 
     /// Counts a request in `/load` until the guard is dropped.
     pub(super) fn admit(&self) -> LoadGuard {
         self.in_flight.fetch_add(1, Ordering::Relaxed);
-        LoadGuard(self.in_flight.clone())
+        LoadGuard {
+            total: self.in_flight.clone(),
+            rank: None,
+        }
     }
 
     /// The request's number on this worker (seeds its ids).
@@ -196,7 +207,7 @@ async fn kv_event_sources(State(s): State<Arc<WorkerState>>) -> Json<Value> {
 }
 
 async fn reset_prefix_cache(State(s): State<Arc<WorkerState>>) -> Json<Value> {
-    Json(json!({"success": s.engine.reset_prefix_cache().await}))
+    Json(json!({"success": s.engines.reset_prefix_cache().await}))
 }
 
 async fn metrics(State(s): State<Arc<WorkerState>>) -> Response {
@@ -284,25 +295,62 @@ async fn detokenize(State(s): State<Arc<WorkerState>>, body: Bytes) -> Response 
     }
 }
 
-async fn completions(state: State<Arc<WorkerState>>, body: Bytes) -> Response {
-    generate(state, body, false).await
+async fn completions(state: State<Arc<WorkerState>>, headers: HeaderMap, body: Bytes) -> Response {
+    generate(state, &headers, body, false).await
 }
 
-async fn chat(state: State<Arc<WorkerState>>, body: Bytes) -> Response {
-    generate(state, body, true).await
+async fn chat(state: State<Arc<WorkerState>>, headers: HeaderMap, body: Bytes) -> Response {
+    generate(state, &headers, body, true).await
 }
 
-/// Counts a request in `/load` for as long as its response lives.
-pub(super) struct LoadGuard(Arc<AtomicUsize>);
+/// Counts a request in `/load`, and in its rank's place with vLLM's balancer, for as long as
+/// its response lives.
+pub(super) struct LoadGuard {
+    total: Arc<AtomicUsize>,
+    rank: Option<RankSlot>,
+}
 
-impl Drop for LoadGuard {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::Relaxed);
+impl LoadGuard {
+    /// Queues the request on the rank `headers` name or the balancer picks, holding its place
+    /// there with this guard.
+    pub(super) fn submit(
+        &mut self,
+        s: &WorkerState,
+        headers: &HeaderMap,
+        req: EngineRequest,
+    ) -> Result<mpsc::UnboundedReceiver<Event>, Refused> {
+        let (events, slot) = s.engines.submit(headers.get(RANK_HEADER), req)?;
+        self.rank = slot;
+        Ok(events)
     }
 }
 
-async fn generate(State(s): State<Arc<WorkerState>>, body: Bytes, chat: bool) -> Response {
-    let load = s.admit();
+/// The answer to a request that could not be queued.
+pub(super) fn refusal(refused: Refused) -> Response {
+    match refused {
+        Refused::ShuttingDown => shutting_down(),
+        Refused::NoSuchRank { rank, ranks } => error_response(
+            StatusCode::BAD_REQUEST,
+            "BadRequestError",
+            &format!("data_parallel_rank {rank} is out of range [0, {ranks})."),
+            None,
+        ),
+    }
+}
+
+impl Drop for LoadGuard {
+    fn drop(&mut self) {
+        self.total.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+async fn generate(
+    State(s): State<Arc<WorkerState>>,
+    headers: &HeaderMap,
+    body: Bytes,
+    chat: bool,
+) -> Response {
+    let mut load = s.admit();
     let n = s.next_request();
     let f = &s.faults;
     if f.hang {
@@ -328,8 +376,9 @@ async fn generate(State(s): State<Arc<WorkerState>>, body: Bytes, chat: bool) ->
         Ok(p) => p,
         Err(r) => return reject(r),
     };
-    let Some(events) = s.engine.submit(parsed.engine.clone()) else {
-        return shutting_down();
+    let events = match load.submit(&s, headers, parsed.engine.clone()) {
+        Ok(events) => events,
+        Err(refused) => return refusal(refused),
     };
     let reply = Reply {
         id: format!(

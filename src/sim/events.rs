@@ -37,6 +37,64 @@ pub async fn bind(host: std::net::IpAddr) -> zeromq::ZmqResult<(EventSource, Soc
     ))
 }
 
+/// [`bind`] for `ranks` data-parallel ranks as vLLM places them: rank r's publisher and replay
+/// sockets on rank 0's ports plus r. Rank 0's ports come from the kernel and the others are
+/// tried next to them; where one is taken, the whole run is tried again elsewhere.
+pub async fn bind_ranks(
+    host: std::net::IpAddr,
+    ranks: usize,
+) -> zeromq::ZmqResult<Vec<(EventSource, Sockets)>> {
+    let port_of = |endpoint: &str| -> Option<u16> { endpoint.rsplit_once(':')?.1.parse().ok() };
+    for _ in 0..50 {
+        let first = bind(host).await?;
+        let ports = (
+            port_of(&first.0.endpoint),
+            first.0.replay.as_deref().and_then(port_of),
+        );
+        let (Some(publisher_port), Some(replay_port)) = ports else {
+            return Err(zeromq::ZmqError::Socket("a bound endpoint without a port"));
+        };
+        let mut all = vec![first];
+        for r in 1..ranks {
+            let offset = |port: u16| port.checked_add(u16::try_from(r).ok()?);
+            let (Some(p), Some(q)) = (offset(publisher_port), offset(replay_port)) else {
+                break;
+            };
+            match bind_at(host, p, q).await {
+                Ok(rank) => all.push(rank),
+                Err(_) => break,
+            }
+        }
+        if all.len() == ranks {
+            return Ok(all);
+        }
+    }
+    Err(zeromq::ZmqError::Socket(
+        "no run of free ports for every rank's event sockets",
+    ))
+}
+
+/// The publisher and replay sockets bound on the given ports.
+async fn bind_at(
+    host: std::net::IpAddr,
+    publisher_port: u16,
+    replay_port: u16,
+) -> zeromq::ZmqResult<(EventSource, Sockets)> {
+    let mut publisher = zeromq::PubSocket::new();
+    let endpoint = publisher
+        .bind(&format!("tcp://{host}:{publisher_port}"))
+        .await?;
+    let mut replay = zeromq::RouterSocket::new();
+    let replay_endpoint = replay.bind(&format!("tcp://{host}:{replay_port}")).await?;
+    Ok((
+        EventSource {
+            endpoint: endpoint.to_string(),
+            replay: Some(replay_endpoint.to_string()),
+        },
+        Sockets { publisher, replay },
+    ))
+}
+
 pub struct Sockets {
     publisher: zeromq::PubSocket,
     replay: zeromq::RouterSocket,

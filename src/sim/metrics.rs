@@ -51,12 +51,20 @@ pub struct SimMetrics {
 
 impl SimMetrics {
     pub fn new(params: &EngineParams) -> Self {
-        let registry = Registry::new();
+        Self::of_rank(params, 0, &Registry::new())
+    }
+
+    /// The series of data-parallel rank `rank`'s engine (`engine="<rank>"`), in `registry`,
+    /// which the server's other ranks share: one exposition holds every engine's series, as
+    /// vLLM's does. Rank 0 also registers the server's own series.
+    pub fn of_rank(params: &EngineParams, rank: usize, registry: &Registry) -> Self {
+        let registry = registry.clone();
+        let engine = rank.to_string();
         let model = params.model.as_str();
         // vLLM (V1) labels every engine series with the engine index and the served model.
         let opts = |name: &str, help: &str| {
             Opts::new(name, help)
-                .const_label("engine", "0")
+                .const_label("engine", engine.as_str())
                 .const_label("model_name", model)
         };
         macro_rules! reg {
@@ -71,7 +79,7 @@ impl SimMetrics {
         let hist = |name: &str, help: &str, buckets: &[f64]| {
             let h = Histogram::with_opts(
                 HistogramOpts::new(name, help)
-                    .const_label("engine", "0")
+                    .const_label("engine", engine.as_str())
                     .const_label("model_name", model)
                     .buckets(buckets.to_vec()),
             )
@@ -93,9 +101,6 @@ impl SimMetrics {
         )
         .expect("static metric definition");
         info.set(1);
-        registry
-            .register(Box::new(info))
-            .expect("metric registered once");
         // vLLM with one API server shows its process's start time (prometheus_client's process
         // collector); a simulated worker's "process" starts with it, so a restarted one shows a
         // new time even in a process that hosts several.
@@ -109,9 +114,16 @@ impl SimMetrics {
                 .duration_since(std::time::UNIX_EPOCH)
                 .map_or(0.0, |d| d.as_secs_f64()),
         );
-        registry
-            .register(Box::new(started))
-            .expect("metric registered once");
+        if rank == 0 {
+            for server_wide in [
+                Box::new(info) as Box<dyn prometheus::core::Collector>,
+                Box::new(started),
+            ] {
+                registry
+                    .register(server_wide)
+                    .expect("metric registered once");
+            }
+        }
         Self {
             running: reg!(IntGauge::with_opts(opts(
                 "vllm:num_requests_running",
@@ -232,6 +244,16 @@ impl SimMetrics {
         for s in seconds {
             self.itl.observe(*s);
         }
+    }
+
+    /// Waiting and running requests and KV usage, as the engine last reported them (what vLLM's
+    /// data-parallel coordinator collects from each engine).
+    pub fn load(&self) -> (f64, f64, f64) {
+        (
+            self.waiting.get() as f64,
+            self.running.get() as f64,
+            self.kv_usage.get(),
+        )
     }
 
     pub fn render(&self) -> String {

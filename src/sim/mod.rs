@@ -7,6 +7,7 @@
 //! preset in [`presets`].
 
 pub mod api;
+pub mod data_parallel;
 pub mod engine;
 pub mod events;
 pub mod kv;
@@ -79,6 +80,11 @@ pub struct SimConfig {
     /// `VLLM_ENABLE_RESPONSES_API_STORE=1` (off by default, as in vLLM), so that
     /// `previous_response_id` and `GET /v1/responses/{id}` work on the worker that made them.
     pub responses_store: bool,
+    /// Data-parallel engines behind each worker's API server, as vLLM's `--data-parallel-size`:
+    /// each a rank with its own KV cache, metrics series and event ports (the first rank's plus
+    /// the rank), a request placed by its `X-data-parallel-rank` header or else by vLLM's
+    /// balancer ([`data_parallel`]).
+    pub data_parallel_size: usize,
 }
 
 impl Default for SimConfig {
@@ -99,6 +105,7 @@ impl Default for SimConfig {
             tokenizer: None,
             tokenizer_config: None,
             responses_store: false,
+            data_parallel_size: 1,
         }
     }
 }
@@ -168,12 +175,22 @@ impl SimConfig {
                 "faults.error_rate must be in 0..1".into(),
             ));
         }
+        if !(1..=256).contains(&self.data_parallel_size) {
+            return Err(SimError::Invalid(
+                "data_parallel_size must be 1 to 256".into(),
+            ));
+        }
         if self.tokenizer_config.is_some() && self.tokenizer.is_none() {
             return Err(SimError::Invalid(
                 "tokenizer_config needs tokenizer (the model's tokenizer.json)".into(),
             ));
         }
         self.engine_params()
+    }
+
+    /// The data-parallel engines behind each worker, where there are several.
+    pub fn data_parallel_ranks(&self) -> Option<u32> {
+        (self.data_parallel_size > 1).then_some(self.data_parallel_size as u32)
     }
 
     /// What the workers tokenize with.
@@ -242,39 +259,60 @@ pub async fn start(
             addr: SocketAddr::new(cfg.host, 0),
             source,
         })?;
-        let mut engine = Engine::new(params.clone());
-        engine.set_tokenizer(tokenizer.clone());
-        let (kv_events, publish) = if cfg.kv_events {
-            engine.record_kv_events();
-            let (source, sockets) = events::bind(cfg.host)
+        let sockets = if cfg.kv_events {
+            events::bind_ranks(cfg.host, cfg.data_parallel_size)
                 .await
-                .map_err(|e| SimError::Invalid(format!("KV event sockets: {e}")))?;
-            let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-            tasks.spawn(events::run(sockets, rx, cancel.clone()));
-            (Some(source), Some(tx))
+                .map_err(|e| SimError::Invalid(format!("KV event sockets: {e}")))?
         } else {
-            (None, None)
+            Vec::new()
         };
-        let listing = kv_events.clone();
-        workers.push(SimWorker { addr, kv_events });
-        let metrics = Arc::new(metrics::SimMetrics::new(&params));
-        let (handle, engine_task) = worker::spawn(
-            engine,
-            metrics.clone(),
-            worker::LoopOptions {
-                time_scale: cfg.time_scale,
-                abort_on_disconnect: cfg.abort_on_disconnect,
-                kv_events: publish,
-            },
-            cancel.clone(),
-        );
+        let sources: Vec<_> = sockets.iter().map(|(source, _)| source.clone()).collect();
+        let mut sockets = sockets.into_iter();
+        let registry = prometheus::Registry::new();
+        let mut ranks = Vec::with_capacity(cfg.data_parallel_size);
+        let mut loops = Vec::with_capacity(cfg.data_parallel_size);
+        for rank in 0..cfg.data_parallel_size {
+            let mut engine = Engine::new(params.clone());
+            engine.set_tokenizer(tokenizer.clone());
+            let publish = match sockets.next() {
+                Some((_, sockets)) => {
+                    engine.record_kv_events();
+                    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+                    tasks.spawn(events::run(sockets, rx, cancel.clone()));
+                    Some(tx)
+                }
+                None => None,
+            };
+            let metrics = Arc::new(metrics::SimMetrics::of_rank(&params, rank, &registry));
+            let (handle, engine_task) = worker::spawn(
+                engine,
+                metrics.clone(),
+                worker::LoopOptions {
+                    time_scale: cfg.time_scale,
+                    abort_on_disconnect: cfg.abort_on_disconnect,
+                    kv_events: publish,
+                },
+                cancel.clone(),
+            );
+            ranks.push(data_parallel::Rank {
+                engine: handle,
+                metrics,
+            });
+            loops.push(engine_task);
+        }
+        workers.push(SimWorker {
+            addr,
+            kv_events: sources.first().cloned(),
+        });
+        let metrics = ranks[0].metrics.clone();
+        let engines = data_parallel::Engines::new(ranks, cfg.time_scale);
         let faults = match cfg.fault_worker {
             Some(w) if w != i => Faults::default(),
             _ => cfg.faults.clone(),
         };
         let state = Arc::new(
             api::WorkerState::new(
-                handle,
+                engines,
                 metrics,
                 params.model.clone(),
                 params.max_model_len,
@@ -283,7 +321,7 @@ pub async fn start(
                 tokenizer.clone(),
             )
             .with_responses_store(cfg.responses_store)
-            .with_kv_event_source(listing.as_ref()),
+            .with_kv_event_sources(&sources),
         );
         let app = api::router(state);
         let stop = cancel.clone();
@@ -298,7 +336,9 @@ pub async fn start(
                 }
                 _ = stop.cancelled() => {}
             }
-            engine_task.abort();
+            for engine_task in loops {
+                engine_task.abort();
+            }
         });
     }
     Ok(workers)

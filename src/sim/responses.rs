@@ -105,8 +105,12 @@ pub async fn cancel(State(s): State<Arc<WorkerState>>, Path(id): Path<String>) -
 }
 
 /// `POST /v1/responses`.
-pub async fn create(State(s): State<Arc<WorkerState>>, body: Bytes) -> Response {
-    let load = s.admit();
+pub async fn create(
+    State(s): State<Arc<WorkerState>>,
+    headers: axum::http::HeaderMap,
+    body: Bytes,
+) -> Response {
+    let mut load = s.admit();
     let req: ResponsesBody = match serde_json::from_slice(&body) {
         Ok(r) => r,
         Err(e) => return bad_request(&format!("invalid request: {e}"), None),
@@ -143,8 +147,9 @@ pub async fn create(State(s): State<Arc<WorkerState>>, body: Bytes) -> Response 
         Ok(p) => p,
         Err(r) => return super::api::reject(r),
     };
-    let Some(events) = s.engine.submit(parsed.engine.clone()) else {
-        return super::api::shutting_down();
+    let events = match load.submit(&s, &headers, parsed.engine.clone()) {
+        Ok(events) => events,
+        Err(refused) => return super::api::refusal(refused),
     };
     let n = s.next_request();
     let answer = Answer {
