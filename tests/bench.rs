@@ -310,6 +310,56 @@ async fn a_kvroute_arm_on_a_data_parallel_pool_routes_to_each_rank() {
     assert_eq!(ranks, ["0", "0", "1", "1"]);
 }
 
+/// A simulated pool whose workers each run two data-parallel engines (`--pool-data-parallel 2`
+/// without `--pool`): a kvroute arm routes to each rank of each worker, and the arm's rows show
+/// every engine apart, from its own `engine` series.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_simulated_data_parallel_pool_is_reported_engine_by_engine() {
+    let sim = SimConfig {
+        workers: 2,
+        port: 0,
+        engine: Some(small_engine(2048)),
+        time_scale: 4.0,
+        data_parallel_size: 2,
+        ..SimConfig::default()
+    };
+    let load = LoadSpec {
+        warmup: Duration::ZERO,
+        duration: Duration::from_secs(60),
+        max_requests: Some(40),
+        concurrency: 1,
+        ..spec(Workload::PrefixRepetition {
+            prefixes: 4,
+            prefix_tokens: 64,
+            unique_tokens: 16,
+            output_tokens: 2,
+        })
+    };
+    let arms = ["round_robin".to_string()];
+    let (runs, limit) =
+        bench::compare(&bench::Target::Sim(Box::new(sim)), &arms, &load, (1e9, 1e9))
+            .await
+            .unwrap();
+    let run = &runs[0];
+    assert_eq!(run.summary.requests, 40, "{:?}", run.summary);
+    assert_eq!(run.summary.errors, 0);
+    let mut names: Vec<&str> = run.per_worker.iter().map(|w| w.worker.as_str()).collect();
+    names.sort();
+    assert_eq!(names.len(), 4, "{names:?}");
+    for w in &run.per_worker {
+        assert!(
+            w.worker.ends_with("/dp0") || w.worker.ends_with("/dp1"),
+            "{}",
+            w.worker
+        );
+        assert_eq!(
+            w.counters.requests, 10.0,
+            "round-robin over four ranks: {w:?}"
+        );
+    }
+    assert!(limit.is_some_and(|l| l > 0.0), "{limit:?}");
+}
+
 /// The simulator refuses to empty its cache while a request holds blocks, as vLLM does.
 #[tokio::test]
 async fn reset_prefix_cache_is_refused_while_a_request_runs() {

@@ -72,7 +72,8 @@ pub enum BenchCommand {
         /// With --pool: each worker runs this many vLLM data-parallel engines behind its API
         /// server (`--data-parallel-size`); kvroute's arms route to each rank as a worker of its
         /// own (`data_parallel_size`), other routers get the workers' URLs. --pool-kv-events then
-        /// names rank 0's endpoints.
+        /// names rank 0's endpoints. Without --pool, each simulated worker runs this many engines
+        /// (as `kvroute sim --data-parallel-size`), vLLM's balancer placing what names no rank.
         #[arg(long, value_parser = clap::value_parser!(u32).range(1..=256))]
         pool_data_parallel: Option<u32>,
         /// Run the whole comparison once per seed, comma-separated (fresh pools each time, the
@@ -375,6 +376,7 @@ pub async fn run(cmd: BenchCommand) -> Result<(), BenchError> {
                     kv_events: wants_events,
                     tokenizer: tokenizer.clone(),
                     tokenizer_config: tokenizer_config.clone(),
+                    data_parallel_size: pool_data_parallel.map_or(1, |n| n as usize),
                     ..SimConfig::default()
                 };
                 sim.validate()?;

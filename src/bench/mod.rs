@@ -225,7 +225,7 @@ pub async fn start_pool_replicated(
             tokenizer_json,
             tokenizer_config: cfg.tokenizer_config.clone(),
         }),
-        data_parallel_size: None,
+        data_parallel_size: cfg.data_parallel_ranks(),
     };
     let gateway = Gateway {
         host: cfg.host,
@@ -493,7 +493,7 @@ pub async fn compare_replicated(
             Target::Existing {
                 data_parallel_size, ..
             } => *data_parallel_size,
-            Target::Sim(_) => None,
+            Target::Sim(cfg) => cfg.data_parallel_ranks(),
         };
         let (mut run, samples) =
             run_once_on_engines(&label, &spec, &pool.workers, engines, slo, k).await?;
@@ -509,7 +509,10 @@ pub async fn compare_replicated(
                 Target::Sim(sim_cfg) => {
                     let p = sim_cfg.engine_params()?;
                     (
-                        (p.num_gpu_blocks * sim_cfg.workers, p.block_size),
+                        (
+                            p.num_gpu_blocks * sim_cfg.workers * sim_cfg.data_parallel_size,
+                            p.block_size,
+                        ),
                         sim_cfg.load_tokenizer()?,
                     )
                 }
