@@ -1,6 +1,6 @@
-//! vLLM's HTTP API on top of one engine: completions and chat (streaming and not), models,
-//! tokenize/detokenize, health, load and metrics, plus the configured faults; the Responses API
-//! is in `responses.rs`.
+//! vLLM's HTTP API on top of a server's engine (or its data-parallel ranks' engines): completions
+//! and chat (streaming and not), models, tokenize/detokenize, health, load and metrics, plus the
+//! configured faults; the Responses API is in `responses.rs`.
 //!
 //! Response shapes follow vLLM's OpenAI server: SSE events `data: {json}\n\n` ending with
 //! `data: [DONE]\n\n`; chat streams open with a `role` delta; the last content chunk carries

@@ -4,7 +4,8 @@
 //! One worker is: [`api`] (HTTP shapes, faults) → [`request`] (vLLM's fields and validation) →
 //! [`worker`] (the engine loop in scaled time) → [`engine`] (scheduler and cost model) → [`kv`]
 //! (paged prefix cache), with its own [`tokenizer`] and [`metrics`]. Parameters come from a named
-//! preset in [`presets`].
+//! preset in [`presets`]. A worker may run several engines behind its one API server, as vLLM's
+//! data parallelism does ([`data_parallel`]).
 
 pub mod api;
 pub mod data_parallel;
@@ -226,7 +227,8 @@ impl SimConfig {
 #[derive(Clone, Debug)]
 pub struct SimWorker {
     pub addr: SocketAddr,
-    /// Its KV cache event endpoints, when it publishes them.
+    /// Its KV cache event endpoints, when it publishes them: rank 0's where it runs several
+    /// data-parallel engines (rank r's are on these ports plus r, as vLLM places them).
     pub kv_events: Option<crate::kv_events::EventSource>,
 }
 
