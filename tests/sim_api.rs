@@ -824,5 +824,11 @@ async fn a_data_parallel_server_keeps_each_ranks_cache_and_series_apart() {
     let finished = "vllm:e2e_request_latency_seconds_count";
     assert_eq!(series(finished, 0), Some(4.0), "{m}");
     assert_eq!(series(finished, 1), Some(4.0), "{m}");
-    assert_eq!(m.matches("vllm:cache_config_info{").count(), 1, "{m}");
+    // As vLLM: the cache's description once per engine, the process's start time once.
+    for rank in 0..2 {
+        let info = format!("vllm:cache_config_info{{block_size=\"16\",cache_dtype=\"auto\",enable_prefix_caching=\"True\",engine=\"{rank}\",");
+        assert!(m.contains(&info), "{info} in {m}");
+    }
+    assert_eq!(m.matches("vllm:cache_config_info{").count(), 2, "{m}");
+    assert_eq!(m.matches("\nprocess_start_time_seconds ").count(), 1, "{m}");
 }

@@ -276,9 +276,9 @@ pub async fn reset_prefix_caches(workers: &[String]) -> Result<(), String> {
     Ok(())
 }
 
-/// The pool's KV capacity, `(blocks summed over workers, tokens per block)`, from the
-/// `num_gpu_blocks` and `block_size` labels of each worker's `vllm:cache_config_info`; `(0, 0)`
-/// when no worker exports it.
+/// The pool's KV capacity, `(blocks summed over workers and their engines, tokens per block)`,
+/// from the `num_gpu_blocks` and `block_size` labels of each worker's `vllm:cache_config_info`
+/// (one sample per data-parallel engine); `(0, 0)` when no worker exports it.
 pub async fn cache_capacity(workers: &[String]) -> (usize, usize) {
     let client = client();
     let (mut blocks, mut block_size) = (0, 0);
@@ -286,12 +286,23 @@ pub async fn cache_capacity(workers: &[String]) -> (usize, usize) {
         let Some(text) = metrics_text(&client, w).await else {
             continue;
         };
-        let Some(line) = text
-            .lines()
-            .find(|l| l.starts_with("vllm:cache_config_info{"))
-        else {
-            continue;
-        };
+        let (b, size) = capacity_in(&text);
+        blocks += b;
+        if size > 0 {
+            block_size = size;
+        }
+    }
+    (blocks, block_size)
+}
+
+/// `(blocks, tokens per block)` of one worker's `/metrics`: every engine's
+/// `vllm:cache_config_info` sample counted.
+fn capacity_in(text: &str) -> (usize, usize) {
+    let (mut blocks, mut block_size) = (0, 0);
+    for line in text
+        .lines()
+        .filter(|l| l.starts_with("vllm:cache_config_info{"))
+    {
         let label = |name: &str| -> Option<usize> {
             let start = line
                 .find(&format!(",{name}=\""))
@@ -310,6 +321,16 @@ pub async fn cache_capacity(workers: &[String]) -> (usize, usize) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn every_data_parallel_engines_cache_counts_toward_a_workers_capacity() {
+        let text = "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n\
+            vllm:cache_config_info{block_size=\"16\",engine=\"0\",num_gpu_blocks=\"100\"} 1.0\n\
+            vllm:cache_config_info{block_size=\"16\",engine=\"1\",num_gpu_blocks=\"300\"} 1.0\n\
+            vllm:num_requests_running{engine=\"0\"} 0.0\n";
+        assert_eq!(capacity_in(text), (400, 16));
+        assert_eq!(capacity_in("vllm:num_requests_running 0\n"), (0, 0));
+    }
 
     #[test]
     fn a_gateways_counters_are_summed_over_labels_and_taken_since_a_start() {

@@ -56,7 +56,7 @@ impl SimMetrics {
 
     /// The series of data-parallel rank `rank`'s engine (`engine="<rank>"`), in `registry`,
     /// which the server's other ranks share: one exposition holds every engine's series, as
-    /// vLLM's does. Rank 0 also registers the server's own series.
+    /// vLLM's does. Rank 0 also registers the process's start time.
     pub fn of_rank(params: &EngineParams, rank: usize, registry: &Registry) -> Self {
         let registry = registry.clone();
         let engine = rank.to_string();
@@ -97,7 +97,8 @@ impl SimMetrics {
             .const_label("block_size", params.block_size.to_string())
             .const_label("num_gpu_blocks", params.num_gpu_blocks.to_string())
             .const_label("enable_prefix_caching", "True")
-            .const_label("cache_dtype", "auto"),
+            .const_label("cache_dtype", "auto")
+            .const_label("engine", engine.as_str()),
         )
         .expect("static metric definition");
         info.set(1);
@@ -114,15 +115,14 @@ impl SimMetrics {
                 .duration_since(std::time::UNIX_EPOCH)
                 .map_or(0.0, |d| d.as_secs_f64()),
         );
+        // As vLLM: the cache's description once per engine, the process's start time once.
+        registry
+            .register(Box::new(info))
+            .expect("metric registered once");
         if rank == 0 {
-            for server_wide in [
-                Box::new(info) as Box<dyn prometheus::core::Collector>,
-                Box::new(started),
-            ] {
-                registry
-                    .register(server_wide)
-                    .expect("metric registered once");
-            }
+            registry
+                .register(Box::new(started))
+                .expect("metric registered once");
         }
         Self {
             running: reg!(IntGauge::with_opts(opts(
