@@ -1050,21 +1050,8 @@ async fn a_data_parallel_simulated_server_is_routed_to_the_rank_its_events_name(
             complete(worker, format!("{prefix} first"), Some(rank)).await;
             let next =
                 json!({"model": model, "prompt": format!("{prefix} second"), "max_tokens": 1});
-            let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-            loop {
-                let path = "/debug/route/v1/completions";
-                let d = request(gw.addr, "POST", path, next.to_string().as_bytes()).await;
-                assert_eq!(d.status, 200, "{}", String::from_utf8_lossy(&d.body));
-                let d = d.json();
-                if d["worker"] == name(rank) && d["predicted_cached_tokens"].as_u64() > Some(0) {
-                    break;
-                }
-                assert!(
-                    tokio::time::Instant::now() < deadline,
-                    "{mode}: rank {rank}'s blocks never arrived: {d}"
-                );
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
+            let limit = Duration::from_secs(10);
+            common::until_routed_to(gw.addr, &next, &name(rank), 1, limit).await;
             let r = complete(gw.addr, format!("{prefix} second"), None).await;
             assert_eq!(r.header("x-kvroute-worker"), Some(name(rank).as_str()));
             let reused = cached(&r);

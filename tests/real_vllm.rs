@@ -1616,21 +1616,8 @@ async fn real_vllm_data_parallel_ranks_are_routed_to_where_their_events_place_a_
             // request would go (without sending it), it names that rank and the prefix's blocks.
             let next =
                 json!({"model": pool.model, "prompt": format!("{prefix} second"), "max_tokens": 1});
-            let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
-            loop {
-                let path = "/debug/route/v1/completions";
-                let d = request(gw.addr, "POST", path, next.to_string().as_bytes()).await;
-                assert_eq!(d.status, 200, "{}", String::from_utf8_lossy(&d.body));
-                let d = d.json();
-                if d["worker"] == name(rank) && d["predicted_cached_tokens"].as_u64() >= Some(512) {
-                    break;
-                }
-                assert!(
-                    tokio::time::Instant::now() < deadline,
-                    "{mode}: rank {rank}'s blocks never arrived: {d}"
-                );
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
+            let limit = Duration::from_secs(20);
+            common::until_routed_to(gw.addr, &next, &name(rank), 512, limit).await;
             let r = complete(gw.addr, format!("{prefix} second"), None).await;
             assert_eq!(r.header("x-kvroute-worker"), Some(name(rank).as_str()));
             let reused = cached(&r);

@@ -24,17 +24,7 @@ pub const BUFFER_STEPS: usize = 10_000;
 /// Binds the PUB and ROUTER sockets on `host` (free ports) and returns their endpoints with the
 /// sockets, ready for [`run`].
 pub async fn bind(host: std::net::IpAddr) -> zeromq::ZmqResult<(EventSource, Sockets)> {
-    let mut publisher = zeromq::PubSocket::new();
-    let endpoint = publisher.bind(&format!("tcp://{host}:0")).await?;
-    let mut replay = zeromq::RouterSocket::new();
-    let replay_endpoint = replay.bind(&format!("tcp://{host}:0")).await?;
-    Ok((
-        EventSource {
-            endpoint: endpoint.to_string(),
-            replay: Some(replay_endpoint.to_string()),
-        },
-        Sockets { publisher, replay },
-    ))
+    bind_at(host, 0, 0).await
 }
 
 /// [`bind`] for `ranks` data-parallel ranks as vLLM places them: rank r's publisher and replay
@@ -74,7 +64,7 @@ pub async fn bind_ranks(
     ))
 }
 
-/// The publisher and replay sockets bound on the given ports.
+/// The publisher and replay sockets bound on the given ports (0: a free one).
 async fn bind_at(
     host: std::net::IpAddr,
     publisher_port: u16,

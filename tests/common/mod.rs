@@ -361,6 +361,34 @@ pub async fn request(addr: SocketAddr, method: &str, path: &str, body: &[u8]) ->
     request_with(addr, method, path, &[], body).await
 }
 
+/// Asks the gateway at `gw` where `body` (a `/v1/completions` request) would go, through
+/// `/debug/route`, until the answer names `worker` with at least `min_cached` predicted cached
+/// tokens (KV events arrive asynchronously); panics with the last answer after `limit`.
+pub async fn until_routed_to(
+    gw: SocketAddr,
+    body: &serde_json::Value,
+    worker: &str,
+    min_cached: u64,
+    limit: Duration,
+) {
+    let deadline = tokio::time::Instant::now() + limit;
+    loop {
+        let path = "/debug/route/v1/completions";
+        let d = request(gw, "POST", path, body.to_string().as_bytes()).await;
+        assert_eq!(d.status, 200, "{}", String::from_utf8_lossy(&d.body));
+        let d = d.json();
+        let predicted = d["predicted_cached_tokens"].as_u64().unwrap_or(0);
+        if d["worker"] == worker && predicted >= min_cached {
+            return;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{worker}'s blocks never arrived: {d}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 /// [`request`] with extra request headers.
 pub async fn request_with(
     addr: SocketAddr,
