@@ -995,27 +995,10 @@ async fn a_data_parallel_simulated_server_is_routed_to_the_rank_its_events_name(
     };
     for (mode, words) in [("given", "alpha"), ("discovered", "omega")] {
         let given = mode == "given";
-        let mut config = kvroute::config::Config {
-            workers: vec![kvroute::config::WorkerConfig {
-                kv_events: given.then(|| source.endpoint.clone()),
-                kv_events_replay: if given { source.replay.clone() } else { None },
-                data_parallel_size: Some(2),
-                ..kvroute::config::WorkerConfig::from_url(format!("http://{worker}"))
-            }],
-            tokenizers: vec![kvroute::config::TokenizerConfig {
-                model: model.clone(),
-                tokenizer_json: tokenizer_json.clone(),
-                tokenizer_config: None,
-            }],
-            ..kvroute::config::Config::default()
-        }
-        .with_overrides(kvroute::config::Overrides {
-            policy: Some("cache_aware".into()),
-            ..Default::default()
-        })
-        .unwrap();
-        config.kv_events.discover = !given;
-        config.load_signals.interval_seconds = 0.0;
+        let url = format!("http://{worker}");
+        let given = given.then_some(&source);
+        let config =
+            common::data_parallel_events_config(url, 2, given, &model, tokenizer_json.clone());
         let gw = gateway(config).await;
         let name = |rank: &str| format!("{worker}/dp{rank}");
         let series = |m: &str, metric_name: &str, rank: &str| {

@@ -1536,27 +1536,15 @@ async fn real_vllm_data_parallel_ranks_are_routed_to_where_their_events_place_a_
         ("discovered", [42_001, 42_002]),
     ] {
         let given = mode == "given";
-        let mut config = Config {
-            workers: vec![WorkerConfig {
-                kv_events: given.then(|| source.endpoint.clone()),
-                kv_events_replay: if given { source.replay.clone() } else { None },
-                data_parallel_size: Some(ranks),
-                ..WorkerConfig::from_url(pool.urls[0].clone())
-            }],
-            tokenizers: vec![kvroute::config::TokenizerConfig {
-                model: pool.model.clone(),
-                tokenizer_json: tokenizer_json.clone().into(),
-                tokenizer_config: None,
-            }],
-            ..Config::default()
-        }
-        .with_overrides(Overrides {
-            policy: Some("cache_aware".into()),
-            ..Default::default()
-        })
-        .unwrap();
-        config.kv_events.discover = !given;
-        config.load_signals.interval_seconds = 0.0;
+        let url = pool.urls[0].clone();
+        let given = given.then_some(&source);
+        let config = common::data_parallel_events_config(
+            url,
+            ranks,
+            given,
+            &pool.model,
+            tokenizer_json.clone().into(),
+        );
         let gw = gateway(config).await;
         let host = pool.urls[0].trim_start_matches("http://").to_owned();
         let name = |rank: u32| format!("{host}/dp{rank}");

@@ -361,6 +361,41 @@ pub async fn request(addr: SocketAddr, method: &str, path: &str, body: &[u8]) ->
     request_with(addr, method, path, &[], body).await
 }
 
+/// A `cache_aware` gateway's config for one server at `url` running `ranks` data-parallel
+/// engines, following their KV events: from `given` (rank 0's endpoints; each rank's are on its
+/// ports plus the rank), or asked of the server (`/kv_event_sources`) when `None`; requests
+/// tokenized with `tokenizer_json` for `model`; no load polling.
+pub fn data_parallel_events_config(
+    url: String,
+    ranks: u32,
+    given: Option<&kvroute::kv_events::EventSource>,
+    model: &str,
+    tokenizer_json: std::path::PathBuf,
+) -> Config {
+    let mut config = Config {
+        workers: vec![WorkerConfig {
+            kv_events: given.map(|s| s.endpoint.clone()),
+            kv_events_replay: given.and_then(|s| s.replay.clone()),
+            data_parallel_size: Some(ranks),
+            ..WorkerConfig::from_url(url)
+        }],
+        tokenizers: vec![kvroute::config::TokenizerConfig {
+            model: model.to_owned(),
+            tokenizer_json,
+            tokenizer_config: None,
+        }],
+        ..Config::default()
+    }
+    .with_overrides(kvroute::config::Overrides {
+        policy: Some("cache_aware".into()),
+        ..Default::default()
+    })
+    .unwrap();
+    config.kv_events.discover = given.is_none();
+    config.load_signals.interval_seconds = 0.0;
+    config
+}
+
 /// Asks the gateway at `gw` where `body` (a `/v1/completions` request) would go, through
 /// `/debug/route`, until the answer names `worker` with at least `min_cached` predicted cached
 /// tokens (KV events arrive asynchronously); panics with the last answer after `limit`.
