@@ -94,18 +94,6 @@ impl Engines {
         }
     }
 
-    pub fn len(&self) -> usize {
-        self.ranks.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.ranks.is_empty()
-    }
-
-    pub fn ranks(&self) -> &[Rank] {
-        &self.ranks
-    }
-
     /// Queues `req` on the rank `header` names (vLLM ignores a value that is not an integer), or
     /// on the one the balancer picks. Its events arrive on the receiver; the slot holds its place
     /// in the balancer's counts until dropped (with the response).

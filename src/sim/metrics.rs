@@ -50,10 +50,6 @@ pub struct SimMetrics {
 }
 
 impl SimMetrics {
-    pub fn new(params: &EngineParams) -> Self {
-        Self::of_rank(params, 0, &Registry::new())
-    }
-
     /// The series of data-parallel rank `rank`'s engine (`engine="<rank>"`), in `registry`,
     /// which the server's other ranks share: one exposition holds every engine's series, as
     /// vLLM's does. Rank 0 also registers the process's start time.
