@@ -832,3 +832,28 @@ async fn a_data_parallel_server_keeps_each_ranks_cache_and_series_apart() {
     assert_eq!(m.matches("vllm:cache_config_info{").count(), 2, "{m}");
     assert_eq!(m.matches("\nprocess_start_time_seconds ").count(), 1, "{m}");
 }
+
+/// A server of one engine refuses a rank other than 0 as vLLM does (its ranks are checked
+/// against the data-parallel size, 1 here), and serves rank 0.
+#[tokio::test]
+async fn a_single_engine_server_refuses_any_rank_but_zero() {
+    let s = one().await;
+    let body = json!({"prompt": "which rank", "max_tokens": 1}).to_string();
+    for (rank, status) in [("0", 200), ("1", 400)] {
+        let headers = [("x-data-parallel-rank", rank)];
+        let r = request_with(
+            s.addrs[0],
+            "POST",
+            "/v1/completions",
+            &headers,
+            body.as_bytes(),
+        )
+        .await;
+        assert_eq!(
+            r.status,
+            status,
+            "rank {rank}: {}",
+            String::from_utf8_lossy(&r.body)
+        );
+    }
+}

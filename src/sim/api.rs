@@ -320,7 +320,7 @@ impl LoadGuard {
         req: EngineRequest,
     ) -> Result<mpsc::UnboundedReceiver<Event>, Refused> {
         let (events, slot) = s.engines.submit(headers.get(RANK_HEADER), req)?;
-        self.rank = slot;
+        self.rank = Some(slot);
         Ok(events)
     }
 }

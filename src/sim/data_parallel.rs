@@ -94,21 +94,14 @@ impl Engines {
         }
     }
 
-    /// Queues `req` on the rank `header` names (vLLM ignores a value that is not an integer), or
-    /// on the one the balancer picks. Its events arrive on the receiver; the slot holds its place
+    /// Queues `req` on the rank `header` names (vLLM ignores a value that is not an integer, and
+    /// refuses a rank it lacks, a server of one engine too), or on the one the balancer picks. Its events arrive on the receiver; the slot holds its place
     /// in the balancer's counts until dropped (with the response).
     pub fn submit(
         &self,
         header: Option<&http::HeaderValue>,
         req: EngineRequest,
-    ) -> Result<(mpsc::UnboundedReceiver<Event>, Option<RankSlot>), Refused> {
-        if self.ranks.len() == 1 {
-            let events = self.ranks[0]
-                .engine
-                .submit(req)
-                .ok_or(Refused::ShuttingDown)?;
-            return Ok((events, None));
-        }
+    ) -> Result<(mpsc::UnboundedReceiver<Event>, RankSlot), Refused> {
         let named = header
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.trim().parse::<i64>().ok());
@@ -120,6 +113,7 @@ impl Engines {
                 })
             }
             Some(r) => r as usize,
+            None if self.ranks.len() == 1 => 0,
             None => self.balance(),
         };
         let events = self.ranks[rank]
@@ -127,13 +121,11 @@ impl Engines {
             .submit(req)
             .ok_or(Refused::ShuttingDown)?;
         self.inflight[rank].fetch_add(1, Ordering::Relaxed);
-        Ok((
-            events,
-            Some(RankSlot {
-                inflight: self.inflight.clone(),
-                rank,
-            }),
-        ))
+        let slot = RankSlot {
+            inflight: self.inflight.clone(),
+            rank,
+        };
+        Ok((events, slot))
     }
 
     /// vLLM's choice for a request that names no rank.
