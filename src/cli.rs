@@ -53,9 +53,10 @@ enum Command {
         #[arg(long = "worker", num_args = 1..)]
         workers: Vec<String>,
         /// Each --worker runs vLLM's --data-parallel-size this many engines behind its API
-        /// server: route to each rank as a worker of its own (`data_parallel_size`).
+        /// server: route to each rank as a worker of its own (`data_parallel_size`). `auto`: as
+        /// many as each worker's /metrics shows.
         #[arg(long, requires = "workers")]
-        data_parallel_size: Option<u32>,
+        data_parallel_size: Option<crate::config::DataParallelSize>,
         /// Routing policy: round_robin, least_conn, prefix or cache_aware (overrides the file).
         #[arg(long, env = POLICY_ENV)]
         policy: Option<String>,
@@ -236,8 +237,13 @@ fn serve(path: Option<PathBuf>, overrides: Overrides, check: bool) -> ExitCode {
                 crate::policy::arms::Arms::new(&config.policy, config.ab.as_ref()).describe()
             ),
         };
-        let workers = crate::config::expand_ranks(&config.workers).len();
-        println!("config ok: {routing}, {workers} worker(s)");
+        let workers = crate::config::expand_ranks(&config.workers, &Default::default()).len();
+        let auto = config.workers.iter().filter(|w| w.detects_ranks()).count();
+        let auto = match auto {
+            0 => String::new(),
+            n => format!(" ({n} with their data-parallel ranks read from the worker)"),
+        };
+        println!("config ok: {routing}, {workers} worker(s){auto}");
         return ExitCode::SUCCESS;
     }
     let loops = match config.threads {

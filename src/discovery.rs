@@ -27,7 +27,7 @@ use hyper_util::rt::TokioExecutor;
 use serde_json::Value;
 use tokio_util::sync::CancellationToken;
 
-use crate::config::{DiscoveryConfig, WorkerConfig};
+use crate::config::{DataParallelSize, DiscoveryConfig, WorkerConfig};
 use crate::proxy::{error_chain, Upstreams};
 
 /// Applies one complete list from `source` and counts it.
@@ -77,7 +77,7 @@ impl Resolve for SystemResolver {
 /// with `data_parallel_size` engines behind it when set.
 pub fn workers_from_addrs(
     mut addrs: Vec<SocketAddr>,
-    data_parallel_size: Option<u32>,
+    data_parallel_size: Option<DataParallelSize>,
 ) -> Vec<WorkerConfig> {
     addrs.sort();
     addrs.dedup();
@@ -262,7 +262,7 @@ pub struct SliceTarget {
     pub port_name: Option<String>,
     pub port: Option<u16>,
     /// The data-parallel engines behind each endpoint's API server, if any.
-    pub data_parallel_size: Option<u32>,
+    pub data_parallel_size: Option<DataParallelSize>,
 }
 
 impl SliceTarget {

@@ -649,7 +649,11 @@ pub async fn run(up: Arc<Upstreams>, cancel: CancellationToken) {
         }
         let workers = up.pool.snapshot();
         let polls = workers.iter().map(|w| poll(&up, w, &cfg.path, timeout));
-        for (w, p) in workers.iter().zip(join_all(polls).await) {
+        let mut engines = Vec::new();
+        for (w, (p, ranks)) in workers.iter().zip(join_all(polls).await) {
+            if let (Some(url), Some(ranks)) = (&w.ranks_of, ranks) {
+                engines.push((url, ranks));
+            }
             if w.kv.store(p.as_ref()) {
                 tracing::warn!(
                     worker = %w.name,
@@ -662,18 +666,56 @@ pub async fn run(up: Arc<Upstreams>, cancel: CancellationToken) {
             }
             w.load.store(p, w.inflight());
         }
+        for (url, ranks) in engines {
+            follow_ranks(&up, url, ranks);
+        }
     }
 }
 
-async fn poll(up: &Upstreams, w: &Worker, path: &str, timeout: Duration) -> Option<Polled> {
-    let uri = http::Uri::builder()
-        .scheme(w.scheme.clone())
-        .authority(w.authority.clone())
-        .path_and_query(path)
-        .build()
-        .ok()?;
-    let req = http::Request::get(uri).body(Full::new(Bytes::new())).ok()?;
+/// Routes to the data-parallel ranks the `auto` worker entry `url` was seen to have.
+fn follow_ranks(up: &Upstreams, url: &str, ranks: Vec<u32>) {
+    let shown = format!("{ranks:?}");
+    match up.pool.ranks_seen(url, ranks, &up.metrics) {
+        None => {}
+        Some(Ok((added, removed))) => {
+            tracing::info!(
+                worker = url,
+                ranks = shown,
+                added,
+                removed,
+                "data-parallel engines found behind the worker: each rank is routed to as a worker"
+            );
+            up.metrics
+                .discovery_updates
+                .with_label_values(&["data_parallel", "applied"])
+                .inc();
+        }
+        Some(Err(e)) => {
+            tracing::warn!(worker = url, error = %e, "data-parallel ranks not applied");
+            up.metrics
+                .discovery_updates
+                .with_label_values(&["data_parallel", "rejected"])
+                .inc();
+        }
+    }
+}
+
+/// The worker's load signals, and for the worker of a `data_parallel_size: auto` entry the
+/// engines its exposition shows ([`engine_ranks`]).
+async fn poll(
+    up: &Upstreams,
+    w: &Worker,
+    path: &str,
+    timeout: Duration,
+) -> (Option<Polled>, Option<Vec<u32>>) {
     let read = async {
+        let uri = http::Uri::builder()
+            .scheme(w.scheme.clone())
+            .authority(w.authority.clone())
+            .path_and_query(path)
+            .build()
+            .ok()?;
+        let req = http::Request::get(uri).body(Full::new(Bytes::new())).ok()?;
         let resp = up.client.request(req).await.ok()?;
         if !resp.status().is_success() {
             return None;
@@ -683,9 +725,39 @@ async fn poll(up: &Upstreams, w: &Worker, path: &str, timeout: Duration) -> Opti
             .await
             .ok()?;
         let rank = w.data_parallel_rank.as_ref().map(|r| r.0);
-        parse_vllm_metrics(std::str::from_utf8(&body.to_bytes()).ok()?, rank)
+        let body = body.to_bytes();
+        let text = std::str::from_utf8(&body).ok()?;
+        let polled = parse_vllm_metrics(text, rank);
+        let ranks = w
+            .ranks_of
+            .as_ref()
+            .and(polled.as_ref())
+            .and_then(|_| engine_ranks(text));
+        Some((polled, ranks))
     };
-    tokio::time::timeout(timeout, read).await.ok().flatten()
+    match tokio::time::timeout(timeout, read).await {
+        Ok(Some(read)) => read,
+        _ => (None, None),
+    }
+}
+
+/// The data-parallel engines a vLLM exposition shows: the ranks its samples' `engine` labels
+/// name, in order. `None` when a label is not a rank below [`MAX_DATA_PARALLEL_SIZE`]: what the
+/// worker serves is then not read as ranks.
+///
+/// [`MAX_DATA_PARALLEL_SIZE`]: crate::config::MAX_DATA_PARALLEL_SIZE
+pub fn engine_ranks(text: &str) -> Option<Vec<u32>> {
+    let mut ranks = std::collections::BTreeSet::new();
+    for sample in text.lines().filter_map(|l| l.strip_prefix("vllm:")) {
+        match engine_of(sample) {
+            None => {}
+            Some(Some(r)) if r < crate::config::MAX_DATA_PARALLEL_SIZE => {
+                ranks.insert(r);
+            }
+            Some(_) => return None,
+        }
+    }
+    Some(ranks.into_iter().collect())
 }
 
 #[cfg(test)]
@@ -716,6 +788,22 @@ mod tests {
             }
         );
         assert_eq!(parse_vllm_metrics("other_metric 1\n", None), None);
+    }
+
+    #[test]
+    fn the_engines_an_exposition_shows_are_its_ranks() {
+        let text = "vllm:num_requests_running{engine=\"1\",model_name=\"m\"} 0.0\n\
+            vllm:num_requests_running{engine=\"0\",model_name=\"m\"} 0.0\n\
+            vllm:kv_cache_usage_perc{engine=\"1\",model_name=\"m\"} 0.5\n\
+            other_metric{engine=\"7\"} 1\n\
+            process_start_time_seconds 1.0\n";
+        assert_eq!(engine_ranks(text), Some(vec![0, 1]));
+        assert_eq!(engine_ranks("vllm:num_requests_running 0\n"), Some(vec![]));
+        // A label that is no rank, or beyond any size kvroute expands to, is not read as ranks.
+        let odd = "vllm:num_requests_running{engine=\"x\"} 0\n";
+        assert_eq!(engine_ranks(odd), None);
+        let far = "vllm:num_requests_running{engine=\"100000\"} 0\n";
+        assert_eq!(engine_ranks(far), None);
     }
 
     #[test]

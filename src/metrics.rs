@@ -239,7 +239,7 @@ impl Metrics {
             ),
             discovery_updates: counter(
                 "kvroute_discovery_updates_total",
-                "Worker-set updates, by source (static, dns, kubernetes, reload) and result.",
+                "Worker-set updates, by source (static, dns, kubernetes, reload, data_parallel) and result.",
                 &["source", "result"],
             ),
             workers,

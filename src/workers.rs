@@ -71,6 +71,9 @@ pub struct Worker {
     _follow: Option<tokio_util::sync::DropGuard>,
     /// Its per-request series under each arm, resolved once.
     series: crate::metrics::SeriesByArm,
+    /// For a worker of a `data_parallel_size: auto` entry: the entry's URL, under which the
+    /// ranks its `/metrics` shows are reported to the pool ([`Pool::ranks_seen`]).
+    pub ranks_of: Option<Box<str>>,
 }
 
 /// [`Worker`]'s `out` bit: marked down by active health checks.
@@ -175,6 +178,7 @@ impl Worker {
             steps: crate::load::StepClock::default(),
             freed,
             series: Default::default(),
+            ranks_of: cfg.detects_ranks().then(|| cfg.url.as_str().into()),
         })
     }
 
@@ -312,6 +316,16 @@ pub struct Pool {
     pub freed: Arc<SlotFreed>,
     /// Where workers that join publish their KV cache events.
     kv_events: crate::config::KvEventsConfig,
+    /// The list last applied, before its ranks are expanded, and the ranks found behind its
+    /// `data_parallel_size: auto` entries: the pool is rebuilt from them when those change.
+    /// Held across a reconcile, so one list is applied at a time.
+    listed: parking_lot::Mutex<Listed>,
+}
+
+#[derive(Default)]
+struct Listed {
+    cfgs: Vec<WorkerConfig>,
+    ranks: crate::config::DetectedRanks,
 }
 
 impl Pool {
@@ -320,6 +334,7 @@ impl Pool {
             set: ArcSwap::from_pointee(workers),
             freed: Arc::default(),
             kv_events: Default::default(),
+            listed: Default::default(),
         }
     }
 
@@ -346,8 +361,61 @@ impl Pool {
         cfgs: &[WorkerConfig],
         metrics: &Metrics,
     ) -> Result<(usize, usize), String> {
+        let mut listed = self.listed.lock();
+        let applied = self.apply(cfgs, &listed.ranks, metrics)?;
+        listed.cfgs = cfgs.to_vec();
+        // Only the entries still listed keep what was found behind them.
+        listed
+            .ranks
+            .retain(|url, _| cfgs.iter().any(|c| c.detects_ranks() && c.url == *url));
+        Ok(applied)
+    }
+
+    /// Records the data-parallel ranks that the worker of the `auto` entry `url` shows (its
+    /// engines' labels in `/metrics`), and when they differ from what the pool routes to, rebuilds
+    /// the pool from the last list: a server found to run several engines becomes a worker per
+    /// rank, and one that comes back with another count is followed. `None` when nothing changed.
+    pub fn ranks_seen(
+        &self,
+        url: &str,
+        ranks: Vec<u32>,
+        metrics: &Metrics,
+    ) -> Option<Result<(usize, usize), String>> {
+        let mut listed = self.listed.lock();
+        if !listed
+            .cfgs
+            .iter()
+            .any(|c| c.detects_ranks() && c.url == url)
+        {
+            return None; // the entry left the list since the poll began
+        }
+        // One engine, or none shown: the server is routed to as one worker.
+        let before = listed.ranks.get(url).map_or(&[][..], Vec::as_slice);
+        if ranks.len() <= 1 && before.is_empty() || before == ranks {
+            return None;
+        }
+        let mut next = listed.ranks.clone();
+        if ranks.len() <= 1 {
+            next.remove(url);
+        } else {
+            next.insert(url.to_owned(), ranks);
+        }
+        let applied = self.apply(&listed.cfgs, &next, metrics);
+        if applied.is_ok() {
+            listed.ranks = next;
+        }
+        Some(applied)
+    }
+
+    /// [`Pool::reconcile`]'s work, for `cfgs` with the `auto` entries' ranks as `ranks` says.
+    fn apply(
+        &self,
+        cfgs: &[WorkerConfig],
+        ranks: &crate::config::DetectedRanks,
+        metrics: &Metrics,
+    ) -> Result<(usize, usize), String> {
         let old = self.snapshot();
-        let cfgs = crate::config::expand_ranks(cfgs);
+        let cfgs = crate::config::expand_ranks(cfgs, ranks);
         let cfgs = &cfgs[..];
         let mut next = Vec::with_capacity(cfgs.len());
         let mut added = 0;
@@ -356,6 +424,7 @@ impl Pool {
             let kept = old.iter().find(|w| {
                 w.name == name
                     && w.data_parallel_rank.as_ref().map(|r| r.0) == c.data_parallel_rank
+                    && w.ranks_of.is_some() == c.detects_ranks()
                     && c.url
                         .parse::<http::Uri>()
                         .ok()
@@ -532,6 +601,77 @@ mod tests {
             "a drains"
         );
         assert_eq!(metrics.workers.get(), 2);
+    }
+}
+
+#[cfg(test)]
+mod rank_tests {
+    use super::*;
+    use crate::config::DataParallelSize;
+
+    /// The pool follows the ranks an `auto` entry's server shows: one worker until several are
+    /// seen, then one per rank (each naming its rank), and back to one when the server returns
+    /// with a single engine; the same ranks again change nothing, and ranks reported for an
+    /// entry no longer listed are ignored.
+    #[test]
+    fn an_auto_entry_becomes_a_worker_per_rank_seen_and_follows_their_count() {
+        let metrics = Metrics::new();
+        let entry = |url: &str, size| WorkerConfig {
+            data_parallel_size: size,
+            ..WorkerConfig::from_url(url)
+        };
+        let listed = vec![
+            entry("http://a:1", Some(DataParallelSize::Auto)),
+            entry("http://b:1", None),
+        ];
+        let pool = Pool::from_config(&listed, &metrics, &Default::default()).unwrap();
+        let names = || -> Vec<String> { pool.snapshot().iter().map(|w| w.name.clone()).collect() };
+        assert_eq!(names(), ["a:1", "b:1"]);
+        let first = pool.snapshot();
+        assert_eq!(first[0].ranks_of.as_deref(), Some("http://a:1"));
+        assert_eq!(first[1].ranks_of, None);
+        assert!(pool.ranks_seen("http://a:1", vec![0], &metrics).is_none());
+
+        let applied = pool.ranks_seen("http://a:1", vec![0, 1], &metrics);
+        assert_eq!(applied, Some(Ok((2, 1))));
+        assert_eq!(names(), ["a:1/dp0", "a:1/dp1", "b:1"]);
+        assert!(first[0].is_draining(), "the server's one worker drains");
+        let ranks: Vec<_> = pool
+            .snapshot()
+            .iter()
+            .map(|w| w.data_parallel_rank.as_ref().map(|r| r.0))
+            .collect();
+        assert_eq!(ranks, [Some(0), Some(1), None]);
+        assert!(pool.snapshot()[1].ranks_of.is_some());
+        assert!(pool
+            .ranks_seen("http://a:1", vec![0, 1], &metrics)
+            .is_none());
+        assert_eq!(metrics.workers.get(), 3);
+
+        // A list applied later (discovery, reload) keeps what was seen behind a listed entry.
+        let kept = pool.snapshot();
+        assert_eq!(pool.reconcile(&listed, &metrics), Ok((0, 0)));
+        assert!(Arc::ptr_eq(&kept[1], &pool.snapshot()[1]));
+
+        assert_eq!(
+            pool.ranks_seen("http://a:1", vec![0, 1, 2], &metrics),
+            Some(Ok((1, 0)))
+        );
+        assert_eq!(names(), ["a:1/dp0", "a:1/dp1", "a:1/dp2", "b:1"]);
+        assert_eq!(
+            pool.ranks_seen("http://a:1", vec![0], &metrics),
+            Some(Ok((1, 3)))
+        );
+        assert_eq!(names(), ["a:1", "b:1"]);
+
+        assert!(pool
+            .ranks_seen("http://b:1", vec![0, 1], &metrics)
+            .is_none());
+        pool.reconcile(&listed[1..], &metrics).unwrap();
+        assert!(pool
+            .ranks_seen("http://a:1", vec![0, 1], &metrics)
+            .is_none());
+        assert_eq!(names(), ["b:1"]);
     }
 }
 

@@ -441,7 +441,7 @@ async fn kubernetes_discovery_routes_to_each_data_parallel_rank_of_each_pod() {
         data_parallel_size, ..
     } = &mut cfg.discovery
     {
-        *data_parallel_size = Some(2);
+        *data_parallel_size = Some(kvroute::config::DataParallelSize::Fixed(2));
     }
     let (up, cancel) = start(cfg);
     eventually("both pods' ranks", || names(&up).len() == 4).await;

@@ -199,7 +199,7 @@ async fn each_data_parallel_rank_is_a_worker_named_in_its_requests() {
     let up = upstream("dp", &[]).await;
     let mut config = config_for(&[&up], "round_robin");
     config.workers[0].name = None;
-    config.workers[0].data_parallel_size = Some(2);
+    config.workers[0].data_parallel_size = Some(kvroute::config::DataParallelSize::Fixed(2));
     let gw = gateway(config).await;
     let host = up.addr.to_string();
     let client_says = [("x-data-parallel-rank", "7")];
@@ -229,6 +229,105 @@ async fn each_data_parallel_rank_is_a_worker_named_in_its_requests() {
     let req = body(json!({"prompt": "p"}));
     let r = request_with(plain.addr, "POST", "/v1/completions", &client_says, &req).await;
     assert_eq!(r.json()["data_parallel_rank"], "7");
+}
+
+/// `data_parallel_size: auto` reads a server's engines from its `/metrics` (vLLM's
+/// `engine="<rank>"` labels): a simulated server of two engines becomes a worker per rank, whose
+/// requests name their rank (a prompt the gateway keeps on one rank runs on that engine every
+/// time, where vLLM's own balancer would alternate idle engines), while a server of one engine
+/// stays one worker under its own name.
+#[tokio::test]
+async fn data_parallel_ranks_are_read_from_the_servers_metrics() {
+    use kvroute::config::{DataParallelSize, WorkerConfig};
+    let start = |engines: usize| async move {
+        let cfg = kvroute::sim::SimConfig {
+            workers: 1,
+            port: 0,
+            time_scale: 50.0,
+            data_parallel_size: engines,
+            ..Default::default()
+        };
+        let cancel = tokio_util::sync::CancellationToken::new();
+        let mut tasks = tokio::task::JoinSet::new();
+        let sims = kvroute::sim::start(&cfg, cfg.bind().await.unwrap(), &cancel, &mut tasks)
+            .await
+            .unwrap();
+        (sims[0].addr, cancel.drop_guard(), tasks)
+    };
+    let (two, _stop_two, _two_tasks) = start(2).await;
+    let (one, _stop_one, _one_tasks) = start(1).await;
+    let mut config = Config {
+        workers: [two, one]
+            .iter()
+            .map(|a| WorkerConfig {
+                data_parallel_size: Some(DataParallelSize::Auto),
+                ..WorkerConfig::from_url(format!("http://{a}"))
+            })
+            .collect(),
+        ..Config::default()
+    }
+    .with_overrides(kvroute::config::Overrides {
+        policy: Some("prefix".into()),
+        ..Default::default()
+    })
+    .unwrap();
+    config.load_signals.interval_seconds = 0.05;
+    config.validate().unwrap();
+    let gw = gateway(config).await;
+    let found = wait_metric(gw.addr, "kvroute_workers", 3.0, Duration::from_secs(10)).await;
+    assert_eq!(found, Some(3.0), "the two engines were never found");
+    let m = metrics_text(gw.addr).await;
+    let updates = "kvroute_discovery_updates_total{result=\"applied\",source=\"data_parallel\"}";
+    assert_eq!(metric(&m, updates), Some(1.0), "{m}");
+
+    // A prompt whose home is one of the two ranks (the prefix policy's hash decides).
+    let rank_of = |worker: &str| worker.strip_prefix(&format!("{two}/dp")).map(str::to_owned);
+    let mut home = None;
+    for i in 0..50 {
+        let prompt = format!("rank by rank {i} ").repeat(12);
+        let body = json!({"prompt": prompt, "max_tokens": 1}).to_string();
+        let d = request(
+            gw.addr,
+            "POST",
+            "/debug/route/v1/completions",
+            body.as_bytes(),
+        )
+        .await;
+        assert_eq!(d.status, 200, "{}", String::from_utf8_lossy(&d.body));
+        let worker = d.json()["worker"].as_str().unwrap().to_owned();
+        assert!(
+            worker == one.to_string() || rank_of(&worker).is_some(),
+            "{worker} is neither the one-engine server nor a rank of the other"
+        );
+        if let Some(rank) = rank_of(&worker) {
+            home = Some((body, worker, rank));
+            break;
+        }
+    }
+    let (body, worker, rank) = home.expect("no prompt of 50 was placed on a rank");
+    let mut cached = Vec::new();
+    for _ in 0..4 {
+        let r = request(gw.addr, "POST", "/v1/completions", body.as_bytes()).await;
+        assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+        assert_eq!(r.header("x-kvroute-worker"), Some(worker.as_str()));
+        cached.push(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64());
+    }
+    assert_eq!(cached[0], Some(0), "{cached:?}");
+    assert!(cached[1..].iter().all(|c| c.unwrap_or(0) > 0), "{cached:?}");
+    let m = metrics_text(two).await;
+    let model = kvroute::sim::SimConfig::default()
+        .engine_params()
+        .unwrap()
+        .model;
+    let finished = |r: &str| {
+        let series = format!(
+            "vllm:e2e_request_latency_seconds_count{{engine=\"{r}\",model_name=\"{model}\"}}"
+        );
+        metric(&m, &series)
+    };
+    let other = if rank == "0" { "1" } else { "0" };
+    assert_eq!(finished(&rank), Some(4.0), "{m}");
+    assert_eq!(finished(other), Some(0.0), "{m}");
 }
 
 #[tokio::test]

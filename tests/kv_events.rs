@@ -944,7 +944,8 @@ async fn a_gateway_finds_each_workers_event_endpoints_by_asking_it() {
 
 /// A simulated server with two data-parallel engines publishes each rank's events on rank 0's
 /// ports plus the rank and lists them at `/kv_event_sources`; a gateway that routes to the ranks
-/// (`data_parallel_size: 2`), given rank 0's endpoints or asking for them, follows both feeds and
+/// (`data_parallel_size: 2`, or `auto`, reading them from the server's `/metrics`), given rank
+/// 0's endpoints or asking for them, follows both feeds and
 /// sends the next request of a prefix that one rank served (named in `X-data-parallel-rank`,
 /// behind the gateway's back) to that rank, which reports reusing what the gateway predicted;
 /// the other rank, with a cache of its own, reuses none of it.
@@ -993,13 +994,21 @@ async fn a_data_parallel_simulated_server_is_routed_to_the_rank_its_events_name(
             .as_u64()
             .unwrap()
     };
-    for (mode, words) in [("given", "alpha"), ("discovered", "omega")] {
+    use kvroute::config::DataParallelSize::{Auto, Fixed};
+    for (mode, words, size) in [
+        ("given", "alpha", Fixed(2)),
+        ("discovered", "omega", Fixed(2)),
+        ("auto", "delta", Auto),
+    ] {
         let given = mode == "given";
         let url = format!("http://{worker}");
         let given = given.then_some(&source);
         let config =
-            common::data_parallel_events_config(url, 2, given, &model, tokenizer_json.clone());
+            common::data_parallel_events_config(url, size, given, &model, tokenizer_json.clone());
         let gw = gateway(config).await;
+        let limit = Duration::from_secs(10);
+        let workers = common::wait_metric(gw.addr, "kvroute_workers", 2.0, limit).await;
+        assert_eq!(workers, Some(2.0), "{mode}: a worker per rank");
         let name = |rank: &str| format!("{worker}/dp{rank}");
         let series = |m: &str, metric_name: &str, rank: &str| {
             metric(m, &format!("{metric_name}{{worker=\"{}\"}}", name(rank))).unwrap_or(0.0)

@@ -1498,11 +1498,12 @@ async fn cache_aware_routes_on_real_vllm_kv_events_to_a_prefix_it_never_routed()
 /// One vLLM server running two data-parallel engines behind its API server (`pool.sh
 /// --data-parallel 2`), listed once with `data_parallel_size: 2`: each rank is a worker of the
 /// gateway's, followed on its own event ports (given: vLLM's plus the rank; or discovered: asked
-/// of the server at `/kv_event_sources`, in a second gateway). A long prefix served by
+/// of the server at `/kv_event_sources`, in a second gateway; and in a third, listed with
+/// `data_parallel_size: auto`, its two engines found in its `/metrics`). A long prefix served by
 /// one rank behind the gateway's back is routed to that rank, by the `X-data-parallel-rank` the
 /// gateway sends, and vLLM reports reusing it there; the other rank, which holds its own cache,
 /// reuses none of it. Real vLLM's `/metrics` carries each engine's series apart, which the
-/// gateway's parser reads rank by rank (the gateway's own polling is off here).
+/// gateway's parser reads rank by rank (the gateway's own polling is off here but for `auto`).
 #[tokio::test]
 #[ignore = "needs a real vLLM worker with 2 data-parallel ranks: tests/vllm/pool.sh --workers 1 --kv-events --data-parallel 2 -- cargo test --test real_vllm data_parallel -- --ignored"]
 async fn real_vllm_data_parallel_ranks_are_routed_to_where_their_events_place_a_prefix() {
@@ -1531,21 +1532,26 @@ async fn real_vllm_data_parallel_ranks_are_routed_to_where_their_events_place_a_
     }
     // Once with the event endpoints given (rank 0's; the gateway adds each rank to their ports),
     // once with the gateway asking the server for each rank's (`/kv_event_sources`).
-    for (mode, seeds) in [
-        ("given", [41_001, 41_002]),
-        ("discovered", [42_001, 42_002]),
+    use kvroute::config::DataParallelSize::{Auto, Fixed};
+    for (mode, seeds, size) in [
+        ("given", [41_001, 41_002], Fixed(ranks)),
+        ("discovered", [42_001, 42_002], Fixed(ranks)),
+        ("auto", [43_001, 43_002], Auto),
     ] {
         let given = mode == "given";
         let url = pool.urls[0].clone();
         let given = given.then_some(&source);
         let config = common::data_parallel_events_config(
             url,
-            ranks,
+            size,
             given,
             &pool.model,
             tokenizer_json.clone().into(),
         );
         let gw = gateway(config).await;
+        let limit = Duration::from_secs(30);
+        let workers = common::wait_metric(gw.addr, "kvroute_workers", ranks.into(), limit).await;
+        assert_eq!(workers, Some(ranks.into()), "{mode}: a worker per rank");
         let host = pool.urls[0].trim_start_matches("http://").to_owned();
         let name = |rank: u32| format!("{host}/dp{rank}");
         // A one-token completion of `prompt`, through `addr`, on `rank` when given.

@@ -335,7 +335,9 @@ async fn start_gateway(
         config.load_signals.interval_seconds /= time_scale;
     }
     for w in &mut config.workers {
-        w.data_parallel_size = exact.data_parallel_size;
+        w.data_parallel_size = exact
+            .data_parallel_size
+            .map(crate::config::DataParallelSize::Fixed);
     }
     if events {
         follow_events(&mut config, &workers, exact).await?;

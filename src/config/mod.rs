@@ -121,7 +121,7 @@ pub struct Overrides {
     /// Replaces the file's worker list when not empty.
     pub workers: Vec<String>,
     /// The data-parallel engines behind each of `workers` (`WorkerConfig::data_parallel_size`).
-    pub data_parallel_size: Option<u32>,
+    pub data_parallel_size: Option<DataParallelSize>,
     pub policy: Option<String>,
 }
 
@@ -149,9 +149,10 @@ pub struct WorkerConfig {
     pub kv_events_replay: Option<String>,
     /// The worker runs vLLM's `--data-parallel-size` this many engines behind one API server.
     /// vLLM would place each request on an engine by load alone, so each rank is routed to as a
-    /// worker of its own ([`WorkerConfig::ranks`]).
+    /// worker of its own ([`WorkerConfig::ranks`]). `auto`: as many as the worker's `/metrics`
+    /// shows engines, followed as it changes.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub data_parallel_size: Option<u32>,
+    pub data_parallel_size: Option<DataParallelSize>,
     /// The one data-parallel rank of the server this entry routes to: its requests carry
     /// `X-data-parallel-rank`, its load is read from that engine's series of `/metrics`, and its
     /// KV events come from the endpoints' ports plus the rank, as vLLM offsets them.
@@ -161,6 +162,71 @@ pub struct WorkerConfig {
 
 /// The most data-parallel ranks one worker entry may expand into.
 pub const MAX_DATA_PARALLEL_SIZE: u32 = 256;
+
+/// How many data-parallel engines run behind a worker's API server: a number, or `auto`, the
+/// engines its `/metrics` shows (vLLM labels every engine's series with `engine="<rank>"`), read
+/// by the load poll and followed when the server comes back with another count.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(try_from = "SizeOrAuto", into = "SizeOrAuto")]
+pub enum DataParallelSize {
+    Fixed(u32),
+    Auto,
+}
+
+/// How [`DataParallelSize`] is written: a number or the word `auto`.
+#[derive(Clone, Serialize, Deserialize)]
+#[serde(untagged)]
+enum SizeOrAuto {
+    Size(u32),
+    Word(String),
+}
+
+impl TryFrom<SizeOrAuto> for DataParallelSize {
+    type Error = String;
+    fn try_from(v: SizeOrAuto) -> Result<Self, String> {
+        match v {
+            SizeOrAuto::Size(n) => Ok(Self::Fixed(n)),
+            SizeOrAuto::Word(w) => w.parse(),
+        }
+    }
+}
+
+impl From<DataParallelSize> for SizeOrAuto {
+    fn from(v: DataParallelSize) -> Self {
+        match v {
+            DataParallelSize::Fixed(n) => Self::Size(n),
+            DataParallelSize::Auto => Self::Word("auto".into()),
+        }
+    }
+}
+
+impl std::str::FromStr for DataParallelSize {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.trim() {
+            "auto" => Ok(Self::Auto),
+            n => n.parse().map(Self::Fixed).map_err(|_| {
+                format!("data_parallel_size must be a number of engines or \"auto\", not {s:?}")
+            }),
+        }
+    }
+}
+
+impl DataParallelSize {
+    /// Why this size cannot be used, if it cannot.
+    fn check(self) -> Result<(), String> {
+        match self {
+            Self::Fixed(n) if n == 0 || n > MAX_DATA_PARALLEL_SIZE => Err(format!(
+                "data_parallel_size must be 1 to {MAX_DATA_PARALLEL_SIZE} or \"auto\""
+            )),
+            _ => Ok(()),
+        }
+    }
+}
+
+/// The data-parallel ranks found behind each `auto` worker entry, by its URL: what
+/// [`expand_ranks`] gives those entries. An entry with none found is routed to as one worker.
+pub type DetectedRanks = std::collections::HashMap<String, Vec<u32>>;
 
 impl WorkerConfig {
     pub fn from_url(url: impl Into<String>) -> Self {
@@ -177,32 +243,55 @@ impl WorkerConfig {
     }
 
     /// The workers this entry routes to: with `data_parallel_size` N, one entry per rank 0..N
-    /// (named `<name>/dp<rank>`, each with `data_parallel_rank` set); else itself.
-    pub fn ranks(&self) -> Vec<WorkerConfig> {
-        match self.data_parallel_size {
-            Some(n) if self.data_parallel_rank.is_none() => (0..n)
-                .map(|rank| WorkerConfig {
-                    name: self.name.as_ref().map(|n| format!("{n}/dp{rank}")),
-                    data_parallel_size: None,
-                    data_parallel_rank: Some(rank),
-                    ..self.clone()
-                })
-                .collect(),
-            _ => vec![self.clone()],
+    /// (named `<name>/dp<rank>`, each with `data_parallel_rank` set); with `auto`, one per rank
+    /// in `detected` (when more than one is); else itself.
+    pub fn ranks(&self, detected: &DetectedRanks) -> Vec<WorkerConfig> {
+        let ranks: Vec<u32> = match self.data_parallel_size {
+            _ if self.data_parallel_rank.is_some() => Vec::new(),
+            Some(DataParallelSize::Fixed(n)) => (0..n).collect(),
+            Some(DataParallelSize::Auto) => match detected.get(&self.url) {
+                Some(found) if found.len() > 1 => found.clone(),
+                _ => Vec::new(),
+            },
+            None => Vec::new(),
+        };
+        if ranks.is_empty() {
+            return vec![self.clone()];
         }
+        ranks
+            .into_iter()
+            .map(|rank| WorkerConfig {
+                name: self.name.as_ref().map(|n| format!("{n}/dp{rank}")),
+                // An `auto` entry's ranks keep saying so: the pool follows their count.
+                data_parallel_size: self
+                    .data_parallel_size
+                    .filter(|s| *s == DataParallelSize::Auto),
+                data_parallel_rank: Some(rank),
+                ..self.clone()
+            })
+            .collect()
+    }
+
+    /// Whether this entry's ranks are read from the worker (`data_parallel_size: auto`): the
+    /// entry itself, or one of the ranks [`WorkerConfig::ranks`] found for it.
+    pub fn detects_ranks(&self) -> bool {
+        self.data_parallel_size == Some(DataParallelSize::Auto)
     }
 }
 
-/// `cfgs` with every data-parallel entry expanded into its ranks ([`WorkerConfig::ranks`]);
-/// borrowed when none is.
-pub fn expand_ranks(cfgs: &[WorkerConfig]) -> std::borrow::Cow<'_, [WorkerConfig]> {
+/// `cfgs` with every data-parallel entry expanded into its ranks ([`WorkerConfig::ranks`], the
+/// `auto` ones as `detected` says); borrowed when none is.
+pub fn expand_ranks<'a>(
+    cfgs: &'a [WorkerConfig],
+    detected: &DetectedRanks,
+) -> std::borrow::Cow<'a, [WorkerConfig]> {
     if cfgs
         .iter()
         .all(|c| c.data_parallel_size.is_none() || c.data_parallel_rank.is_some())
     {
         return std::borrow::Cow::Borrowed(cfgs);
     }
-    std::borrow::Cow::Owned(cfgs.iter().flat_map(WorkerConfig::ranks).collect())
+    std::borrow::Cow::Owned(cfgs.iter().flat_map(|c| c.ranks(detected)).collect())
 }
 
 /// A served model's tokenizer, as the worker loads it.
@@ -390,14 +479,17 @@ impl Config {
         }
         let mut names = std::collections::HashSet::new();
         for w in &self.workers {
+            if let Some(Err(e)) = w.data_parallel_size.map(DataParallelSize::check) {
+                return bad(format!("worker {:?}: {e}", w.url));
+            }
             match (w.data_parallel_size, w.data_parallel_rank) {
-                (Some(n), _) if n == 0 || n > MAX_DATA_PARALLEL_SIZE => {
+                (Some(DataParallelSize::Auto), Some(_)) => {
                     return bad(format!(
-                        "worker {:?}: data_parallel_size must be 1 to {MAX_DATA_PARALLEL_SIZE}",
+                        "worker {:?}: data_parallel_rank needs a data_parallel_size in numbers, not auto",
                         w.url
                     ))
                 }
-                (Some(n), Some(r)) if r >= n => {
+                (Some(DataParallelSize::Fixed(n)), Some(r)) if r >= n => {
                     return bad(format!(
                         "worker {:?}: data_parallel_rank {r} is not below data_parallel_size {n}",
                         w.url
@@ -412,7 +504,7 @@ impl Config {
                 _ => {}
             }
         }
-        for w in expand_ranks(&self.workers).iter() {
+        for w in expand_ranks(&self.workers, &DetectedRanks::new()).iter() {
             let uri: http::Uri = match w.url.parse() {
                 Ok(u) => u,
                 Err(e) => return bad(format!("worker url {:?}: {e}", w.url)),
@@ -498,6 +590,11 @@ impl Config {
                     .into(),
             );
         }
+        let auto = self.workers.iter().any(WorkerConfig::detects_ranks)
+            || self.discovery.data_parallel_size() == Some(DataParallelSize::Auto);
+        if auto && l.interval_seconds == 0.0 {
+            return bad("data_parallel_size: auto reads the engines from the load poll of /metrics: load_signals.interval_seconds must be above 0".into());
+        }
         if let Some(ab) = &self.ab {
             self.validate_ab(ab).map_err(ConfigError::Invalid)?;
         }
@@ -562,13 +659,8 @@ impl Config {
 impl DiscoveryConfig {
     /// What each way of finding workers needs.
     fn validate(&self) -> Result<(), String> {
-        if self
-            .data_parallel_size()
-            .is_some_and(|n| n == 0 || n > MAX_DATA_PARALLEL_SIZE)
-        {
-            return Err(format!(
-                "discovery.data_parallel_size must be 1 to {MAX_DATA_PARALLEL_SIZE}"
-            ));
+        if let Some(Err(e)) = self.data_parallel_size().map(DataParallelSize::check) {
+            return Err(format!("discovery.{e}"));
         }
         match self {
             DiscoveryConfig::Static => {}
@@ -666,7 +758,7 @@ mod tests {
              kv_events: {port: 5557, replay_port: 5558}",
         )
         .unwrap();
-        let all = expand_ranks(&c.workers);
+        let all = expand_ranks(&c.workers, &DetectedRanks::new());
         let names: Vec<String> = all.iter().map(worker_name).collect();
         assert_eq!(
             names,
@@ -691,7 +783,7 @@ mod tests {
         // Without data parallelism the list is the configured one, not a copy.
         let plain = [WorkerConfig::from_url("http://a:1")];
         assert!(matches!(
-            expand_ranks(&plain),
+            expand_ranks(&plain, &DetectedRanks::new()),
             std::borrow::Cow::Borrowed(_)
         ));
     }
@@ -725,6 +817,63 @@ mod tests {
         )
         .unwrap_err();
         assert!(e.to_string().contains("a:1/dp1"), "{e}");
+    }
+
+    #[test]
+    fn a_data_parallel_size_is_a_number_or_auto() {
+        let c = Config::from_yaml(
+            "workers:\n\
+             - {url: 'http://a:1', data_parallel_size: auto, name: a}\n\
+             - {url: 'http://b:1', data_parallel_size: 2}\n\
+             - {url: 'http://c:1', data_parallel_size: auto}",
+        )
+        .unwrap();
+        let sizes: Vec<_> = c.workers.iter().map(|w| w.data_parallel_size).collect();
+        use DataParallelSize::{Auto, Fixed};
+        assert_eq!(sizes, [Some(Auto), Some(Fixed(2)), Some(Auto)]);
+        // Until a worker's engines are seen, an `auto` entry is one worker; then one per rank
+        // seen, each still marked `auto` so the pool follows the count.
+        let none = expand_ranks(&c.workers, &DetectedRanks::new());
+        let names: Vec<String> = none.iter().map(worker_name).collect();
+        assert_eq!(names, ["a", "b:1/dp0", "b:1/dp1", "c:1"]);
+        let seen = DetectedRanks::from([("http://a:1".to_owned(), vec![0, 1, 2])]);
+        let all = expand_ranks(&c.workers, &seen);
+        let names: Vec<String> = all.iter().map(worker_name).collect();
+        assert_eq!(
+            names,
+            ["a/dp0", "a/dp1", "a/dp2", "b:1/dp0", "b:1/dp1", "c:1"]
+        );
+        let auto: Vec<bool> = all.iter().map(WorkerConfig::detects_ranks).collect();
+        assert_eq!(auto, [true, true, true, false, false, true]);
+        // Written back as it was given.
+        let written =
+            |w: &WorkerConfig| serde_json::to_value(w).unwrap()["data_parallel_size"].clone();
+        assert_eq!(written(&c.workers[0]), "auto");
+        assert_eq!(written(&c.workers[1]), 2);
+
+        for (yaml, says) in [
+            (
+                "workers: [{url: 'http://a:1', data_parallel_size: many}]",
+                "a number of engines or \"auto\"",
+            ),
+            (
+                "workers: [{url: 'http://a:1', data_parallel_size: auto, data_parallel_rank: 1}]",
+                "not auto",
+            ),
+            (
+                "workers: [{url: 'http://a:1', data_parallel_size: auto}]\nload_signals: {interval_seconds: 0}",
+                "load_signals.interval_seconds must be above 0",
+            ),
+            (
+                "discovery: {kind: dns, host: vllm, port: 8000, data_parallel_size: auto}\nload_signals: {interval_seconds: 0}",
+                "load_signals.interval_seconds must be above 0",
+            ),
+        ] {
+            let e = Config::from_yaml(yaml).unwrap_err();
+            assert!(e.to_string().contains(says), "{yaml}: {e}");
+        }
+        assert_eq!("auto".parse(), Ok(Auto));
+        assert_eq!("4".parse(), Ok(Fixed(4)));
     }
 
     #[test]

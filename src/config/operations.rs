@@ -143,7 +143,7 @@ pub enum DiscoveryConfig {
         #[serde(default = "default_interval")]
         interval_seconds: f64,
         #[serde(default, skip_serializing_if = "Option::is_none")]
-        data_parallel_size: Option<u32>,
+        data_parallel_size: Option<super::DataParallelSize>,
     },
     Kubernetes {
         #[serde(default = "default_namespace")]
@@ -170,13 +170,13 @@ pub enum DiscoveryConfig {
         #[serde(default = "default_watch_timeout")]
         watch_timeout_seconds: f64,
         #[serde(default, skip_serializing_if = "Option::is_none")]
-        data_parallel_size: Option<u32>,
+        data_parallel_size: Option<super::DataParallelSize>,
     },
 }
 
 impl DiscoveryConfig {
     /// The data-parallel engines behind each discovered worker's API server, if set.
-    pub fn data_parallel_size(&self) -> Option<u32> {
+    pub fn data_parallel_size(&self) -> Option<super::DataParallelSize> {
         match self {
             DiscoveryConfig::Static => None,
             DiscoveryConfig::Dns {

@@ -364,10 +364,11 @@ pub async fn request(addr: SocketAddr, method: &str, path: &str, body: &[u8]) ->
 /// A `cache_aware` gateway's config for one server at `url` running `ranks` data-parallel
 /// engines, following their KV events: from `given` (rank 0's endpoints; each rank's are on its
 /// ports plus the rank), or asked of the server (`/kv_event_sources`) when `None`; requests
-/// tokenized with `tokenizer_json` for `model`; no load polling.
+/// tokenized with `tokenizer_json` for `model`. No load polling, unless the ranks are `auto`:
+/// then the server's `/metrics` is read every 0.1 s, which is where its engines are found.
 pub fn data_parallel_events_config(
     url: String,
-    ranks: u32,
+    ranks: kvroute::config::DataParallelSize,
     given: Option<&kvroute::kv_events::EventSource>,
     model: &str,
     tokenizer_json: std::path::PathBuf,
@@ -392,7 +393,10 @@ pub fn data_parallel_events_config(
     })
     .unwrap();
     config.kv_events.discover = given.is_none();
-    config.load_signals.interval_seconds = 0.0;
+    config.load_signals.interval_seconds = match ranks {
+        kvroute::config::DataParallelSize::Auto => 0.1,
+        kvroute::config::DataParallelSize::Fixed(_) => 0.0,
+    };
     config
 }
 
