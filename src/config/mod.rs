@@ -179,6 +179,8 @@ pub enum DataParallelSize {
 enum SizeOrAuto {
     Size(u32),
     Word(String),
+    /// Any other number, refused with the same message as a word that is not `auto`.
+    Other(f64),
 }
 
 impl TryFrom<SizeOrAuto> for DataParallelSize {
@@ -187,6 +189,7 @@ impl TryFrom<SizeOrAuto> for DataParallelSize {
         match v {
             SizeOrAuto::Size(n) => Ok(Self::Fixed(n)),
             SizeOrAuto::Word(w) => w.parse(),
+            SizeOrAuto::Other(n) => n.to_string().parse(),
         }
     }
 }
@@ -855,6 +858,10 @@ mod tests {
             (
                 "workers: [{url: 'http://a:1', data_parallel_size: many}]",
                 "a number of engines or \"auto\"",
+            ),
+            (
+                "workers: [{url: 'http://a:1', data_parallel_size: -2}]",
+                "a number of engines or \"auto\", not \"-2\"",
             ),
             (
                 "workers: [{url: 'http://a:1', data_parallel_size: auto, data_parallel_rank: 1}]",
