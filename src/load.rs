@@ -675,8 +675,14 @@ pub async fn run(up: Arc<Upstreams>, cancel: CancellationToken) {
 /// Routes to the data-parallel ranks the `auto` worker entry `url` was seen to have.
 fn follow_ranks(up: &Upstreams, url: &str, ranks: Vec<u32>) {
     let shown = format!("{ranks:?}");
+    let usable = crate::config::numbered_from_zero(&ranks);
     match up.pool.ranks_seen(url, ranks, &up.metrics) {
         None => {}
+        Some(Ok(_)) if !usable => tracing::warn!(
+            worker = url,
+            ranks = shown,
+            "the worker's data-parallel engines are not numbered from 0 (vLLM's hybrid or external load balancing, whose servers take X-data-parallel-rank as an index among their own engines): it is routed to as one worker, and vLLM picks the engine"
+        ),
         Some(Ok((added, removed))) => {
             tracing::info!(
                 worker = url,

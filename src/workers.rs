@@ -611,8 +611,8 @@ mod rank_tests {
 
     /// The pool follows the ranks an `auto` entry's server shows: one worker until several are
     /// seen, then one per rank (each naming its rank), and back to one when the server returns
-    /// with a single engine; the same ranks again change nothing, and ranks reported for an
-    /// entry no longer listed are ignored.
+    /// with a single engine, or with engines not numbered from 0; the same ranks again change
+    /// nothing, and ranks reported for an entry no longer listed are ignored.
     #[test]
     fn an_auto_entry_becomes_a_worker_per_rank_seen_and_follows_their_count() {
         let metrics = Metrics::new();
@@ -663,6 +663,20 @@ mod rank_tests {
             Some(Ok((1, 3)))
         );
         assert_eq!(names(), ["a:1", "b:1"]);
+
+        // A node's share of a hybrid deployment (engines 2 and 3): seen, but one worker still.
+        assert_eq!(
+            pool.ranks_seen("http://a:1", vec![2, 3], &metrics),
+            Some(Ok((0, 0)))
+        );
+        assert_eq!(names(), ["a:1", "b:1"]);
+        assert!(pool
+            .ranks_seen("http://a:1", vec![2, 3], &metrics)
+            .is_none());
+        assert_eq!(
+            pool.ranks_seen("http://a:1", vec![0, 1], &metrics),
+            Some(Ok((2, 1)))
+        );
 
         assert!(pool
             .ranks_seen("http://b:1", vec![0, 1], &metrics)

@@ -228,8 +228,18 @@ impl DataParallelSize {
 }
 
 /// The data-parallel ranks found behind each `auto` worker entry, by its URL: what
-/// [`expand_ranks`] gives those entries. An entry with none found is routed to as one worker.
+/// [`expand_ranks`] gives those entries. An entry with none found, or with ranks not numbered
+/// from 0 ([`numbered_from_zero`]), is routed to as one worker.
 pub type DetectedRanks = std::collections::HashMap<String, Vec<u32>>;
+
+/// Whether a server's engines (ascending) are ranks 0..N, as when one API server fronts every
+/// engine. With vLLM's hybrid or external load balancing a server fronts the engines of its node
+/// only (ranks k..k+n in `/metrics`) and reads `X-data-parallel-rank` as an index among them
+/// (vLLM 0.32's `input_processor.py` checks it against the local count), so the ranks it shows
+/// are not the values to send it.
+pub fn numbered_from_zero(ranks: &[u32]) -> bool {
+    ranks.iter().zip(0..).all(|(&r, i)| r == i)
+}
 
 impl WorkerConfig {
     pub fn from_url(url: impl Into<String>) -> Self {
@@ -253,7 +263,7 @@ impl WorkerConfig {
             _ if self.data_parallel_rank.is_some() => Vec::new(),
             Some(DataParallelSize::Fixed(n)) => (0..n).collect(),
             Some(DataParallelSize::Auto) => match detected.get(&self.url) {
-                Some(found) if found.len() > 1 => found.clone(),
+                Some(found) if found.len() > 1 && numbered_from_zero(found) => found.clone(),
                 _ => Vec::new(),
             },
             None => Vec::new(),
@@ -848,6 +858,13 @@ mod tests {
         );
         let auto: Vec<bool> = all.iter().map(WorkerConfig::detects_ranks).collect();
         assert_eq!(auto, [true, true, true, false, false, true]);
+        // Engines not numbered from 0 (a node of a hybrid deployment) leave the entry whole.
+        let hybrid = DetectedRanks::from([("http://a:1".to_owned(), vec![2, 3])]);
+        assert_eq!(
+            expand_ranks(&c.workers, &hybrid)[0].name.as_deref(),
+            Some("a")
+        );
+        assert!(numbered_from_zero(&[0, 1, 2]) && !numbered_from_zero(&[1, 2]));
         // Written back as it was given.
         let written =
             |w: &WorkerConfig| serde_json::to_value(w).unwrap()["data_parallel_size"].clone();
