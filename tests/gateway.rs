@@ -247,11 +247,7 @@ async fn data_parallel_ranks_are_read_from_the_servers_metrics() {
             data_parallel_size: engines,
             ..Default::default()
         };
-        let cancel = tokio_util::sync::CancellationToken::new();
-        let mut tasks = tokio::task::JoinSet::new();
-        let sims = kvroute::sim::start(&cfg, cfg.bind().await.unwrap(), &cancel, &mut tasks)
-            .await
-            .unwrap();
+        let (sims, cancel, tasks) = start_sims(&cfg).await;
         (sims[0].addr, cancel.drop_guard(), tasks)
     };
     let (two, _stop_two, _two_tasks) = start(2).await;

@@ -573,20 +573,7 @@ fn the_simulators_batches_decode_with_vllms_msgspec_structs() {
 }
 
 /// Simulated workers, stopped with the token.
-async fn start_sims(
-    cfg: &kvroute::sim::SimConfig,
-) -> (
-    Vec<kvroute::sim::SimWorker>,
-    CancellationToken,
-    tokio::task::JoinSet<()>,
-) {
-    let cancel = CancellationToken::new();
-    let mut tasks = tokio::task::JoinSet::new();
-    let sims = kvroute::sim::start(cfg, cfg.bind().await.unwrap(), &cancel, &mut tasks)
-        .await
-        .unwrap();
-    (sims, cancel, tasks)
-}
+use common::start_sims;
 
 #[tokio::test]
 async fn a_simulated_worker_publishes_the_blocks_it_caches_and_their_clearing() {

@@ -617,3 +617,20 @@ pub fn sim_process(port: u16) -> (Process, String) {
         "20",
     ])
 }
+
+/// Simulated workers of `cfg`, started on this runtime; they run until the token is cancelled
+/// (or the task set dropped).
+pub async fn start_sims(
+    cfg: &kvroute::sim::SimConfig,
+) -> (
+    Vec<kvroute::sim::SimWorker>,
+    tokio_util::sync::CancellationToken,
+    tokio::task::JoinSet<()>,
+) {
+    let cancel = tokio_util::sync::CancellationToken::new();
+    let mut tasks = tokio::task::JoinSet::new();
+    let sims = kvroute::sim::start(cfg, cfg.bind().await.unwrap(), &cancel, &mut tasks)
+        .await
+        .unwrap();
+    (sims, cancel, tasks)
+}
