@@ -674,27 +674,30 @@ pub async fn run(up: Arc<Upstreams>, cancel: CancellationToken) {
 
 /// Routes to the data-parallel ranks the `auto` worker entry `url` was seen to have.
 fn follow_ranks(up: &Upstreams, url: &str, ranks: Vec<u32>) {
-    let shown = format!("{ranks:?}");
-    let usable = crate::config::numbered_from_zero(&ranks);
-    match up.pool.ranks_seen(url, ranks, &up.metrics) {
+    match up.pool.ranks_seen(url, &ranks, &up.metrics) {
         None => {}
-        Some(Ok(_)) if !usable => tracing::warn!(
-            worker = url,
-            ranks = shown,
-            "the worker's data-parallel engines are not numbered from 0 (vLLM's hybrid or external load balancing, whose servers take X-data-parallel-rank as an index among their own engines): it is routed to as one worker, and vLLM picks the engine"
-        ),
         Some(Ok((added, removed))) => {
-            tracing::info!(
-                worker = url,
-                ranks = shown,
-                added,
-                removed,
-                "data-parallel engines found behind the worker: each rank is routed to as a worker"
-            );
-            up.metrics
-                .discovery_updates
-                .with_label_values(&["data_parallel", "applied"])
-                .inc();
+            if crate::config::numbered_from_zero(&ranks) {
+                tracing::info!(
+                    worker = url,
+                    ?ranks,
+                    added,
+                    removed,
+                    "data-parallel engines found behind the worker: each rank is routed to as a worker"
+                );
+            } else {
+                tracing::warn!(
+                    worker = url,
+                    ?ranks,
+                    "the worker's data-parallel engines are not numbered from 0 (vLLM's hybrid or external load balancing, whose servers take X-data-parallel-rank as an index among their own engines): it is routed to as one worker, and vLLM picks the engine"
+                );
+            }
+            if added + removed > 0 {
+                up.metrics
+                    .discovery_updates
+                    .with_label_values(&["data_parallel", "applied"])
+                    .inc();
+            }
         }
         Some(Err(e)) => {
             tracing::warn!(worker = url, error = %e, "data-parallel ranks not applied");

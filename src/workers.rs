@@ -378,7 +378,7 @@ impl Pool {
     pub fn ranks_seen(
         &self,
         url: &str,
-        ranks: Vec<u32>,
+        ranks: &[u32],
         metrics: &Metrics,
     ) -> Option<Result<(usize, usize), String>> {
         let mut listed = self.listed.lock();
@@ -398,7 +398,7 @@ impl Pool {
         if ranks.len() <= 1 {
             next.remove(url);
         } else {
-            next.insert(url.to_owned(), ranks);
+            next.insert(url.to_owned(), ranks.to_vec());
         }
         let applied = self.apply(&listed.cfgs, &next, metrics);
         if applied.is_ok() {
@@ -630,9 +630,9 @@ mod rank_tests {
         let first = pool.snapshot();
         assert_eq!(first[0].ranks_of.as_deref(), Some("http://a:1"));
         assert_eq!(first[1].ranks_of, None);
-        assert!(pool.ranks_seen("http://a:1", vec![0], &metrics).is_none());
+        assert!(pool.ranks_seen("http://a:1", &[0], &metrics).is_none());
 
-        let applied = pool.ranks_seen("http://a:1", vec![0, 1], &metrics);
+        let applied = pool.ranks_seen("http://a:1", &[0, 1], &metrics);
         assert_eq!(applied, Some(Ok((2, 1))));
         assert_eq!(names(), ["a:1/dp0", "a:1/dp1", "b:1"]);
         assert!(first[0].is_draining(), "the server's one worker drains");
@@ -643,9 +643,7 @@ mod rank_tests {
             .collect();
         assert_eq!(ranks, [Some(0), Some(1), None]);
         assert!(pool.snapshot()[1].ranks_of.is_some());
-        assert!(pool
-            .ranks_seen("http://a:1", vec![0, 1], &metrics)
-            .is_none());
+        assert!(pool.ranks_seen("http://a:1", &[0, 1], &metrics).is_none());
         assert_eq!(metrics.workers.get(), 3);
 
         // A list applied later (discovery, reload) keeps what was seen behind a listed entry.
@@ -654,37 +652,31 @@ mod rank_tests {
         assert!(Arc::ptr_eq(&kept[1], &pool.snapshot()[1]));
 
         assert_eq!(
-            pool.ranks_seen("http://a:1", vec![0, 1, 2], &metrics),
+            pool.ranks_seen("http://a:1", &[0, 1, 2], &metrics),
             Some(Ok((1, 0)))
         );
         assert_eq!(names(), ["a:1/dp0", "a:1/dp1", "a:1/dp2", "b:1"]);
         assert_eq!(
-            pool.ranks_seen("http://a:1", vec![0], &metrics),
+            pool.ranks_seen("http://a:1", &[0], &metrics),
             Some(Ok((1, 3)))
         );
         assert_eq!(names(), ["a:1", "b:1"]);
 
         // A node's share of a hybrid deployment (engines 2 and 3): seen, but one worker still.
         assert_eq!(
-            pool.ranks_seen("http://a:1", vec![2, 3], &metrics),
+            pool.ranks_seen("http://a:1", &[2, 3], &metrics),
             Some(Ok((0, 0)))
         );
         assert_eq!(names(), ["a:1", "b:1"]);
-        assert!(pool
-            .ranks_seen("http://a:1", vec![2, 3], &metrics)
-            .is_none());
+        assert!(pool.ranks_seen("http://a:1", &[2, 3], &metrics).is_none());
         assert_eq!(
-            pool.ranks_seen("http://a:1", vec![0, 1], &metrics),
+            pool.ranks_seen("http://a:1", &[0, 1], &metrics),
             Some(Ok((2, 1)))
         );
 
-        assert!(pool
-            .ranks_seen("http://b:1", vec![0, 1], &metrics)
-            .is_none());
+        assert!(pool.ranks_seen("http://b:1", &[0, 1], &metrics).is_none());
         pool.reconcile(&listed[1..], &metrics).unwrap();
-        assert!(pool
-            .ranks_seen("http://a:1", vec![0, 1], &metrics)
-            .is_none());
+        assert!(pool.ranks_seen("http://a:1", &[0, 1], &metrics).is_none());
         assert_eq!(names(), ["b:1"]);
     }
 }
