@@ -114,7 +114,7 @@ pub async fn responses_create(State(s): State<AppState>, req: Request) -> Respon
     let up = &s.upstreams;
     let arms = s.arms.load_full();
     let (parts, body) = req.into_parts();
-    let body = match read_body(&parts.headers, body, &up.config).await {
+    let body = match read_body(&parts.headers, body, up).await {
         Ok(b) => b,
         Err(e) => return respond(&s, Route::Responses, arms.unpicked_labels(), Err(e)),
     };
@@ -150,7 +150,7 @@ pub async fn stored_response(State(s): State<AppState>, req: Request) -> Respons
     let up = &s.upstreams;
     let (parts, body) = req.into_parts();
     let result = async {
-        let body = read_body(&parts.headers, body, &up.config).await?;
+        let body = read_body(&parts.headers, body, up).await?;
         let path = parts.uri.path();
         let id =
             responses::id_in_path(path).ok_or_else(|| ApiError::RouteNotFound(path.to_owned()))?;
@@ -282,7 +282,7 @@ async fn keyed(
     body: Body,
     field: PromptField,
 ) -> Result<(Bytes, RequestInfo), ApiError> {
-    let body = read_body(&parts.headers, body, &up.config).await?;
+    let body = read_body(&parts.headers, body, up).await?;
     let info = key(up, &body, field).await?;
     Ok((body, info))
 }
@@ -336,7 +336,7 @@ pub async fn passthrough(State(s): State<AppState>, req: Request) -> Response {
     let up = &s.upstreams;
     let (parts, body) = req.into_parts();
     let result = async {
-        let body = read_body(&parts.headers, body, &up.config).await?;
+        let body = read_body(&parts.headers, body, up).await?;
         let info = RequestInfo {
             model: named_model(&parts.headers, &body),
             ..RequestInfo::unkeyed()
@@ -417,10 +417,10 @@ fn respond(
 async fn read_body(
     headers: &http::HeaderMap,
     body: Body,
-    cfg: &crate::config::Config,
+    up: &Upstreams,
 ) -> Result<Bytes, ApiError> {
-    let limit = cfg.body_limit_bytes;
-    let timeout = Duration::from_secs_f64(cfg.limits.body_read_timeout_seconds);
+    let limit = up.config.body_limit_bytes;
+    let timeout = up.times.body_read;
     let declared = headers
         .get(header::CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok())

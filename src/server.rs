@@ -53,6 +53,7 @@ impl AppState {
                     config.timeouts.worker_idle(),
                 ),
                 metrics,
+                times: crate::proxy::RequestTimes::of(&config),
                 config,
                 auth,
                 tokenizers,

@@ -79,10 +79,33 @@ pub struct Upstreams {
     pub connections: Connections,
     pub metrics: Metrics,
     pub config: Config,
+    /// The config's durations that every request uses, converted once.
+    pub times: RequestTimes,
     /// Client keys and the key sent to workers.
     pub auth: crate::auth::Auth,
     /// Tokenizers by served model (`tokenizers` in the config), loaded at start-up.
     pub tokenizers: std::collections::HashMap<String, Arc<crate::tokenize::ModelTokenizer>>,
+}
+
+/// The config's durations on every request's path, converted from its seconds once rather than
+/// for each request.
+#[derive(Clone, Copy, Debug)]
+pub struct RequestTimes {
+    pub first_byte: Duration,
+    pub idle_stream: Duration,
+    pub eject: Duration,
+    pub body_read: Duration,
+}
+
+impl RequestTimes {
+    pub fn of(cfg: &Config) -> Self {
+        Self {
+            first_byte: cfg.timeouts.first_byte(),
+            idle_stream: cfg.timeouts.idle_stream(),
+            eject: Duration::from_secs_f64(cfg.eject_seconds),
+            body_read: Duration::from_secs_f64(cfg.limits.body_read_timeout_seconds),
+        }
+    }
 }
 
 /// Which kind of request this is, for the `route` label and for whether routing is counted.
@@ -176,7 +199,7 @@ async fn send_among(
             // The gateway's own key: the client's never reaches a worker.
             authorization: up.auth.worker_authorization.as_ref(),
         };
-        let timeout = up.config.timeouts.first_byte();
+        let timeout = up.times.first_byte;
         let own = OWN_CONNECTIONS.with(|own| own.get().cloned());
         let connections = own.as_deref().unwrap_or(&up.connections);
         let sent = tokio::time::timeout(timeout, connections.send(worker, &request)).await;
@@ -322,11 +345,11 @@ fn settle(
     route: Route,
     timeout: Duration,
 ) -> Settled {
-    let eject = Duration::from_secs_f64(up.config.eject_seconds);
+    let eject = up.times.eject;
     match sent {
         Ok(Ok(resp)) => {
             worker.record_status(resp.status(), up.config.health.passive_failures, eject);
-            Settled::Answered(tracker.into_response(resp, route, up.config.timeouts.idle_stream()))
+            Settled::Answered(tracker.into_response(resp, route, up.times.idle_stream))
         }
         Ok(Err(e)) if e.is_connect() && out_of_descriptors(&e) => {
             // The gateway's own failure (too many open files): not the worker's fault.
