@@ -500,7 +500,7 @@ pub(crate) fn engine_of(sample: &str) -> Option<Option<u32>> {
 }
 
 /// The value of label `name` in a sample's `{...}`, unescaped values only (vLLM's numbers).
-fn label<'a>(sample: &'a str, name: &str) -> Option<&'a str> {
+pub(crate) fn label<'a>(sample: &'a str, name: &str) -> Option<&'a str> {
     let labels = &sample[sample.find('{')? + 1..sample.find('}')?];
     labels.split(',').find_map(|kv| {
         let (k, v) = kv.split_once('=')?;

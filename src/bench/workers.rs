@@ -303,13 +303,7 @@ fn capacity_in(text: &str) -> (usize, usize) {
         .lines()
         .filter(|l| l.starts_with("vllm:cache_config_info{"))
     {
-        let label = |name: &str| -> Option<usize> {
-            let start = line
-                .find(&format!(",{name}=\""))
-                .or_else(|| line.find(&format!("{{{name}=\"")))?;
-            let rest = &line[start + name.len() + 3..];
-            rest[..rest.find('"')?].parse().ok()
-        };
+        let label = |name| crate::load::label(line, name)?.parse::<usize>().ok();
         if let (Some(n), Some(b)) = (label("num_gpu_blocks"), label("block_size")) {
             blocks += n;
             block_size = b;

@@ -95,8 +95,9 @@ impl Engines {
     }
 
     /// Queues `req` on the rank `header` names (vLLM ignores a value that is not an integer, and
-    /// refuses a rank it lacks, a server of one engine too), or on the one the balancer picks. Its events arrive on the receiver; the slot holds its place
-    /// in the balancer's counts until dropped (with the response).
+    /// refuses a rank it lacks, a server of one engine too), or on the one the balancer picks.
+    /// Its events arrive on the receiver; the slot holds its place in the balancer's counts until
+    /// dropped (with the response).
     pub fn submit(
         &self,
         header: Option<&http::HeaderValue>,
