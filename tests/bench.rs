@@ -43,6 +43,7 @@ fn spec(workload: Workload) -> LoadSpec {
         max_requests: None,
         output_range: 0.0,
         api: bench::loadgen::Api::Completions,
+        session_header: None,
     }
 }
 
@@ -677,6 +678,105 @@ async fn the_load_generator_reads_any_conformant_event_stream() {
         assert_eq!(s.token_times.len(), 3, "three content events");
         assert_eq!(s.output_tokens, 3);
     }
+}
+
+/// With `session_header`, every request names its conversation: a chat's turns share one value,
+/// the conversations each have their own, and independent requests are each a session of one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_header_names_each_requests_conversation() {
+    use axum::{
+        http::HeaderMap,
+        routing::{get, post},
+        Json, Router,
+    };
+    use std::sync::Arc;
+    type Seen = Arc<parking_lot::Mutex<Vec<(Option<String>, serde_json::Value)>>>;
+    let seen: Seen = Arc::default();
+    let answer = |seen: Seen| {
+        move |headers: HeaderMap, Json(body): Json<serde_json::Value>| async move {
+            let session = headers
+                .get("x-session-id")
+                .map(|v| v.to_str().unwrap().to_string());
+            seen.lock().push((session, body));
+            (
+                [("content-type", "text/event-stream")],
+                "data: {\"choices\":[{\"index\":0,\"text\":\" a\"}]}\n\ndata: [DONE]\n\n",
+            )
+        }
+    };
+    let app = Router::new()
+        .route(
+            "/v1/models",
+            get(|| async { Json(serde_json::json!({"data": [{"id": "m"}]})) }),
+        )
+        .route("/v1/chat/completions", post(answer(seen.clone())))
+        .route("/v1/completions", post(answer(seen.clone())));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    // One client, so the request budget ends with the third conversation.
+    let chat = LoadSpec {
+        url,
+        concurrency: 1,
+        warmup: Duration::ZERO,
+        max_requests: Some(9),
+        session_header: Some(http::HeaderName::from_static("x-session-id")),
+        ..spec(Workload::Chat {
+            turns: 3,
+            system_tokens: 16,
+            user_tokens: 4,
+            output_tokens: 1,
+        })
+    };
+    let samples = bench::loadgen::run(&chat).await.unwrap();
+    assert!(samples.iter().all(|s| s.ok), "{samples:?}");
+    let mut sessions = std::collections::BTreeMap::<String, Vec<serde_json::Value>>::new();
+    for (session, body) in seen.lock().drain(..) {
+        let session = session.expect("every request names its session");
+        sessions.entry(session).or_default().push(body);
+    }
+    // Seed 3, conversations 0, 1 and 2 of three turns each.
+    assert_eq!(
+        sessions.keys().collect::<Vec<_>>(),
+        ["3-0", "3-1", "3-2"],
+        "{sessions:?}"
+    );
+    let mut first_messages = std::collections::BTreeSet::new();
+    for turns in sessions.values_mut() {
+        // One session's requests are one conversation: turns 1, 2, 3, each resending the last.
+        turns.sort_by_key(|b| b["messages"].as_array().unwrap().len());
+        let lengths: Vec<usize> = turns
+            .iter()
+            .map(|b| b["messages"].as_array().unwrap().len())
+            .collect();
+        assert_eq!(lengths, [2, 4, 6]);
+        for pair in turns.windows(2) {
+            assert_eq!(pair[0]["messages"][1], pair[1]["messages"][1]);
+        }
+        first_messages.insert(turns[0]["messages"][1]["content"].to_string());
+    }
+    assert_eq!(first_messages.len(), 3, "three different conversations");
+    // Independent requests: a session each. Without the option, no header.
+    let random = LoadSpec {
+        max_requests: Some(4),
+        workload: Workload::Random {
+            input_tokens: 4,
+            output_tokens: 1,
+        },
+        ..chat.clone()
+    };
+    bench::loadgen::run(&random).await.unwrap();
+    let plain = LoadSpec {
+        session_header: None,
+        ..random.clone()
+    };
+    bench::loadgen::run(&plain).await.unwrap();
+    let seen = seen.lock();
+    let named: std::collections::BTreeSet<_> =
+        seen[..4].iter().map(|(s, _)| s.clone().unwrap()).collect();
+    assert_eq!(named.len(), 4, "{named:?}");
+    assert!(seen[4..].iter().all(|(s, _)| s.is_none()));
+    assert_eq!(seen.len(), 8);
 }
 
 /// A Mooncake-format trace is replayed at its timestamps (sped up), request for request, and

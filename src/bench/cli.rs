@@ -147,6 +147,11 @@ pub struct LoadArgs {
     /// so for a while; a ramp lets the window measure the steady state. 0: all at once.
     #[arg(long, default_value_t = 0.0)]
     ramp_up: f64,
+    /// Send each request with this header naming its conversation (`<seed>-<conversation>`; an
+    /// independent request is one of its own), for routers that route by session, e.g. the
+    /// production-stack router's `--routing-logic session --session-key NAME`.
+    #[arg(long)]
+    session_header: Option<String>,
     /// Seconds before the measured window.
     #[arg(long, default_value_t = 10.0)]
     warmup: f64,
@@ -252,8 +257,15 @@ impl LoadArgs {
                 self.api
             ))
         })?;
+        let session_header = match &self.session_header {
+            Some(name) => Some(http::HeaderName::try_from(name.as_str()).map_err(|_| {
+                BenchError::Setup(format!("--session-header `{name}` is not a header name"))
+            })?),
+            None => None,
+        };
         Ok(LoadSpec {
             api,
+            session_header,
             url,
             model: self.model.clone(),
             workload,

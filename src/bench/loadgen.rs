@@ -72,6 +72,11 @@ pub struct LoadSpec {
     pub output_range: f64,
     /// The API the requests are sent through.
     pub api: Api,
+    /// Send each request with this header naming its conversation (`<seed>-<conversation>`; an
+    /// independent request is a conversation of its own), as a chat front end names its
+    /// sessions: for routers that route by session (the production-stack router's `session`
+    /// routing). None: no such header.
+    pub session_header: Option<http::HeaderName>,
 }
 
 /// The API a run's requests go through.
@@ -389,8 +394,14 @@ impl Shared {
             }
         };
         let base = &self.bases[(s.index as usize) % self.bases.len()];
-        let http_req = http::Request::post(format!("{base}{path}"))
-            .header(http::header::CONTENT_TYPE, "application/json")
+        let mut http_req = http::Request::post(format!("{base}{path}"))
+            .header(http::header::CONTENT_TYPE, "application/json");
+        if let Some(name) = &self.spec.session_header {
+            let turns = self.spec.workload.turns().unwrap_or(1);
+            let session = format!("{}-{}", self.spec.seed, s.index / turns);
+            http_req = http_req.header(name, session);
+        }
+        let http_req = http_req
             .body(Full::new(Bytes::from(body.to_string())))
             .map_err(|e| e.to_string())?;
         let resp = self
