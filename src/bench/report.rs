@@ -69,6 +69,9 @@ fn ms(s: f64) -> String {
     format!("{:.0}", s * 1e3)
 }
 
+/// The most workload classes the table gives a TTFT each (the JSON has them all).
+const MAX_CLASSES_SHOWN: usize = 8;
+
 /// Runs side by side, one column each, with each run's ratio to the first on the rate and TTFT rows.
 pub fn table(runs: &[Run]) -> String {
     let mut rows: Vec<(String, Vec<String>)> = Vec::new();
@@ -87,8 +90,11 @@ pub fn table(runs: &[Run]) -> String {
         let t = &r.summary.ttft;
         format!("{} / {} / {}", ms(t.p50), ms(t.p95), ms(t.p99))
     });
-    // A workload of several classes (`mixed`): each one's TTFT, p50 / p95, in class order.
-    if runs.iter().any(|r| r.summary.ttft_by_class.len() > 1) {
+    // A workload of a few classes (`mixed`): each one's TTFT, p50 / p95, in class order. A
+    // prefix-repetition run has a class per prefix (200 of them would make every row of the
+    // table thousands of characters wide): those are left to the JSON.
+    let classes = |r: &Run| r.summary.ttft_by_class.len();
+    if runs.iter().any(|r| classes(r) > 1) && runs.iter().all(|r| classes(r) <= MAX_CLASSES_SHOWN) {
         row("TTFT p50 / p95 ms by class", &|r| {
             r.summary
                 .ttft_by_class
@@ -634,6 +640,16 @@ mod tests {
                 && row.contains("chat 100 / 200"),
             "{row}"
         );
+        // A class per prefix of 200 prefixes: no row, and the table keeps its width.
+        let mut many = one("prefix-0", 0.1, 0.2);
+        for p in 1..200 {
+            many.summary
+                .ttft_by_class
+                .insert(format!("prefix-{p}"), Percentiles::default());
+        }
+        let t = table(&[many]);
+        assert!(!t.contains("by class"));
+        assert!(t.lines().all(|l| l.len() < 200), "{t}");
     }
 
     #[test]
