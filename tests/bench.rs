@@ -633,14 +633,25 @@ async fn output_lengths_vary_around_the_workloads_with_output_range() {
     assert!((0..24).all(|i| fixed.request(i).output_tokens == 16));
 }
 
+/// Serves `routes` on a loopback port, with `/v1/models` listing one model, for the load
+/// generator to run against; returns the base URL.
+async fn stand_in_target(routes: axum::Router) -> String {
+    use axum::{routing::get, Json};
+    let app = routes.route(
+        "/v1/models",
+        get(|| async { Json(serde_json::json!({"data": [{"id": "m"}]})) }),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    url
+}
+
 /// Other servers frame SSE differently; the load generator reads any conformant stream: CRLF line
 /// ends, `data:` without a space, data over two lines, comments and `event:` lines.
 #[tokio::test]
 async fn the_load_generator_reads_any_conformant_event_stream() {
-    use axum::{
-        routing::{get, post},
-        Json, Router,
-    };
+    use axum::{routing::post, Router};
     let stream = concat!(
         ": keep-alive comment\r\n\r\n",
         "event: message\r\ndata:{\"choices\":[{\"index\":0,\"text\":\" one\"}]}\r\n\r\n",
@@ -649,18 +660,11 @@ async fn the_load_generator_reads_any_conformant_event_stream() {
         "data:{\"choices\":[],\"usage\":{\"completion_tokens\":3}}\r\r",
         "data: [DONE]\r\n\r\n",
     );
-    let app = Router::new()
-        .route(
-            "/v1/models",
-            get(|| async { Json(serde_json::json!({"data": [{"id": "m"}]})) }),
-        )
-        .route(
-            "/v1/completions",
-            post(move || async move { ([("content-type", "text/event-stream")], stream) }),
-        );
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}", listener.local_addr().unwrap());
-    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    let url = stand_in_target(Router::new().route(
+        "/v1/completions",
+        post(move || async move { ([("content-type", "text/event-stream")], stream) }),
+    ))
+    .await;
     let load = LoadSpec {
         url,
         concurrency: 1,
@@ -684,11 +688,7 @@ async fn the_load_generator_reads_any_conformant_event_stream() {
 /// the conversations each have their own, and independent requests are each a session of one.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_session_header_names_each_requests_conversation() {
-    use axum::{
-        http::HeaderMap,
-        routing::{get, post},
-        Json, Router,
-    };
+    use axum::{http::HeaderMap, routing::post, Json, Router};
     use std::sync::Arc;
     type Seen = Arc<parking_lot::Mutex<Vec<(Option<String>, serde_json::Value)>>>;
     let seen: Seen = Arc::default();
@@ -704,16 +704,12 @@ async fn a_session_header_names_each_requests_conversation() {
             )
         }
     };
-    let app = Router::new()
-        .route(
-            "/v1/models",
-            get(|| async { Json(serde_json::json!({"data": [{"id": "m"}]})) }),
-        )
-        .route("/v1/chat/completions", post(answer(seen.clone())))
-        .route("/v1/completions", post(answer(seen.clone())));
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}", listener.local_addr().unwrap());
-    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    let url = stand_in_target(
+        Router::new()
+            .route("/v1/chat/completions", post(answer(seen.clone())))
+            .route("/v1/completions", post(answer(seen.clone()))),
+    )
+    .await;
     // One client, so the request budget ends with the third conversation.
     let chat = LoadSpec {
         url,
