@@ -2,13 +2,13 @@
 # The vLLM production-stack router, as an external arm of `kvroute bench compare`:
 #
 #   PRODUCTION_STACK_ROUTER=/path/to/venv/bin/vllm-router kvroute bench compare ... \
-#       --external 'prodstack=benches/production_stack_router.sh {port} {workers_csv} MODEL'
+#       --external 'prodstack=benches/production_stack_router.sh {port} {workers_csv} MODEL [ROUTING]'
 #
-# ROUTING, a fourth argument, is its routing logic: `prefixaware` (the default: the worker holding
-# the longest prefix of the request's text) or `session` (a hash ring over a session header,
-# here `x-session-id`; run the bench with `--session-header x-session-id` so that each
-# conversation names itself). MODEL is the name the workers serve (the simulator's preset names its model; `kvroute sim
-# --list-presets`). The router is not on PyPI under its own name (the `vllm-router` package there
+# MODEL is the name the workers serve (the simulator's preset names its model; `kvroute sim
+# --list-presets`). ROUTING is the router's routing logic: `prefixaware` (the default: the worker
+# holding the longest prefix of the request's text) or `session` (a hash ring over a session
+# header, here `x-session-id`; run the bench with `--session-header x-session-id` so that each
+# conversation names itself). The router is not on PyPI under its own name (the `vllm-router` package there
 # is vllm-project/router's), so it is installed from its repository, with Python 3.12 or later:
 #
 #   git clone https://github.com/vllm-project/production-stack
