@@ -149,7 +149,8 @@ pub struct LoadArgs {
     ramp_up: f64,
     /// Send each request with this header naming its conversation (`<seed>-<conversation>`; an
     /// independent request is one of its own), for routers that route by session, e.g. the
-    /// production-stack router's `--routing-logic session --session-key NAME`.
+    /// production-stack router's `--routing-logic session --session-key NAME` or vllm-router's
+    /// `consistent_hash` and `sticky_least_loaded` (`x-session-id`).
     #[arg(long)]
     session_header: Option<String>,
     /// Seconds before the measured window.

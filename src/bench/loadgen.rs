@@ -74,8 +74,8 @@ pub struct LoadSpec {
     pub api: Api,
     /// Send each request with this header naming its conversation (`<seed>-<conversation>`; an
     /// independent request is a conversation of its own), as a chat front end names its
-    /// sessions: for routers that route by session (the production-stack router's `session`
-    /// routing). None: no such header.
+    /// sessions: for routers that route by session (the production-stack router's `session`,
+    /// vllm-router's `consistent_hash` and `sticky_least_loaded`). None: no such header.
     pub session_header: Option<http::HeaderName>,
 }
 
