@@ -95,7 +95,8 @@ struct SimArgs {
     /// First port (worker i gets port + i); 0 picks free ports.
     #[arg(long)]
     port: Option<u16>,
-    /// Engine preset (see --list-presets).
+    /// Engine preset (see --list-presets); a comma-separated list gives worker i the (i mod n)-th,
+    /// a pool of one model on unlike GPUs (e.g. `l4-qwen2.5-7b,l40s-qwen2.5-7b`).
     #[arg(long)]
     preset: Option<String>,
     /// Run modelled time this many times faster than the wall clock.

@@ -359,6 +359,44 @@ async fn tokenize_detokenize_models_health_and_load() {
 }
 
 #[tokio::test]
+async fn a_preset_list_gives_each_worker_its_own_engine_of_one_model() {
+    let s = start(SimConfig {
+        preset: "l4-qwen2.5-7b,l40s-qwen2.5-7b".into(),
+        ..cfg(3)
+    })
+    .await;
+    let mut blocks = Vec::new();
+    for &a in &s.addrs {
+        let text = metrics_text(a).await;
+        let info = text
+            .lines()
+            .find(|l| l.starts_with("vllm:cache_config_info{"))
+            .unwrap_or_else(|| panic!("no cache_config_info in {text}"))
+            .to_owned();
+        let n = info.split("num_gpu_blocks=\"").nth(1).unwrap();
+        blocks.push(n[..n.find('"').unwrap()].parse::<usize>().unwrap());
+        let m = request(a, "GET", "/v1/models", b"").await.json();
+        assert_eq!(m["data"][0]["id"], "Qwen/Qwen2.5-7B-Instruct");
+    }
+    // Worker i runs the (i mod 2)-th preset: the L4's cache, the L40S's, the L4's again.
+    assert_eq!(blocks, [5400, 29000, 5400]);
+    let cfg = SimConfig {
+        preset: "l4-qwen2.5-7b,l40s-qwen2.5-7b".into(),
+        workers: 4,
+        ..SimConfig::default()
+    };
+    assert_eq!(cfg.pool_gpu_blocks().unwrap(), 2 * 5400 + 2 * 29000);
+    // A pool serves one model: a list that mixes models is refused, as is an unknown name.
+    for preset in ["l4-qwen2.5-7b,rtx4090-mistral-7b", "l4-qwen2.5-7b,nope"] {
+        let bad = SimConfig {
+            preset: preset.into(),
+            ..cfg.clone()
+        };
+        assert!(bad.validate().is_err(), "{preset} accepted");
+    }
+}
+
+#[tokio::test]
 async fn a_closed_connection_leaves_the_batch_and_frees_its_blocks() {
     let s = one().await;
     let a = s.addrs[0];

@@ -42,7 +42,8 @@ pub enum BenchCommand {
         /// Simulated workers per pool.
         #[arg(long, default_value_t = 2)]
         workers: usize,
-        /// Simulator preset (`kvroute sim --list-presets`).
+        /// Simulator preset (`kvroute sim --list-presets`); a comma-separated list gives worker i
+        /// the (i mod n)-th, a pool of one model on unlike GPUs.
         #[arg(long, default_value = crate::sim::presets::DEFAULT_PRESET)]
         preset: String,
         /// Tokens per KV block of the simulated workers (vLLM's --block-size).

@@ -511,10 +511,7 @@ pub async fn compare_replicated(
                 Target::Sim(sim_cfg) => {
                     let p = sim_cfg.engine_params()?;
                     (
-                        (
-                            p.num_gpu_blocks * sim_cfg.workers * sim_cfg.data_parallel_size,
-                            p.block_size,
-                        ),
+                        (sim_cfg.pool_gpu_blocks()?, p.block_size),
                         sim_cfg.load_tokenizer()?,
                     )
                 }

@@ -54,8 +54,10 @@ pub struct SimConfig {
     pub host: std::net::IpAddr,
     /// First port; worker i listens on port + i. 0 picks free ports.
     pub port: u16,
+    /// The engine preset; a comma-separated list gives worker i the (i mod n)-th of them, a pool of
+    /// one model on unlike GPUs (every preset must serve the same model with the same block size).
     pub preset: String,
-    /// Overrides the preset's engine wholesale when set.
+    /// Overrides the preset's engine wholesale when set (every worker's).
     pub engine: Option<EngineParams>,
     /// Tokens per KV block instead of the engine's (as vLLM's `--block-size`); the KV capacity in
     /// tokens stays the same, so the block count scales inversely.
@@ -129,18 +131,32 @@ impl SimConfig {
         Ok(crate::config::read_yaml(path)?)
     }
 
+    /// The first worker's engine (every worker's unless `preset` lists several).
     pub fn engine_params(&self) -> Result<EngineParams, SimError> {
+        self.engine_params_for(0)
+    }
+
+    /// The preset names `preset` lists, in order.
+    fn preset_names(&self) -> impl Iterator<Item = &str> {
+        self.preset.split(',').map(str::trim)
+    }
+
+    /// Worker `i`'s engine: the (i mod n)-th of the `n` presets listed, unless `engine` overrides.
+    pub fn engine_params_for(&self, i: usize) -> Result<EngineParams, SimError> {
         let p = match &self.engine {
             Some(p) => p.clone(),
-            None => (presets::find(&self.preset)
-                .ok_or_else(|| {
-                    SimError::Invalid(format!(
-                        "unknown preset `{}` (known: {})",
-                        self.preset,
-                        presets::names()
-                    ))
-                })?
-                .params)(),
+            None => {
+                let names: Vec<&str> = self.preset_names().collect();
+                let name = names[i % names.len()];
+                (presets::find(name)
+                    .ok_or_else(|| {
+                        SimError::Invalid(format!(
+                            "unknown preset `{name}` (known: {})",
+                            presets::names()
+                        ))
+                    })?
+                    .params)()
+            }
         };
         let mut p = p;
         if p.block_size == 0 || self.block_size == Some(0) {
@@ -186,7 +202,27 @@ impl SimConfig {
                 "tokenizer_config needs tokenizer (the model's tokenizer.json)".into(),
             ));
         }
-        self.engine_params()
+        let first = self.engine_params()?;
+        for i in 1..self.preset_names().count() {
+            let p = self.engine_params_for(i)?;
+            if p.model != first.model || p.block_size != first.block_size {
+                return Err(SimError::Invalid(format!(
+                    "presets `{}` mix models or block sizes ({} and {}, {} and {} tokens): a pool \
+                     serves one model, and its cache is counted in blocks of one size",
+                    self.preset, first.model, p.model, first.block_size, p.block_size
+                )));
+            }
+        }
+        Ok(first)
+    }
+
+    /// KV blocks over the whole pool (each worker's, times its data-parallel engines).
+    pub fn pool_gpu_blocks(&self) -> Result<usize, SimError> {
+        let mut blocks = 0;
+        for i in 0..self.workers {
+            blocks += self.engine_params_for(i)?.num_gpu_blocks * self.data_parallel_size;
+        }
+        Ok(blocks)
     }
 
     /// The data-parallel engines behind each worker, where there are several.
@@ -253,10 +289,11 @@ pub async fn start(
     cancel: &CancellationToken,
     tasks: &mut JoinSet<()>,
 ) -> Result<Vec<SimWorker>, SimError> {
-    let params = cfg.validate()?;
+    cfg.validate()?;
     let tokenizer = cfg.load_tokenizer()?;
     let mut workers = Vec::with_capacity(listeners.len());
     for (i, listener) in listeners.into_iter().enumerate() {
+        let params = cfg.engine_params_for(i)?;
         let addr = listener.local_addr().map_err(|source| SimError::Bind {
             addr: SocketAddr::new(cfg.host, 0),
             source,

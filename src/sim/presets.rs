@@ -84,6 +84,30 @@ pub const PRESETS: &[Preset] = &[
         },
     },
     Preset {
+        name: "l40s-qwen2.5-7b",
+        describes: "Qwen2.5-7B-Instruct BF16 on one NVIDIA L40S (48 GB, 864 GB/s)",
+        source: "no published serving table: the l4-qwen2.5-7b preset scaled by the spec sheets, \
+                 2.88x the L4's memory bandwidth (864 against 300 GB/s) for the step's base, \
+                 per-sequence and KV-read costs and 2.99x its dense BF16 compute (362 against 121 \
+                 TFLOP/s) for prefill; KV 57 KB/token, ~26.6 GB left of 90% of 48 GB after 15.2 GB \
+                 of weights. With l4-qwen2.5-7b, a pool of one model on unlike GPUs",
+        params: || EngineParams {
+            model: "Qwen/Qwen2.5-7B-Instruct".into(),
+            max_model_len: 32768,
+            // ~26.6 GB / (57 KB × 16 tokens)
+            num_gpu_blocks: 29000,
+            block_size: super::kv::DEFAULT_BLOCK_SIZE,
+            max_num_seqs: 256,
+            max_num_batched_tokens: 2048,
+            cost: CostModel {
+                step_base_ms: 14.0,
+                prefill_ms_per_token: 0.13,
+                decode_ms_per_seq: 0.04,
+                kv_read_ms_per_1k_tokens: 0.09,
+            },
+        },
+    },
+    Preset {
         name: "rtx4090-mistral-7b",
         describes: "Mistral-7B-Instruct FP16 on one RTX 4090 (24 GB, 1 TB/s)",
         source: "vLLM benchmark_serving, random 256 in/128 out, 300 prompts, by max concurrency: \
