@@ -227,6 +227,12 @@ pub struct StepClock {
     base_us: AtomicU64,
     per_token_us: AtomicU64,
     fit: parking_lot::Mutex<StepFit>,
+    /// Its time per prefill token over the pool's median, as `f64` bits ([`rate_speeds`]); 0
+    /// (read as 1) while unknown or near the median.
+    slowness: AtomicU64,
+    /// The moving mean of that ratio over recent polls, before the deadband, as `f64` bits; 0
+    /// (read as 1) before the first.
+    ratio: AtomicU64,
 }
 
 /// Moving moments of recent windows of steps: (steps, prefill tokens, duration) each.
@@ -428,6 +434,19 @@ impl StepClock {
             return 0.0;
         }
         worked.min(in_step)
+    }
+
+    /// How many times the pool's median time this worker takes per prefill token, by the step
+    /// fits ([`rate_speeds`]): above 1 on a slower GPU, below on a faster one; 1 while unknown or
+    /// within [`SPEED_DEADBAND`] of the median.
+    #[inline]
+    pub fn slowness(&self) -> f64 {
+        let s = f64::from_bits(self.slowness.load(Ordering::Relaxed));
+        if s > 0.0 {
+            s
+        } else {
+            1.0
+        }
     }
 
     /// The fitted step without prefill and per prefill token, in microseconds, when known.
@@ -633,6 +652,64 @@ impl KvClock {
     }
 }
 
+/// Times per prefill token closer to the pool's median than this factor count as the median's:
+/// a fit moves by some percent between alike workers, and a pool of one GPU type is priced as it
+/// was without speeds. Unlike GPUs differ by more (an L40S takes about a third of an L4's time).
+pub const SPEED_DEADBAND: f64 = 1.25;
+
+/// Each poll moves a worker's rating this share of the way to what its fit shows: a fit strays
+/// now and then for a while (seen on a pool of one GPU type: one worker at 17 us a token, its
+/// neighbours at 76; under the mixed workload, with its 2,048-token prompts, for long enough
+/// that at a fifth a poll the ratings left the deadband), and that should not send a worker the
+/// pool's traffic. A GPU of another type is rated in some tens of polls.
+const RATING_STEP: f64 = 0.05;
+
+/// Moves each worker's [`StepClock::slowness`] towards its fitted time per prefill token over the
+/// median of the fitted workers' (1 where it has no fit over a full window of [`STEP_WINDOW`]
+/// windows or fewer than two workers have one; at most 4 times off), by
+/// [`RATING_STEP`] of the way each call; a rating within [`SPEED_DEADBAND`] of 1 reads as 1. What
+/// a worker's queue and misses cost in time, for a pool of unlike GPUs serving one model.
+pub fn rate_speeds(workers: &[Arc<Worker>]) {
+    // Only fits over a full moving window: the first ones can be far off (seen on a pool of one
+    // GPU type: a base of 54 us beside three of 10 ms, a time per token a third of the others').
+    let settled = |w: &Worker| {
+        w.steps
+            .fit()
+            .filter(|_| w.steps.fit.lock().windows >= STEP_WINDOW as u32)
+            .map(|(_, per_token)| per_token)
+    };
+    let mut fitted: Vec<f64> = workers.iter().filter_map(|w| settled(w)).collect();
+    let median = if fitted.len() >= 2 {
+        fitted.sort_by(f64::total_cmp);
+        let mid = fitted.len() / 2;
+        if fitted.len() % 2 == 0 {
+            (fitted[mid - 1] + fitted[mid]) / 2.0
+        } else {
+            fitted[mid]
+        }
+    } else {
+        0.0
+    };
+    for w in workers {
+        // A reading more than four times off the median is more likely a bad fit than a GPU:
+        // it counts as four times.
+        let seen = match settled(w) {
+            Some(per_token) if median > 0.0 => (per_token / median).clamp(0.25, 4.0),
+            _ => 1.0,
+        };
+        let before = f64::from_bits(w.steps.ratio.load(Ordering::Relaxed));
+        let before = if before > 0.0 { before } else { 1.0 };
+        let ratio = before + RATING_STEP * (seen - before);
+        w.steps.ratio.store(ratio.to_bits(), Ordering::Relaxed);
+        let s = if (1.0 / SPEED_DEADBAND..=SPEED_DEADBAND).contains(&ratio) {
+            1.0
+        } else {
+            ratio
+        };
+        w.steps.slowness.store(s.to_bits(), Ordering::Relaxed);
+    }
+}
+
 /// Polls every worker's metrics until `cancel` fires; returns at once when polling is off.
 pub async fn run(up: Arc<Upstreams>, cancel: CancellationToken) {
     let cfg = up.config.load_signals.clone();
@@ -666,6 +743,7 @@ pub async fn run(up: Arc<Upstreams>, cancel: CancellationToken) {
             }
             w.load.store(p, w.inflight());
         }
+        rate_speeds(&workers);
         for (url, ranks) in engines {
             follow_ranks(&up, url, ranks);
         }
@@ -993,6 +1071,43 @@ mod tests {
             }
         }
         t
+    }
+
+    #[test]
+    fn workers_are_rated_by_their_time_per_token_beside_the_pools_median() {
+        // Per prefill token: two workers at 10 us, one at 11 (within the deadband), one at 30 (a
+        // GPU a third as fast), one never timed, and one at 30 timed over too few steps for its
+        // fit to have settled.
+        let ws = crate::workers::test_workers(6);
+        let mix = [0, 128, 0, 512, 256, 0, 0, 1024];
+        let timed = [(10, 200), (10, 200), (11, 200), (30, 200), (0, 0), (30, 20)];
+        for (w, (per_token, steps)) in ws.iter().zip(timed) {
+            let mut t = 1_000;
+            for x in mix.iter().copied().cycle().take(steps) {
+                t += 20_000 + per_token * x;
+                w.steps.frame(t, x, || 0);
+                w.steps.frame(t + 50, 0, || 0);
+            }
+        }
+        // One poll moves each rating a twentieth of the way: the slow one to 1.09, inside the
+        // deadband still.
+        rate_speeds(&ws);
+        assert_eq!(ws[3].steps.slowness(), 1.0);
+        for _ in 0..100 {
+            rate_speeds(&ws);
+        }
+        let slowness: Vec<f64> = ws.iter().map(|w| w.steps.slowness()).collect();
+        // The median of 10, 10, 11 and 30 is 10.5: the slow one is about 2.9 times it.
+        assert_eq!(slowness[..3], [1.0, 1.0, 1.0]);
+        assert!((slowness[3] - 30.0 / 10.5).abs() < 0.15, "{slowness:?}");
+        assert_eq!(slowness[4], 1.0);
+        assert!(ws[5].steps.fit().is_some());
+        assert_eq!(slowness[5], 1.0);
+        // One fitted worker has no pool to be compared with: back to 1 over the polls.
+        for _ in 0..100 {
+            rate_speeds(&ws[3..]);
+        }
+        assert_eq!(ws[3].steps.slowness(), 1.0);
     }
 
     #[test]

@@ -87,6 +87,9 @@ pub struct MetricSet {
     /// `worker`, `part` (base, per_prefill_token): the worker's engine step as timed from the
     /// bursts of this gateway's streams ([`crate::load::StepClock`]).
     pub step_seconds: GaugeVec,
+    /// `worker`: its time per prefill token over the pool's median, as `price_by_speed` prices it
+    /// ([`crate::load::StepClock::slowness`]).
+    pub worker_slowness: GaugeVec,
     /// `worker`: KV event batches applied (live and replayed).
     pub kv_event_batches: IntCounterVec,
     /// `worker`, `result` (replayed, dropped): sequence gaps in a worker's KV events.
@@ -332,6 +335,11 @@ impl Metrics {
                 "A worker's engine step as timed from the bursts of the gateway's streams from it: base (a step with no prefill) and per_prefill_token; shown once fitted.",
                 &["worker", "part"],
             ),
+            worker_slowness: float_gauge(
+                "kvroute_worker_slowness",
+                "A worker's fitted time per prefill token over the median of the pool's fitted workers (a GPU three times as fast as the median shows 0.33); 1 while it has no fit, or within 1.25x of the median. cache_aware prices each worker in its own time by it (price_by_speed).",
+                &["worker"],
+            ),
             kv_event_batches: counter(
                 "kvroute_kv_event_batches_total",
                 "KV cache event batches applied from a worker's publisher (live and replayed).",
@@ -440,6 +448,7 @@ impl Metrics {
         forget(&self.duration, &by_worker);
         forget(&self.kv_event_gaps, &by_worker);
         forget(&self.step_seconds, &by_worker);
+        self.worker_slowness.remove_label_values(&[name]).ok();
         self.worker_inflight.remove_label_values(&[name]).ok();
         self.worker_healthy.remove_label_values(&[name]).ok();
         self.kv_event_batches.remove_label_values(&[name]).ok();
@@ -488,9 +497,13 @@ impl Metrics {
         );
     }
 
-    /// Publishes a worker's fitted step (called at scrape time): microseconds in, seconds out.
-    /// A fit that is no longer known (its steps stopped varying) is taken down, not left stale.
-    pub fn publish_steps(&self, worker: &str, fit: Option<(f64, f64)>) {
+    /// Publishes a worker's fitted step (called at scrape time): microseconds in, seconds out,
+    /// and its slowness beside the pool's median. A fit that is no longer known (its steps
+    /// stopped varying) is taken down, not left stale.
+    pub fn publish_steps(&self, worker: &str, fit: Option<(f64, f64)>, slowness: f64) {
+        self.worker_slowness
+            .with_label_values(&[worker])
+            .set(slowness);
         for (part, us) in [
             ("base", fit.map(|f| f.0)),
             ("per_prefill_token", fit.map(|f| f.1)),

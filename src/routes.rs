@@ -546,7 +546,7 @@ pub async fn metrics(State(s): State<AppState>) -> Response {
         if let Some(feed) = &w.events {
             metrics.publish_feed(&w.name, feed);
         }
-        metrics.publish_steps(&w.name, w.steps.fit());
+        metrics.publish_steps(&w.name, w.steps.fit(), w.steps.slowness());
     }
     (
         [(

@@ -583,3 +583,66 @@ async fn a_workers_engine_step_is_timed_from_the_bursts_of_its_streams() {
         "step per prefill token {per_token} s"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn workers_on_unlike_gpus_are_rated_by_their_fitted_steps() {
+    // A simulated L4 beside an L40S serving the same model, at 4x: per prefill token the L40S
+    // takes about a third of the L4's time (0.13 against 0.38 ms of model time).
+    let pool = sim_of(SimConfig {
+        workers: 2,
+        port: 0,
+        preset: "l4-qwen2.5-7b,l40s-qwen2.5-7b".into(),
+        time_scale: 4.0,
+        ..SimConfig::default()
+    })
+    .await;
+    // Placed without the rating, so that both are sent streams to time whatever their speed.
+    // Polled every 50 ms, so that the ratings (a twentieth of the way a poll) settle in seconds.
+    let mut cfg = config(&pool);
+    cfg.policy = kvroute::config::PolicyConfig::CacheAware(kvroute::config::CacheAwareParams {
+        price_by_speed: false,
+        ..Default::default()
+    });
+    cfg.load_signals.interval_seconds = 0.05;
+    let gw = gateway(cfg).await;
+    // Each worker's slowness beside the pool's median, as the last load poll rated it.
+    let slowness = |text: &str, url: &str| {
+        let port = url.rsplit(':').next().unwrap();
+        text.lines()
+            .find(|l| l.starts_with("kvroute_worker_slowness{") && l.contains(port))
+            .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+    };
+    // Waves of eight streamed prompts of different lengths, each its own from the first word, so
+    // that steps carry different amounts of prefill, until the polls' ratings have moved most of
+    // the way (once both workers' steps are fitted); at most 200 waves.
+    let mut rated = (None, None);
+    for wave in 0..200usize {
+        let bodies = (0..8usize).map(|i| {
+            let n = 40 + ((wave * 8 + i) * 37) % 400;
+            json!({
+                "model": "Qwen/Qwen2.5-7B-Instruct",
+                "prompt": format!("request {wave} {i}: {}", words(wave + i, n)),
+                "max_tokens": 6,
+                "stream": true,
+            })
+            .to_string()
+        });
+        common::post_together(gw.addr, "/v1/completions", bodies.collect()).await;
+        let text = metrics_text(gw.addr).await;
+        rated = (
+            slowness(&text, &pool.urls[0]),
+            slowness(&text, &pool.urls[1]),
+        );
+        if let (Some(l4), Some(l40s)) = rated {
+            if l4 / l40s > 2.0 {
+                break;
+            }
+        }
+    }
+    let (Some(l4), Some(l40s)) = rated else {
+        panic!("not rated: {rated:?}");
+    };
+    // The median of two is their mean: the L4 above it, the L40S below, about 2.9 times apart.
+    assert!(l4 > 1.0 && l40s < 1.0, "L4 {l4}, L40S {l40s}");
+    assert!((2.0..4.0).contains(&(l4 / l40s)), "L4 {l4}, L40S {l40s}");
+}

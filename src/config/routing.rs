@@ -287,6 +287,17 @@ pub struct CacheAwareParams {
     /// lengths ± 50%, 0.92x with pauses, 0.96x with equal lengths, at the same throughput (see
     /// `docs/measurements.md`, "New conversations where the fewest live").
     pub fresh_by_writes: bool,
+    /// Price each worker in its own time: its cost (the prefill it would do, the work queued on
+    /// it) times its fitted time per prefill token over the pool's median
+    /// ([`crate::load::StepClock::slowness`], from the step fits of `step_phase`, re-read at each
+    /// load poll), and with `fresh_by_writes` its recent writes the same way. In a pool of one
+    /// model on unlike GPUs, a queue on a GPU three times as fast is a third of the wait, and a
+    /// cache miss there a third of the prefill. Workers within 1.25x of the median, or not yet
+    /// timed (no streams), count as the median. Off by default: on a pool of one GPU type under
+    /// the mixed workload (2,048-token prompts prefilled in chunks) the step fits stray far
+    /// enough to rate alike workers apart (see `docs/measurements.md`, "A pool of unlike GPUs"),
+    /// so it is for pools known to mix GPU types.
+    pub price_by_speed: bool,
 }
 
 impl Default for CacheAwareParams {
@@ -313,6 +324,7 @@ impl Default for CacheAwareParams {
             step_transient_only: true,
             reuse_from_usage: true,
             fresh_by_writes: true,
+            price_by_speed: false,
         }
     }
 }

@@ -57,6 +57,12 @@
 //! turn that holds more somewhere goes without it, and a question or a new prompt counts it only
 //! while fewer than half of such requests are seen to be continued or reused.
 //!
+//! With `price_by_speed`, each worker's cost (and, with `fresh_by_writes`, its recent writes) is
+//! counted in its own time: times its fitted time per prefill token over the pool's median
+//! ([`crate::load::StepClock::slowness`], rated at each load poll by [`crate::load::rate_speeds`]).
+//! A pool of one model on unlike GPUs otherwise prices a queue on a GPU three times as fast as
+//! the same queue on the slow one, and keeps the slow ones as busy. Alike workers read 1.
+//!
 //! Several replicas sharing nothing each know only the turns they routed. Once one of them sends
 //! a turn elsewhere for load, it would follow that copy while the others keep to the home, and
 //! the conversation would bounce between two workers, each missing the other's turns. So when the
@@ -284,6 +290,15 @@ impl CacheAware {
         (bound * (load.queued + 1) as f64 / load.usable as f64).ceil() as usize
     }
 
+    /// How many times the pool's median time `w` takes per token, with `price_by_speed`; else 1.
+    fn slowness(&self, w: &Worker) -> f64 {
+        if self.params.price_by_speed {
+            w.steps.slowness()
+        } else {
+            1.0
+        }
+    }
+
     /// No key: the usable worker with the least work queued, ties rotating. The work is priced
     /// as the pass prices it for keyed requests ([`QueueWeights::cost`]), with weights (and the
     /// clock the step remainders are read at) fixed once for the decision.
@@ -292,7 +307,7 @@ impl CacheAware {
         let weights = self.queue_weights();
         let queue_cost = |w: &Worker| {
             let local = w.inflight();
-            weights.cost(w, local, w.load.queued(local), prompt)
+            weights.cost(w, local, w.load.queued(local), prompt) * self.slowness(w)
         };
         let n = workers.len();
         let start = self.tie_break.fetch_add(1, Ordering::Relaxed) % n.max(1);
@@ -452,6 +467,7 @@ impl CacheAware {
             miss,
             idle_credit,
             weights,
+            by_speed: self.params.price_by_speed,
         }
     }
 
@@ -508,9 +524,12 @@ impl CacheAware {
             return (home, false);
         }
         let now = crate::load::now_us();
+        // Written lately in the worker's own time: a GPU three times as fast writes three times
+        // the tokens for the same share of its time.
+        let written = |w: &Worker| w.kv.recent(now) * self.slowness(w);
         let lightest = (0..workers.len())
             .filter(|&i| workers[i].is_usable())
-            .map(|i| (workers[i].kv.recent(now), i))
+            .map(|i| (written(&workers[i]), i))
             .min_by(|a, b| a.0.total_cmp(&b.0));
         // The home where it is among the lightest (an idle pool's first prompts: by hash).
         let Some((least, i)) = lightest else {
@@ -519,7 +538,7 @@ impl CacheAware {
         // Nor where a prompt already waits to prefill on the lightest: a burst of new prompts
         // (conversations that end together) would otherwise all go there, its credit outweighing
         // the prefill they queue; the rest go by hash, as without the flag.
-        if workers[home.index].kv.recent(now) <= least || workers[i].load.pending_prefill() > 0 {
+        if written(&workers[home.index]) <= least || workers[i].load.pending_prefill() > 0 {
             return (home, false);
         }
         let flags = price_flags(pass, known);
@@ -604,7 +623,11 @@ impl CacheAware {
         } else {
             (0.0, h)
         };
-        let credit = (1.0 - alone) * params.miss_weight * (affinity * known.unknown + presumed);
+        // In the home's own time, as its cost is (`price_by_speed`).
+        let credit = (1.0 - alone)
+            * params.miss_weight
+            * (affinity * known.unknown + presumed)
+            * self.slowness(&workers[home.index]);
         let credited = Candidate {
             cost: home.cost - credit,
             ..home

@@ -98,6 +98,8 @@ pub(super) struct Pass<'a> {
     pub(super) miss: f64,
     pub(super) idle_credit: f64,
     pub(super) weights: QueueWeights,
+    /// Each worker's cost is in its own time (`price_by_speed`).
+    pub(super) by_speed: bool,
 }
 
 /// What the pass found: the cheapest worker and the key's home.
@@ -132,6 +134,7 @@ impl Pass<'_> {
             miss,
             idle_credit,
             weights,
+            by_speed,
         } = *self;
         let everyone = matches.everyone;
         let mut best = Candidate {
@@ -171,6 +174,9 @@ impl Pass<'_> {
             // shared by the requests that follow it there (see `amortize_hot_copies`).
             if IDLE && held == 0.0 && queued == 0 {
                 cost -= idle_credit;
+            }
+            if by_speed {
+                cost *= w.steps.slowness();
             }
             let score = mix(key, w.id_hash);
             let c = Candidate {

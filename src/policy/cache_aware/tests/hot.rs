@@ -277,16 +277,7 @@ fn under_a_prefix_every_worker_holds_a_request_goes_where_no_prefill_is_pending(
 /// Times `w`'s steps as 200 ms plus 10 us per prefill token, its last burst `ago` microseconds
 /// before `now` (as [`crate::load::StepClock`] sees a worker's streams).
 fn stepping(w: &Worker, now: u64, ago: u64) {
-    let prefills = [0u64, 128, 0, 512, 256, 0, 0, 1024];
-    let total: u64 = (0..40).map(|i| 200_000 + 10 * prefills[i % 8]).sum();
-    let mut t = now - ago - total;
-    for i in 0..40 {
-        let x = prefills[i % 8];
-        t += 200_000 + 10 * x;
-        w.steps.frame(t, x, || 0);
-        w.steps.frame(t + 100, 0, || 0);
-    }
-    assert_eq!(t, now - ago);
+    super::timed(w, now, ago, (200_000, 10));
 }
 
 #[test]

@@ -62,6 +62,22 @@ pub(super) fn arrive_together(
     per_worker
 }
 
+/// Times `w`'s steps as `base` plus `per_token` microseconds per prefill token over 40 steps,
+/// its last burst `ago` microseconds before `now` (as [`crate::load::StepClock`] sees a worker's
+/// streams).
+pub(super) fn timed(w: &Worker, now: u64, ago: u64, (base, per_token): (u64, u64)) {
+    let prefills = [0u64, 128, 0, 512, 256, 0, 0, 1024];
+    let total: u64 = (0..40).map(|i| base + per_token * prefills[i % 8]).sum();
+    let mut t = now - ago - total;
+    for i in 0..40 {
+        let x = prefills[i % 8];
+        t += base + per_token * x;
+        w.steps.frame(t, x, || 0);
+        w.steps.frame(t + 100, 0, || 0);
+    }
+    assert_eq!(t, now - ago);
+}
+
 /// A conversation: `shared` blocks common to all, then `own` blocks of conversation `c`.
 pub(super) fn convo(c: u64, shared: u64, own: u64) -> RequestInfo {
     let hashes = (0..shared)
@@ -293,4 +309,45 @@ pub(super) fn new_prompt_and_its_home_with(
         ..params
     });
     (ws, p, r, home)
+}
+
+#[test]
+fn in_a_pool_of_unlike_gpus_each_worker_is_priced_in_its_own_time() {
+    // Workers 0 and 1 take three times as long a step and a prefill token as 2 and 3 (an L4 beside
+    // an L40S), their last steps long over. Eight new prompts arrive together, each held unstarted.
+    let ws = test_workers(4);
+    let now = crate::load::now_us();
+    for (i, w) in ws.iter().enumerate() {
+        let speed = if i < 2 { (120_000, 30) } else { (40_000, 10) };
+        timed(w, now, 10_000_000, speed);
+    }
+    // Rated over enough polls to settle.
+    for _ in 0..150 {
+        crate::load::rate_speeds(&ws);
+    }
+    let slowness: Vec<f64> = ws.iter().map(|w| w.steps.slowness()).collect();
+    assert!(
+        (slowness[0] / slowness[2] - 3.0).abs() < 0.1 && slowness[0] == slowness[1],
+        "{slowness:?}"
+    );
+    let prompts = || (0..8).map(|c| convo(100 + c, 0, 4));
+    // Placed by cost alone (no home's credit): by tokens the four are alike, two each.
+    let by_cost = |price_by_speed| {
+        CacheAware::new(CacheAwareParams {
+            home_affinity: 0.0,
+            fresh_by_writes: false,
+            price_by_speed,
+            ..CacheAwareParams::default()
+        })
+    };
+    let even = arrive_together(&by_cost(false), &ws, prompts(), (256, 256));
+    assert_eq!(even, [2, 2, 2, 2]);
+    // In each worker's time (the median per token is 20 us: the slow ones 1.5 times it, the
+    // fast ones 0.5), a prompt's prefill and the queue in front of it take a third as long on a
+    // fast worker. Its 256 tokens missed cost 768 (three times), each prompt queued ahead about
+    // 142 more (half its pending prefill, 4 for the request, 0.04 of its context): a fast worker
+    // with k queued, (768 + 142 k) × 0.5, is cheaper than an idle slow one, 768 × 1.5, up to
+    // k = 10. So all eight go to the fast two.
+    let timed_pool = arrive_together(&by_cost(true), &ws, prompts(), (256, 256));
+    assert_eq!(timed_pool, [0, 0, 4, 4]);
 }
