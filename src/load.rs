@@ -678,7 +678,8 @@ pub fn rate_speeds(workers: &[Arc<Worker>]) {
             .filter(|_| w.steps.fit.lock().windows >= STEP_WINDOW as u32)
             .map(|(_, per_token)| per_token)
     };
-    let mut fitted: Vec<f64> = workers.iter().filter_map(|w| settled(w)).collect();
+    let readings: Vec<Option<f64>> = workers.iter().map(|w| settled(w)).collect();
+    let mut fitted: Vec<f64> = readings.iter().flatten().copied().collect();
     let median = if fitted.len() >= 2 {
         fitted.sort_by(f64::total_cmp);
         let mid = fitted.len() / 2;
@@ -690,10 +691,10 @@ pub fn rate_speeds(workers: &[Arc<Worker>]) {
     } else {
         0.0
     };
-    for w in workers {
+    for (w, reading) in workers.iter().zip(readings) {
         // A reading more than four times off the median is more likely a bad fit than a GPU:
         // it counts as four times.
-        let seen = match settled(w) {
+        let seen = match reading {
             Some(per_token) if median > 0.0 => (per_token / median).clamp(0.25, 4.0),
             _ => 1.0,
         };

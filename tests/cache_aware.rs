@@ -544,6 +544,22 @@ async fn a_restarted_workers_earlier_prompts_are_not_predicted_as_cached() {
     task.await.unwrap().unwrap();
 }
 
+/// Wave `wave` of `size` streamed completions sent together, of 40 to 40 + `spread` words, each
+/// its own from the first word, so that the workers' steps carry different amounts of prefill.
+async fn stream_wave(addr: SocketAddr, wave: usize, size: usize, spread: usize) {
+    let bodies = (0..size).map(|i| {
+        let n = 40 + ((wave * size + i) * 37) % spread;
+        json!({
+            "model": "Qwen/Qwen2.5-7B-Instruct",
+            "prompt": format!("request {wave} {i}: {}", words(wave + i, n)),
+            "max_tokens": 6,
+            "stream": true,
+        })
+        .to_string()
+    });
+    common::post_together(addr, "/v1/completions", bodies.collect()).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_workers_engine_step_is_timed_from_the_bursts_of_its_streams() {
     // One simulated L4 at 4x: a step is 40 ms of model time plus 0.38 ms per prefill token (and
@@ -559,20 +575,8 @@ async fn a_workers_engine_step_is_timed_from_the_bursts_of_its_streams() {
     let gw = gateway(config(&pool)).await;
     let fit = common::step_fit;
     assert_eq!(fit(&metrics_text(gw.addr).await, "base"), None);
-    // Waves of four streamed prompts of different lengths, each its own from the first word, so
-    // that steps carry different amounts of prefill.
-    for wave in 0..8usize {
-        let bodies = (0..4usize).map(|i| {
-            let n = 40 + ((wave * 4 + i) * 37) % 260;
-            json!({
-                "model": "Qwen/Qwen2.5-7B-Instruct",
-                "prompt": format!("request {wave} {i}: {}", words(wave + i, n)),
-                "max_tokens": 6,
-                "stream": true,
-            })
-            .to_string()
-        });
-        common::post_together(gw.addr, "/v1/completions", bodies.collect()).await;
+    for wave in 0..8 {
+        stream_wave(gw.addr, wave, 4, 260).await;
     }
     let text = metrics_text(gw.addr).await;
     let base = fit(&text, "base").expect("a fitted step");
@@ -612,22 +616,11 @@ async fn workers_on_unlike_gpus_are_rated_by_their_fitted_steps() {
             .find(|l| l.starts_with("kvroute_worker_slowness{") && l.contains(port))
             .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
     };
-    // Waves of eight streamed prompts of different lengths, each its own from the first word, so
-    // that steps carry different amounts of prefill, until the polls' ratings have moved most of
-    // the way (once both workers' steps are fitted); at most 200 waves.
+    // Waves of eight until the polls' ratings have moved most of the way (once both workers'
+    // steps are fitted); at most 200 waves.
     let mut rated = (None, None);
-    for wave in 0..200usize {
-        let bodies = (0..8usize).map(|i| {
-            let n = 40 + ((wave * 8 + i) * 37) % 400;
-            json!({
-                "model": "Qwen/Qwen2.5-7B-Instruct",
-                "prompt": format!("request {wave} {i}: {}", words(wave + i, n)),
-                "max_tokens": 6,
-                "stream": true,
-            })
-            .to_string()
-        });
-        common::post_together(gw.addr, "/v1/completions", bodies.collect()).await;
+    for wave in 0..200 {
+        stream_wave(gw.addr, wave, 8, 400).await;
         let text = metrics_text(gw.addr).await;
         rated = (
             slowness(&text, &pool.urls[0]),
