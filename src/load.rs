@@ -227,11 +227,8 @@ pub struct StepClock {
     base_us: AtomicU64,
     per_token_us: AtomicU64,
     fit: parking_lot::Mutex<StepFit>,
-    /// Its time per prefill token over the pool's median, as `f64` bits ([`rate_speeds`]); 0
-    /// (read as 1) while unknown or near the median.
-    slowness: AtomicU64,
-    /// The moving mean of that ratio over recent polls, before the deadband, as `f64` bits; 0
-    /// (read as 1) before the first.
+    /// Its time per prefill token over the pool's median, moving over recent polls
+    /// ([`rate_speeds`]), as `f64` bits; 0 (read as 1) before the first.
     ratio: AtomicU64,
 }
 
@@ -441,12 +438,21 @@ impl StepClock {
     /// within [`SPEED_DEADBAND`] of the median.
     #[inline]
     pub fn slowness(&self) -> f64 {
-        let s = f64::from_bits(self.slowness.load(Ordering::Relaxed));
-        if s > 0.0 {
-            s
-        } else {
+        let ratio = f64::from_bits(self.ratio.load(Ordering::Relaxed));
+        if ratio <= 0.0 || (1.0 / SPEED_DEADBAND..=SPEED_DEADBAND).contains(&ratio) {
             1.0
+        } else {
+            ratio
         }
+    }
+
+    /// The fitted time per prefill token, in microseconds, once the fit has run over a full
+    /// moving window of [`STEP_WINDOW`] windows: the first fits can be far off (seen on a pool of
+    /// one GPU type: a base of 54 us beside three of 10 ms, a time per token a third of the
+    /// others').
+    fn settled_per_token(&self) -> Option<f64> {
+        let (_, per_token) = self.fit()?;
+        (self.fit.lock().windows >= STEP_WINDOW as u32).then_some(per_token)
     }
 
     /// The fitted step without prefill and per prefill token, in microseconds, when known.
@@ -670,24 +676,13 @@ const RATING_STEP: f64 = 0.05;
 /// [`RATING_STEP`] of the way each call; a rating within [`SPEED_DEADBAND`] of 1 reads as 1. What
 /// a worker's queue and misses cost in time, for a pool of unlike GPUs serving one model.
 pub fn rate_speeds(workers: &[Arc<Worker>]) {
-    // Only fits over a full moving window: the first ones can be far off (seen on a pool of one
-    // GPU type: a base of 54 us beside three of 10 ms, a time per token a third of the others').
-    let settled = |w: &Worker| {
-        w.steps
-            .fit()
-            .filter(|_| w.steps.fit.lock().windows >= STEP_WINDOW as u32)
-            .map(|(_, per_token)| per_token)
-    };
-    let readings: Vec<Option<f64>> = workers.iter().map(|w| settled(w)).collect();
-    let mut fitted: Vec<f64> = readings.iter().flatten().copied().collect();
+    let readings: Vec<Option<f64>> = workers
+        .iter()
+        .map(|w| w.steps.settled_per_token())
+        .collect();
+    let fitted: Vec<f64> = readings.iter().flatten().copied().collect();
     let median = if fitted.len() >= 2 {
-        fitted.sort_by(f64::total_cmp);
-        let mid = fitted.len() / 2;
-        if fitted.len() % 2 == 0 {
-            (fitted[mid - 1] + fitted[mid]) / 2.0
-        } else {
-            fitted[mid]
-        }
+        crate::bench::stats::median(&fitted).unwrap_or(0.0)
     } else {
         0.0
     };
@@ -702,12 +697,6 @@ pub fn rate_speeds(workers: &[Arc<Worker>]) {
         let before = if before > 0.0 { before } else { 1.0 };
         let ratio = before + RATING_STEP * (seen - before);
         w.steps.ratio.store(ratio.to_bits(), Ordering::Relaxed);
-        let s = if (1.0 / SPEED_DEADBAND..=SPEED_DEADBAND).contains(&ratio) {
-            1.0
-        } else {
-            ratio
-        };
-        w.steps.slowness.store(s.to_bits(), Ordering::Relaxed);
     }
 }
 

@@ -4,7 +4,7 @@ use std::fmt::Write;
 
 use serde::Serialize;
 
-use super::stats::Summary;
+use super::stats::{median, Summary};
 use super::workers::WorkerCounters;
 
 /// One labelled run: a policy in a comparison, a concurrency in a sweep, or a single run.
@@ -301,18 +301,6 @@ pub fn across_seeds(runs: &[Vec<Run>]) -> String {
         .map(|r| r.iter().map(|r| r.label.clone()).collect())
         .unwrap_or_default();
     render(&head, &rows)
-}
-
-/// The median of `v` (the mean of the middle two for an even count); `None` when empty.
-fn median(v: &[f64]) -> Option<f64> {
-    let mut v = v.to_vec();
-    v.sort_by(f64::total_cmp);
-    let n = v.len();
-    match n {
-        0 => None,
-        _ if n % 2 == 1 => Some(v[n / 2]),
-        _ => Some((v[n / 2 - 1] + v[n / 2]) / 2.0),
-    }
 }
 
 /// A markdown table: `head` names the columns, each row a name and one cell per column.

@@ -119,6 +119,18 @@ pub struct Summary {
     pub ttft_by_class: BTreeMap<String, Percentiles>,
 }
 
+/// The median of `v` (the mean of the middle two for an even count); `None` when empty.
+pub fn median(v: &[f64]) -> Option<f64> {
+    let mut v = v.to_vec();
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    match n {
+        0 => None,
+        _ if n % 2 == 1 => Some(v[n / 2]),
+        _ => Some((v[n / 2 - 1] + v[n / 2]) / 2.0),
+    }
+}
+
 pub fn summarize(samples: &[Sample], warmup: f64, duration: f64, slo: (f64, f64)) -> Summary {
     let window: Vec<&Sample> = samples
         .iter()
