@@ -12,6 +12,7 @@
 //! a whole poll interval, as they would if the stale total replaced their live count.
 
 use std::{
+    collections::VecDeque,
     sync::{
         atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering},
         Arc,
@@ -227,9 +228,11 @@ pub struct StepClock {
     base_us: AtomicU64,
     per_token_us: AtomicU64,
     fit: parking_lot::Mutex<StepFit>,
-    /// Its time per prefill token over the pool's median, moving over recent polls
-    /// ([`rate_speeds`]), as `f64` bits; 0 (read as 1) before the first.
+    /// Its time per prefill token over the pool's median, the median of the last [`RATINGS`]
+    /// polls' readings ([`rate_speeds`]), as `f64` bits; 0 (read as 1) before the first.
     ratio: AtomicU64,
+    /// Those readings, oldest first (only the load poll touches them).
+    readings: parking_lot::Mutex<VecDeque<f64>>,
 }
 
 /// Moving moments of recent windows of steps: (steps, prefill tokens, duration) each.
@@ -663,19 +666,62 @@ impl KvClock {
 /// was without speeds. Unlike GPUs differ by more (an L40S takes about a third of an L4's time).
 pub const SPEED_DEADBAND: f64 = 1.25;
 
-/// Each poll moves a worker's rating this share of the way to what its fit shows: a fit strays
-/// now and then for a while (seen on a pool of one GPU type: one worker at 17 us a token, its
-/// neighbours at 76; under the mixed workload, with its 2,048-token prompts, for long enough
-/// that at a fifth a poll the ratings left the deadband), and that should not send a worker the
-/// pool's traffic. A GPU of another type is rated in some tens of polls.
-const RATING_STEP: f64 = 0.05;
+/// A worker is rated by the median of its last this many polls' readings, once it has half as
+/// many: a fit strays now and then for a while (seen on a pool of one GPU type: one worker at
+/// 17 us a token, its neighbours at 76; under the mixed workload with two gateway replicas, each
+/// one's fit thrown by the other's 2,048-token prompts, about 4x off for some 25 polls on end,
+/// which a rating moved a twentieth of the way each poll followed out to 2x), and that should not
+/// send a worker the pool's traffic. A GPU of another type reads apart at every poll and is rated
+/// within half a window.
+const RATINGS: usize = 64;
 
-/// Moves each worker's [`StepClock::slowness`] towards its fitted time per prefill token over the
+/// Workers are rated while no more than this share of the requests in flight on the pool, as
+/// polled, are other than this gateway's ([`rate_speeds`]).
+pub const ALONE_SHARE: f64 = 0.25;
+
+impl StepClock {
+    /// Adds a poll's reading of this worker beside the pool's median; its rating becomes the
+    /// median of the last [`RATINGS`] readings, 1 until there are half as many.
+    fn rate(&self, seen: f64) {
+        let mut readings = self.readings.lock();
+        if readings.len() == RATINGS {
+            readings.pop_front();
+        }
+        readings.push_back(seen);
+        let ratio = if readings.len() >= RATINGS / 2 {
+            crate::bench::stats::median(readings.make_contiguous()).unwrap_or(1.0)
+        } else {
+            1.0
+        };
+        self.ratio.store(ratio.to_bits(), Ordering::Relaxed);
+    }
+}
+
+/// Rates each worker's [`StepClock::slowness`] by its fitted time per prefill token over the
 /// median of the fitted workers' (1 where it has no fit over a full window of [`STEP_WINDOW`]
-/// windows or fewer than two workers have one; at most 4 times off), by
-/// [`RATING_STEP`] of the way each call; a rating within [`SPEED_DEADBAND`] of 1 reads as 1. What
-/// a worker's queue and misses cost in time, for a pool of unlike GPUs serving one model.
+/// windows or fewer than two workers have one; at most 4 times off), the median of its last
+/// [`RATINGS`] calls' readings; a rating within [`SPEED_DEADBAND`] of 1 reads as 1. What a
+/// worker's queue and misses cost in time, for a pool of unlike GPUs serving one model.
+///
+/// Only while this gateway has the pool to itself: where the polled load shows more than
+/// [`ALONE_SHARE`] of the requests in flight are someone else's (other replicas'), every reading
+/// is 1, and while nothing is in flight none is taken. A worker's steps then carry others'
+/// prefill too, which this gateway's fit takes for its own prompts' cost: under the mixed
+/// workload with two replicas on 4 simulated L4s, ratings left the deadband for seconds on end
+/// and one run of three collapsed (p95 TTFT 2.3x), where alone they read 1 throughout.
 pub fn rate_speeds(workers: &[Arc<Worker>]) {
+    let (local, others) = workers.iter().fold((0, 0), |(local, others), w| {
+        (local + w.inflight(), others + w.load.queued(0))
+    });
+    if local + others == 0 {
+        return;
+    }
+    if others as f64 > ALONE_SHARE * (local + others) as f64 {
+        for w in workers {
+            w.steps.rate(1.0);
+        }
+        return;
+    }
     let readings: Vec<Option<f64>> = workers
         .iter()
         .map(|w| w.steps.settled_per_token())
@@ -693,10 +739,7 @@ pub fn rate_speeds(workers: &[Arc<Worker>]) {
             Some(per_token) if median > 0.0 => (per_token / median).clamp(0.25, 4.0),
             _ => 1.0,
         };
-        let before = f64::from_bits(w.steps.ratio.load(Ordering::Relaxed));
-        let before = if before > 0.0 { before } else { 1.0 };
-        let ratio = before + RATING_STEP * (seen - before);
-        w.steps.ratio.store(ratio.to_bits(), Ordering::Relaxed);
+        w.steps.rate(seen);
     }
 }
 
@@ -1079,13 +1122,18 @@ mod tests {
                 w.steps.frame(t + 50, 0, || 0);
             }
         }
-        // One poll moves each rating a twentieth of the way: the slow one to 1.09, inside the
-        // deadband still.
-        rate_speeds(&ws);
-        assert_eq!(ws[3].steps.slowness(), 1.0);
-        for _ in 0..100 {
+        // Nothing in flight: no reading is taken.
+        for _ in 0..RATINGS {
             rate_speeds(&ws);
         }
+        assert_eq!(ws[3].steps.slowness(), 1.0);
+        let _inflight: Vec<_> = ws.iter().map(|w| w.acquire()).collect();
+        // Rated from half a window of polls on.
+        for _ in 0..RATINGS / 2 - 1 {
+            rate_speeds(&ws);
+        }
+        assert_eq!(ws[3].steps.slowness(), 1.0);
+        rate_speeds(&ws);
         let slowness: Vec<f64> = ws.iter().map(|w| w.steps.slowness()).collect();
         // The median of 10, 10, 11 and 30 is 10.5: the slow one is about 2.9 times it.
         assert_eq!(slowness[..3], [1.0, 1.0, 1.0]);
@@ -1094,10 +1142,56 @@ mod tests {
         assert!(ws[5].steps.fit().is_some());
         assert_eq!(slowness[5], 1.0);
         // One fitted worker has no pool to be compared with: back to 1 over the polls.
-        for _ in 0..100 {
+        for _ in 0..RATINGS / 2 - 1 {
             rate_speeds(&ws[3..]);
         }
+        assert!(ws[3].steps.slowness() > 2.5);
+        rate_speeds(&ws[3..]);
+        rate_speeds(&ws[3..]);
         assert_eq!(ws[3].steps.slowness(), 1.0);
+        // Rated again, then beside another replica: the polls show two requests on each worker
+        // for this gateway's one, and every reading is 1 until the rating is.
+        for _ in 0..RATINGS {
+            rate_speeds(&ws);
+        }
+        assert!(ws[3].steps.slowness() > 2.5);
+        let polled = Polled {
+            running: 2.0,
+            waiting: 0.0,
+            kv_usage: 0.0,
+            kv_capacity: 0.0,
+            prompt_tokens: None,
+            started: None,
+        };
+        for w in &ws {
+            w.load.store(Some(polled.clone()), w.inflight());
+        }
+        for _ in 0..RATINGS / 2 + 1 {
+            rate_speeds(&ws);
+        }
+        assert_eq!(ws[3].steps.slowness(), 1.0);
+    }
+
+    #[test]
+    fn a_rating_holds_through_a_fit_that_strays_for_a_while() {
+        let clock = StepClock::default();
+        for _ in 0..RATINGS {
+            clock.rate(1.0);
+        }
+        // Four times the median for almost half a window of polls on end: a fit thrown off (as
+        // two replicas' long prompts did), not a slower GPU.
+        for _ in 0..RATINGS / 2 - 1 {
+            clock.rate(4.0);
+        }
+        assert_eq!(clock.slowness(), 1.0);
+        // Slower at every poll for more than half the window: a GPU of another type.
+        clock.rate(3.0);
+        clock.rate(3.0);
+        assert_eq!(clock.slowness(), 3.0);
+        for _ in 0..RATINGS {
+            clock.rate(0.3);
+        }
+        assert_eq!(clock.slowness(), 0.3);
     }
 
     #[test]

@@ -601,7 +601,7 @@ async fn workers_on_unlike_gpus_are_rated_by_their_fitted_steps() {
     })
     .await;
     // Placed without the rating, so that both are sent streams to time whatever their speed.
-    // Polled every 50 ms, so that the ratings (a twentieth of the way a poll) settle in seconds.
+    // Polled every 50 ms, so that the ratings (the median of the last 64 polls) settle in seconds.
     let mut cfg = config(&pool);
     cfg.policy = kvroute::config::PolicyConfig::CacheAware(kvroute::config::CacheAwareParams {
         price_by_speed: false,
@@ -616,8 +616,8 @@ async fn workers_on_unlike_gpus_are_rated_by_their_fitted_steps() {
             .find(|l| l.starts_with("kvroute_worker_slowness{") && l.contains(port))
             .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
     };
-    // Waves of eight until the polls' ratings have moved most of the way (once both workers'
-    // steps are fitted); at most 200 waves.
+    // Waves of eight until the polls have rated them apart (half a window of polls after both
+    // workers' steps are fitted); at most 200 waves.
     let mut rated = (None, None);
     for wave in 0..200 {
         stream_wave(gw.addr, wave, 8, 400).await;

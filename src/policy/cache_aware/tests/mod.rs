@@ -321,10 +321,13 @@ fn in_a_pool_of_unlike_gpus_each_worker_is_priced_in_its_own_time() {
         let speed = if i < 2 { (120_000, 30) } else { (40_000, 10) };
         timed(w, now, 10_000_000, speed);
     }
-    // Rated over enough polls to settle.
+    // Rated over enough polls to settle, with a request of this gateway's in flight on each
+    // (workers are rated only while there is load, and it is this gateway's).
+    let inflight: Vec<_> = ws.iter().map(|w| w.acquire()).collect();
     for _ in 0..150 {
         crate::load::rate_speeds(&ws);
     }
+    drop(inflight);
     let slowness: Vec<f64> = ws.iter().map(|w| w.steps.slowness()).collect();
     assert!(
         (slowness[0] / slowness[2] - 3.0).abs() < 0.1 && slowness[0] == slowness[1],
