@@ -293,10 +293,11 @@ pub struct CacheAwareParams {
     /// load poll), and with `fresh_by_writes` its recent writes the same way. In a pool of one
     /// model on unlike GPUs, a queue on a GPU three times as fast is a third of the wait, and a
     /// cache miss there a third of the prefill. Workers within 1.25x of the median, or not yet
-    /// timed (no streams), count as the median. Off by default: on a pool of one GPU type under
-    /// the mixed workload (2,048-token prompts prefilled in chunks) the step fits stray far
-    /// enough to rate alike workers apart (see `docs/measurements.md`, "A pool of unlike GPUs"),
-    /// so it is for pools known to mix GPU types.
+    /// timed (no streams), count as the median, and every worker does while other replicas'
+    /// requests are more than a quarter of the pool's in flight (their prefill throws this
+    /// gateway's fits off; [`crate::load::rate_speeds`]). So a pool of one GPU type is priced as
+    /// without it: on 4 simulated L4s and on 4 L40Ss, one gateway, every workload, the ratings
+    /// read 1 at every scrape (see `docs/measurements.md`, "A pool of unlike GPUs").
     pub price_by_speed: bool,
 }
 
@@ -324,7 +325,7 @@ impl Default for CacheAwareParams {
             step_transient_only: true,
             reuse_from_usage: true,
             fresh_by_writes: true,
-            price_by_speed: false,
+            price_by_speed: true,
         }
     }
 }
