@@ -1164,7 +1164,7 @@ mod tests {
             started: None,
         };
         for w in &ws {
-            w.load.store(Some(polled.clone()), w.inflight());
+            w.load.store(Some(polled), w.inflight());
         }
         for _ in 0..RATINGS / 2 + 1 {
             rate_speeds(&ws);
