@@ -575,10 +575,10 @@ async fn a_workers_engine_step_is_timed_from_the_bursts_of_its_streams() {
     let gw = gateway(config(&pool)).await;
     let fit = common::step_fit;
     assert_eq!(fit(&metrics_text(gw.addr).await, "base"), None);
-    for wave in 0..8 {
-        stream_wave(gw.addr, wave, 4, 260).await;
-    }
-    let text = metrics_text(gw.addr).await;
+    let text = common::waves_until_step_fit(gw.addr, 32, |wave| {
+        stream_wave(gw.addr, wave as usize, 4, 260)
+    })
+    .await;
     let base = fit(&text, "base").expect("a fitted step");
     let per_token = fit(&text, "per_prefill_token").expect("a fitted step");
     assert!((0.005..0.02).contains(&base), "step base {base} s");

@@ -1647,10 +1647,7 @@ async fn the_gateway_times_real_vllms_steps_from_its_streams() {
     let gw = pool.gateway(&[0], "cache_aware").await;
     pool.reset_caches().await;
     let fit = common::step_fit;
-    // The fit needs 8 windows whose steps vary in prefill; on a CPU vLLM a wave's prompts can
-    // land in one step or spread over several, so waves go on until a fit is published (bounded).
-    let mut text = String::new();
-    for wave in 0..32u64 {
+    let text = common::waves_until_step_fit(gw.addr, 32, |wave| {
         let bodies = (0..4u64).map(|i| {
             let n = 40 + ((wave * 4 + i) * 37 % 9) as usize * 40;
             json!({
@@ -1660,13 +1657,9 @@ async fn the_gateway_times_real_vllms_steps_from_its_streams() {
             })
             .to_string()
         });
-        common::post_together(gw.addr, "/v1/completions", bodies.collect()).await;
-        text = metrics_text(gw.addr).await;
-        if wave >= 7 && fit(&text, "per_prefill_token").is_some() {
-            eprintln!("fitted after {} waves", wave + 1);
-            break;
-        }
-    }
+        common::post_together(gw.addr, "/v1/completions", bodies.collect())
+    })
+    .await;
     let (base, per_token) = (fit(&text, "base"), fit(&text, "per_prefill_token"));
     eprintln!("real vLLM's step as timed by the gateway: base {base:?} s, per prefill token {per_token:?} s");
     let (base, per_token) = (

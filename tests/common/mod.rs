@@ -523,6 +523,26 @@ pub fn step_fit(text: &str, part: &str) -> Option<f64> {
         .and_then(|l| l.rsplit(' ').next()?.parse().ok())
 }
 
+/// Sends waves of prompts (`send(wave)`) through the gateway at `addr` until it publishes a step
+/// fit, at least 8 waves and at most `max`; returns its `/metrics` as last read. A fit needs 8
+/// windows of steps whose prefill varies, and how a wave's prompts fall into a worker's steps
+/// depends on how busy the machine is, so no fixed count of waves is sure to give one.
+pub async fn waves_until_step_fit<F, Fut>(addr: SocketAddr, max: u64, mut send: F) -> String
+where
+    F: FnMut(u64) -> Fut,
+    Fut: std::future::Future<Output = ()>,
+{
+    let mut text = String::new();
+    for wave in 0..max {
+        send(wave).await;
+        text = metrics_text(addr).await;
+        if wave >= 7 && step_fit(&text, "per_prefill_token").is_some() {
+            break;
+        }
+    }
+    text
+}
+
 pub async fn metrics_text(addr: SocketAddr) -> String {
     String::from_utf8(request(addr, "GET", "/metrics", b"").await.body).unwrap()
 }
