@@ -76,6 +76,9 @@ pub struct Polled {
     pub prompt_tokens: Option<f64>,
     /// `process_start_time_seconds` (vLLM with one API server shows it).
     pub started: Option<f64>,
+    /// `vllm:prefix_cache_hits_total` (`vllm:gpu_prefix_cache_hits_total` before vLLM 0.10),
+    /// summed over engines: prompt tokens found cached.
+    pub prefix_hits: Option<f64>,
 }
 
 impl Load {
@@ -233,6 +236,9 @@ pub struct StepClock {
     ratio: AtomicU64,
     /// Those readings, oldest first (only the load poll touches them).
     readings: parking_lot::Mutex<VecDeque<f64>>,
+    /// Load polls left for which its readings come from the fit against the worker's counters:
+    /// [`RATINGS`] from each poll that showed others' requests beside this gateway's.
+    beside: AtomicU32,
 }
 
 /// Moving moments of recent windows of steps: (steps, prefill tokens, duration) each.
@@ -256,7 +262,17 @@ struct StepFit {
     began: f64,
     /// The window being summed: steps, prompt tokens cleared, duration.
     open: (f64, f64, f64),
-    /// Windows in the moments, and the moments' moving means.
+    /// The moving moments of the windows.
+    moments: Moments,
+    /// The same fit over the intervals between load polls, from the worker's own counters.
+    polls: PollFit,
+}
+
+/// Moving means of `(n, x, d)` samples and their products, over the last [`STEP_WINDOW`] or so,
+/// for the least-squares fit `d = base × n + per_token × x`.
+#[derive(Debug, Default)]
+struct Moments {
+    /// Samples added (saturating).
     windows: u32,
     n: f64,
     x: f64,
@@ -268,6 +284,62 @@ struct StepFit {
     xd: f64,
 }
 
+impl Moments {
+    fn add(&mut self, n: f64, x: f64, d: f64) {
+        self.windows = self.windows.saturating_add(1);
+        let a = 1.0 / STEP_WINDOW.min(f64::from(self.windows));
+        let mv = |m: &mut f64, v: f64| *m += a * (v - *m);
+        mv(&mut self.n, n);
+        mv(&mut self.x, x);
+        mv(&mut self.d, d);
+        mv(&mut self.nn, n * n);
+        mv(&mut self.nx, n * x);
+        mv(&mut self.xx, x * x);
+        mv(&mut self.nd, n * d);
+        mv(&mut self.xd, x * d);
+    }
+
+    /// `(base, per_token)`, both positive, once 8 samples are in; `(0, 0)` otherwise. Least
+    /// squares through the origin in two variables: samples whose `x` is always in the same
+    /// proportion to their `n` cannot tell base from tokens.
+    fn solve(&self) -> (f64, f64) {
+        let det = self.nn * self.xx - self.nx * self.nx;
+        if self.windows < 8 || det <= 1e-6 * self.nn * self.xx {
+            return (0.0, 0.0);
+        }
+        let base = (self.nd * self.xx - self.xd * self.nx) / det;
+        let per_token = (self.xd * self.nn - self.nd * self.nx) / det;
+        if per_token > 0.0 && base > 0.0 {
+            (base, per_token)
+        } else {
+            (0.0, 0.0)
+        }
+    }
+}
+
+/// A worker's steps fitted over the intervals between load polls against the prefill its own
+/// counters show done in each (`vllm:prompt_tokens_total` less `vllm:prefix_cache_hits_total`):
+/// every replica's and every client's, where [`StepFit`]'s windows know only this gateway's
+/// prompts. Windows span load polls that all found this gateway with requests in flight there,
+/// so that its streams' bursts mark the worker's steps throughout ([`StepClock::polled`]).
+#[derive(Debug, Default)]
+struct PollFit {
+    /// Steps seen since the window under way began (the one under way then in part) and their
+    /// microseconds, and when it began ([`now_us`]).
+    steps: f64,
+    time: f64,
+    since: u64,
+    /// The counters `(prompt tokens, prefix cache hits)` where it began; `None` while no window
+    /// is under way.
+    counters: Option<(f64, f64)>,
+    moments: Moments,
+    /// The fit's time per prefill token, in microseconds; 0 while unknown.
+    per_token: f64,
+}
+
+/// Steps a window of [`PollFit`] sums at least, so that the prefill of the step under way at
+/// either end, which the counters may place on the other side of it, is a small part of it.
+const POLL_WINDOW_STEPS: f64 = 16.0;
 /// Bursts closer together than this are one (a step's frames spread as they are relayed).
 const MIN_STEP_GAP_US: u64 = 500;
 /// Windows in the fit's moving means.
@@ -285,8 +357,9 @@ impl StepFit {
         if per_token > 0.0 {
             return base + per_token * x;
         }
-        let n = self.n.max(1e-9);
-        let (step, mean_x) = (self.d / n, self.x / n);
+        let m = &self.moments;
+        let n = m.n.max(1e-9);
+        let (step, mean_x) = (m.d / n, m.x / n);
         step + step / mean_x.max(1.0) * (x - mean_x).max(0.0)
     }
 
@@ -299,30 +372,8 @@ impl StepFit {
             return None;
         }
         let (n, x, d) = std::mem::take(open);
-        self.windows = self.windows.saturating_add(1);
-        let a = 1.0 / STEP_WINDOW.min(f64::from(self.windows));
-        let mv = |m: &mut f64, v: f64| *m += a * (v - *m);
-        mv(&mut self.n, n);
-        mv(&mut self.x, x);
-        mv(&mut self.d, d);
-        mv(&mut self.nn, n * n);
-        mv(&mut self.nx, n * x);
-        mv(&mut self.xx, x * x);
-        mv(&mut self.nd, n * d);
-        mv(&mut self.xd, x * d);
-        // Least squares through the origin in two variables; steps whose prefill is always in the
-        // same proportion to their count cannot tell base from tokens.
-        let det = self.nn * self.xx - self.nx * self.nx;
-        if self.windows < 8 || det <= 1e-6 * self.nn * self.xx {
-            return Some((0.0, 0.0));
-        }
-        let base = (self.nd * self.xx - self.xd * self.nx) / det;
-        let per_token = (self.xd * self.nn - self.nd * self.nx) / det;
-        Some(if per_token > 0.0 && base > 0.0 {
-            (base, per_token)
-        } else {
-            (0.0, 0.0)
-        })
+        self.moments.add(n, x, d);
+        Some(self.moments.solve())
     }
 }
 
@@ -357,6 +408,14 @@ impl StepClock {
         // A new burst: the step that the last one ended is complete with its tokens.
         let tokens = self.cleared.swap(cleared, Ordering::Relaxed) as f64;
         let mut fit = self.fit.lock();
+        if last != 0 {
+            // Every gap counts towards the poll window, a long one too (beside other replicas, a
+            // step that prefills their prompts is long, not a pause), as far as it falls after
+            // the window's start: a pause before the window is none of it.
+            let part = now.saturating_sub(last.max(fit.polls.since)) as f64;
+            fit.polls.steps += part / gap.max(1) as f64;
+            fit.polls.time += part;
+        }
         let ended = std::mem::replace(&mut fit.gap, if last == 0 { 0.0 } else { gap as f64 });
         // And what the step that has just ended (the one the burst at `last` ended) began with.
         let ended_began = std::mem::replace(&mut fit.began, began);
@@ -364,7 +423,7 @@ impl StepClock {
         // window it falls in.
         let per_token = f64::from_bits(self.per_token_us.load(Ordering::Relaxed));
         let expected = fit.expected(base, per_token, ended_began, tokens);
-        if ended <= 0.0 || (fit.windows >= 8 && ended > 4.0 * expected) {
+        if ended <= 0.0 || (fit.moments.windows >= 8 && ended > 4.0 * expected) {
             fit.open = Default::default();
             return;
         }
@@ -455,7 +514,48 @@ impl StepClock {
     /// others').
     fn settled_per_token(&self) -> Option<f64> {
         let (_, per_token) = self.fit()?;
-        (self.fit.lock().windows >= STEP_WINDOW as u32).then_some(per_token)
+        (self.fit.lock().moments.windows >= STEP_WINDOW as u32).then_some(per_token)
+    }
+
+    /// A load poll at `now` ([`now_us`]): `counters` are the worker's `(prompt tokens, prefix
+    /// cache hits)` as polled (`None` where it does not show them), `busy` whether this gateway
+    /// had requests in flight there. Polls that find this gateway busy and show the counters
+    /// sum the steps between them into a window; once a window holds [`POLL_WINDOW_STEPS`]
+    /// steps, its steps, their time and the prefill the counters moved by over it go to
+    /// [`Self::settled_pool_per_token`]'s fit. A poll that finds this gateway idle, or counters
+    /// missing or fallen (a restart), drops the window under way.
+    pub fn polled(&self, now: u64, counters: Option<(f64, f64)>, busy: bool) {
+        let mut fit = self.fit.lock();
+        let p = &mut fit.polls;
+        let start = p.counters;
+        let (steps, time) = (p.steps, p.time);
+        let restart = |p: &mut PollFit| {
+            p.counters = counters.filter(|_| busy);
+            (p.steps, p.time, p.since) = (0.0, 0.0, now);
+        };
+        let (Some((prompt0, hits0)), Some((prompt1, hits1)), true) = (start, counters, busy) else {
+            return restart(p);
+        };
+        let prefill = (prompt1 - prompt0) - (hits1 - hits0);
+        if prompt1 < prompt0 || prefill < 0.0 {
+            return restart(p);
+        }
+        if steps < POLL_WINDOW_STEPS {
+            return;
+        }
+        restart(p);
+        p.moments.add(steps, prefill, time);
+        p.per_token = p.moments.solve().1;
+    }
+
+    /// The time per prefill token, in microseconds, fitted over windows of load polls against
+    /// the prefill the worker's own counters show ([`Self::polled`]), once over a full moving
+    /// window of [`STEP_WINDOW`] of them. Unlike [`Self::fit`], it counts the prefill
+    /// of every replica's requests.
+    fn settled_pool_per_token(&self) -> Option<f64> {
+        let fit = self.fit.lock();
+        let p = &fit.polls;
+        (p.per_token > 0.0 && p.moments.windows >= STEP_WINDOW as u32).then_some(p.per_token)
     }
 
     /// The fitted step without prefill and per prefill token, in microseconds, when known.
@@ -477,6 +577,8 @@ impl StepClock {
 pub fn parse_vllm_metrics(text: &str, engine: Option<u32>) -> Option<Polled> {
     let mut p = Polled::default();
     let mut seen = false;
+    // Releases that show both name the same count twice; the older name counts only alone.
+    let mut gpu_hits = None;
     for line in text.lines() {
         let Some(rest) = line.strip_prefix("vllm:") else {
             if let Some(v) = line.strip_prefix("process_start_time_seconds ") {
@@ -513,11 +615,20 @@ pub fn parse_vllm_metrics(text: &str, engine: Option<u32>) -> Option<Polled> {
                 *p.prompt_tokens.get_or_insert(0.0) += value;
                 continue;
             }
+            "prefix_cache_hits_total" => {
+                *p.prefix_hits.get_or_insert(0.0) += value;
+                continue;
+            }
+            "gpu_prefix_cache_hits_total" => {
+                *gpu_hits.get_or_insert(0.0) += value;
+                continue;
+            }
             _ => continue,
         };
         *slot += value;
         seen = true;
     }
+    p.prefix_hits = p.prefix_hits.or(gpu_hits);
     seen.then_some(p)
 }
 
@@ -703,12 +814,14 @@ impl StepClock {
 /// [`RATINGS`] calls' readings; a rating within [`SPEED_DEADBAND`] of 1 reads as 1. What a
 /// worker's queue and misses cost in time, for a pool of unlike GPUs serving one model.
 ///
-/// Only while this gateway has the pool to itself: where the polled load shows more than
-/// [`ALONE_SHARE`] of the requests in flight are someone else's (other replicas'), every reading
-/// is 1, and while nothing is in flight none is taken. A worker's steps then carry others'
-/// prefill too, which this gateway's fit takes for its own prompts' cost: under the mixed
-/// workload with two replicas on 4 simulated L4s, ratings left the deadband for seconds on end
-/// and one run of three collapsed (p95 TTFT 2.3x), where alone they read 1 throughout.
+/// Whose fit: while this gateway has the pool to itself, its own ([`StepClock::fit`]). Where
+/// the polled load shows more than [`ALONE_SHARE`] of the requests in flight are someone else's
+/// (other replicas', clients going to the workers directly), and for [`RATINGS`] polls after
+/// that, the fit against the workers' own counters ([`StepClock::polled`]): a worker's steps
+/// then carry others' prefill too, which this gateway's own fit takes for its own prompts' cost
+/// (under the mixed workload with two replicas on 4 simulated L4s, ratings from it left the
+/// deadband for seconds on end and one run of three collapsed, p95 TTFT 2.3x), and the
+/// counters count it. While nothing is in flight no reading is taken.
 pub fn rate_speeds(workers: &[Arc<Worker>]) {
     let (local, others) = workers.iter().fold((0, 0), |(local, others), w| {
         (local + w.inflight(), others + w.load.queued(0))
@@ -716,15 +829,25 @@ pub fn rate_speeds(workers: &[Arc<Worker>]) {
     if local + others == 0 {
         return;
     }
-    if others as f64 > ALONE_SHARE * (local + others) as f64 {
-        for w in workers {
-            w.steps.rate(1.0);
-        }
-        return;
-    }
+    // Beside others, and for a window of polls after them (their requests come and go, and
+    // readings of the two kinds are not to be mixed in one median), each worker's time per
+    // token as fitted against its own counters.
+    let shared = others as f64 > ALONE_SHARE * (local + others) as f64;
     let readings: Vec<Option<f64>> = workers
         .iter()
-        .map(|w| w.steps.settled_per_token())
+        .map(|w| {
+            let beside = if shared {
+                RATINGS as u32
+            } else {
+                w.steps.beside.load(Ordering::Relaxed).saturating_sub(1)
+            };
+            w.steps.beside.store(beside, Ordering::Relaxed);
+            if beside > 0 {
+                w.steps.settled_pool_per_token()
+            } else {
+                w.steps.settled_per_token()
+            }
+        })
         .collect();
     let fitted: Vec<f64> = readings.iter().flatten().copied().collect();
     let median = if fitted.len() >= 2 {
@@ -774,7 +897,13 @@ pub async fn run(up: Arc<Upstreams>, cancel: CancellationToken) {
                     .with_label_values(&[&w.name])
                     .inc();
             }
-            w.load.store(p, w.inflight());
+            let inflight = w.inflight();
+            w.steps.polled(
+                now_us(),
+                p.and_then(|p| p.prompt_tokens.zip(p.prefix_hits)),
+                inflight > 0,
+            );
+            w.load.store(p, inflight);
         }
         rate_speeds(&workers);
         for (url, ranks) in engines {
@@ -894,7 +1023,10 @@ mod tests {
             vllm:num_requests_waiting{engine=\"0\",model_name=\"m\"} 4.0\n\
             vllm:kv_cache_usage_perc{engine=\"0\",model_name=\"m\"} 0.25\n\
             vllm:num_requests_waiting_by_reason{reason=\"x\"} 9.0\n\
-            vllm:prompt_tokens_total{engine=\"0\"} 1000.0\n";
+            vllm:prompt_tokens_total{engine=\"0\"} 1000.0\n\
+            vllm:prefix_cache_hits_total{engine=\"0\"} 600.0\n\
+            vllm:prefix_cache_hits_total{engine=\"1\"} 20.0\n\
+            vllm:gpu_prefix_cache_hits_total{engine=\"0\"} 600.0\n";
         let p = parse_vllm_metrics(text, None).unwrap();
         assert_eq!(
             p,
@@ -905,7 +1037,15 @@ mod tests {
                 kv_capacity: 0.0,
                 prompt_tokens: Some(1000.0),
                 started: None,
+                // The deprecated name of the same count is not added to it.
+                prefix_hits: Some(620.0),
             }
+        );
+        // A release that shows only the old name.
+        let old = "vllm:num_requests_running 1\nvllm:gpu_prefix_cache_hits_total 7.0\n";
+        assert_eq!(
+            parse_vllm_metrics(old, None).unwrap().prefix_hits,
+            Some(7.0)
         );
         assert_eq!(parse_vllm_metrics("other_metric 1\n", None), None);
     }
@@ -948,6 +1088,7 @@ mod tests {
                 kv_capacity: 300.0 * 16.0,
                 prompt_tokens: Some(70.0),
                 started: Some(1700000000.5),
+                prefix_hits: None,
             }
         );
         let zero = parse_vllm_metrics(text, Some(0)).unwrap();
@@ -1150,18 +1291,16 @@ mod tests {
         rate_speeds(&ws[3..]);
         assert_eq!(ws[3].steps.slowness(), 1.0);
         // Rated again, then beside another replica: the polls show two requests on each worker
-        // for this gateway's one, and every reading is 1 until the rating is.
+        // for this gateway's one. The steps this gateway timed then carry the other's prefill
+        // too, and its own fits no longer count: with no fit against the workers' counters,
+        // every reading is 1 until the rating is.
         for _ in 0..RATINGS {
             rate_speeds(&ws);
         }
         assert!(ws[3].steps.slowness() > 2.5);
         let polled = Polled {
             running: 2.0,
-            waiting: 0.0,
-            kv_usage: 0.0,
-            kv_capacity: 0.0,
-            prompt_tokens: None,
-            started: None,
+            ..Polled::default()
         };
         for w in &ws {
             w.load.store(Some(polled), w.inflight());
@@ -1170,6 +1309,109 @@ mod tests {
             rate_speeds(&ws);
         }
         assert_eq!(ws[3].steps.slowness(), 1.0);
+        // Fitted against their counters (the slow one at 30 us a token, the others at 10 and
+        // 11): rated apart again, by those fits.
+        for (w, per_token) in ws.iter().zip([10, 10, 11, 30, 10, 10]) {
+            fit_against_counters(&w.steps, 20_000, per_token, STEP_WINDOW as usize);
+        }
+        for _ in 0..RATINGS / 2 + 1 {
+            rate_speeds(&ws);
+        }
+        let slowness: Vec<f64> = ws.iter().map(|w| w.steps.slowness()).collect();
+        assert_eq!(slowness[..3], [1.0, 1.0, 1.0]);
+        assert!((slowness[3] - 3.0).abs() < 0.15, "{slowness:?}");
+    }
+
+    /// Feeds `clock` `windows` poll windows' worth of steps of `base + per_token × prefill`
+    /// microseconds, a poll every four steps, this gateway busy throughout, a third of each
+    /// step's prefill its own and the rest another replica's (the worker's counters show it all,
+    /// and 100 cached prompt tokens a poll).
+    fn fit_against_counters(clock: &StepClock, base: u64, per_token: u64, windows: usize) {
+        let mix = [0, 300, 0, 900, 150, 0, 600, 0, 1200, 0, 30];
+        // On from where the clock and the counters are.
+        let mut t = clock.last.load(Ordering::Relaxed).max(1_000);
+        clock.frame(t, 0, || 0);
+        let counters = clock.fit.lock().polls.counters;
+        let (mut prompt, mut hits) = counters.unwrap_or((5_000.0, 4_000.0));
+        clock.polled(t, Some((prompt, hits)), true);
+        let steps = POLL_WINDOW_STEPS as usize * windows;
+        for (i, x) in mix.iter().copied().cycle().take(steps).enumerate() {
+            t += base + per_token * x;
+            clock.frame(t, x / 3, || 0);
+            prompt += x as f64;
+            if i % 4 == 3 {
+                prompt += 100.0;
+                hits += 100.0;
+                clock.polled(t, Some((prompt, hits)), true);
+            }
+        }
+    }
+
+    #[test]
+    fn a_workers_steps_are_fitted_against_the_prefill_its_own_counters_show() {
+        let clock = StepClock::default();
+        fit_against_counters(&clock, 20_000, 30, STEP_WINDOW as usize - 1);
+        // Not before a full window of windows.
+        assert_eq!(clock.settled_pool_per_token(), None);
+        fit_against_counters(&clock, 20_000, 30, 1);
+        let per_token = clock.settled_pool_per_token().expect("a fit");
+        assert!((per_token - 30.0).abs() < 0.5, "{per_token}");
+        // The fit of this gateway's own prompts alone takes the other's prefill for its own
+        // prompts' cost: about three times too slow.
+        let (_, own) = clock.fit().expect("own fit");
+        assert!(own > 60.0, "own fit {own}");
+    }
+
+    #[test]
+    fn a_poll_window_spans_polls_with_counters_that_find_this_gateway_busy() {
+        let clock = StepClock::default();
+        let windows = || clock.fit.lock().polls.moments.windows;
+        // Steps of 20 ms, each with 100 prompt tokens of prefill; a poll every `steps` of them.
+        let (mut t, mut prompt) = (1_000, 0.0);
+        clock.frame(t, 0, || 0);
+        let mut run = |steps: usize, counters: bool, busy: bool, fell: bool| {
+            for _ in 0..steps {
+                t += 20_000;
+                prompt += 100.0;
+                clock.frame(t, 0, || 0);
+            }
+            if fell {
+                prompt = 0.0;
+            }
+            clock.polled(t, counters.then_some((prompt, 0.0)), busy);
+            t
+        };
+        run(0, true, true, false);
+        // Four polls of four steps: one window of sixteen.
+        for _ in 0..4 {
+            run(4, true, true, false);
+        }
+        assert_eq!(windows(), 1);
+        // A poll that finds this gateway idle, shows no counters, or counters that fell (a
+        // restart) drops the window under way.
+        for (counters, busy, fell) in [
+            (true, false, false),
+            (false, true, false),
+            (true, true, true),
+        ] {
+            run(8, true, true, false);
+            run(8, counters, busy, fell);
+            run(8, true, true, false);
+            assert_eq!(windows(), 1);
+            run(0, true, true, false);
+        }
+        run(16, true, true, false);
+        assert_eq!(windows(), 2);
+        // Idle for about a second (a poll finds nothing in flight), then requests again, a poll
+        // and a burst 30 ms after it: the window holds the 30 ms since that poll, not the second
+        // before it, and that share of the gap as steps.
+        let t = run(0, true, true, false);
+        clock.polled(t + 500_000, Some((prompt, 0.0)), false);
+        clock.polled(t + 990_000, Some((prompt, 0.0)), true);
+        clock.frame(t + 1_020_000, 0, || 0);
+        let polls = &clock.fit.lock().polls;
+        assert_eq!(polls.time, 30_000.0);
+        assert!((polls.steps - 30_000.0 / 1_020_000.0).abs() < 1e-9);
     }
 
     #[test]

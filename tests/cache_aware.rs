@@ -639,3 +639,77 @@ async fn workers_on_unlike_gpus_are_rated_by_their_fitted_steps() {
     assert!(l4 > 1.0 && l40s < 1.0, "L4 {l4}, L40S {l40s}");
     assert!((2.0..4.0).contains(&(l4 / l40s)), "L4 {l4}, L40S {l40s}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn workers_on_unlike_gpus_are_rated_beside_another_replica() {
+    // The L4 and the L40S again (at 8x), now behind two gateways sharing nothing, each sending
+    // half the streams: each one's polls show the other's requests on the workers, and its own
+    // streams' bursts time steps that also prefill the other's prompts. Each rates the workers
+    // by the prefill the workers' own counters show done over its polls.
+    let pool = sim_of(SimConfig {
+        workers: 2,
+        port: 0,
+        preset: "l4-qwen2.5-7b,l40s-qwen2.5-7b".into(),
+        time_scale: 8.0,
+        ..SimConfig::default()
+    })
+    .await;
+    let mut cfg = config(&pool);
+    cfg.policy = kvroute::config::PolicyConfig::CacheAware(kvroute::config::CacheAwareParams {
+        price_by_speed: false,
+        ..Default::default()
+    });
+    cfg.load_signals.interval_seconds = 0.05;
+    let (a, b) = (gateway(cfg.clone()).await, gateway(cfg).await);
+    let slowness = |text: &str, url: &str| {
+        let port = url.rsplit(':').next().unwrap();
+        text.lines()
+            .find(|l| l.starts_with("kvroute_worker_slowness{") && l.contains(port))
+            .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+    };
+    let rated = |text: &str| (slowness(text, &pool.urls[0]), slowness(text, &pool.urls[1]));
+    let apart =
+        |r: (Option<f64>, Option<f64>)| matches!(r, (Some(l4), Some(l40s)) if l4 / l40s > 2.0);
+    // Six clients on each gateway, one stream after another, so that both keep requests in
+    // flight on both workers (as replicas under load do), until both gateways have rated the
+    // workers apart; at most 90 s.
+    let stop = CancellationToken::new();
+    let mut clients = JoinSet::new();
+    for (addr, from) in [(a.addr, 0), (b.addr, 1_000_000)] {
+        for c in 0..6 {
+            let stop = stop.clone();
+            clients.spawn(async move {
+                let mut k = from + c * 10_000;
+                while !stop.is_cancelled() {
+                    stream_wave(addr, k, 1, 400).await;
+                    k += 1;
+                }
+            });
+        }
+    }
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(90);
+    let (mut by_a, mut by_b) = ((None, None), (None, None));
+    while tokio::time::Instant::now() < deadline {
+        by_a = rated(&metrics_text(a.addr).await);
+        by_b = rated(&metrics_text(b.addr).await);
+        if apart(by_a) && apart(by_b) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    stop.cancel();
+    while clients.join_next().await.is_some() {}
+    for (gateway, r) in [("a", by_a), ("b", by_b)] {
+        let (Some(l4), Some(l40s)) = r else {
+            panic!("gateway {gateway}: not rated: {r:?}");
+        };
+        assert!(
+            l4 > 1.0 && l40s < 1.0,
+            "gateway {gateway}: L4 {l4}, L40S {l40s}"
+        );
+        assert!(
+            (2.0..4.0).contains(&(l4 / l40s)),
+            "gateway {gateway}: L4 {l4}, L40S {l40s}"
+        );
+    }
+}

@@ -522,6 +522,65 @@ async fn real_vllms_metrics_give_its_kv_capacity_and_what_shows_a_restart() {
     assert!(polled.started.is_some_and(|t| t > 1.6e9), "{polled:?}");
 }
 
+/// Beside other replicas, `price_by_speed` times a worker's steps against the prefill its own
+/// counters show done: real vLLM's prompt tokens less its prefix cache hits, which a repeated
+/// prompt moves by what it found cached.
+#[tokio::test]
+#[ignore = "needs real vLLM workers: tests/vllm/pool.sh --kv-events -- cargo test --test real_vllm -- --ignored"]
+async fn real_vllms_counters_show_the_prefill_it_did() {
+    let pool = Pool::from_env();
+    let _turn = SERIAL.lock().await;
+    let worker = pool.addr(0);
+    let polled = || async move {
+        kvroute::load::parse_vllm_metrics(&worker_metrics(worker).await, None).unwrap()
+    };
+    let before = polled().await;
+    assert!(before.prefix_hits.is_some(), "{before:?}");
+    let body = json!({"model": pool.model, "prompt": words(41_017, 300), "max_tokens": 1});
+    let mut usage = Vec::new();
+    for _ in 0..2 {
+        let r = request(
+            worker,
+            "POST",
+            "/v1/completions",
+            body.to_string().as_bytes(),
+        )
+        .await;
+        assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+        usage.push(r.json()["usage"].clone());
+    }
+    let prompt = usage[0]["prompt_tokens"].as_f64().unwrap();
+    let cached_of = |u: &Value| {
+        u["prompt_tokens_details"]["cached_tokens"]
+            .as_f64()
+            .unwrap_or(0.0)
+    };
+    let cached = cached_of(&usage[0]) + cached_of(&usage[1]);
+    assert!(cached_of(&usage[1]) >= 256.0, "the repeat: {}", usage[1]);
+    // The counters may trail the answers by a step's statistics.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let now = polled().await;
+        let prompts = now.prompt_tokens.unwrap() - before.prompt_tokens.unwrap();
+        let hits = now.prefix_hits.unwrap() - before.prefix_hits.unwrap();
+        if prompts >= 2.0 * prompt && hits >= cached {
+            // Nothing else ran on the worker meanwhile: the prefill done is what the two
+            // answers did not report cached.
+            assert_eq!(
+                prompts - hits,
+                2.0 * prompt - cached,
+                "{now:?} after {before:?}"
+            );
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "counters moved by {prompts} prompt tokens and {hits} hits"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 #[tokio::test]
 #[ignore = "needs real vLLM workers: tests/vllm/pool.sh --kv-events -- cargo test --test real_vllm -- --ignored"]
 async fn models_are_merged_from_real_workers() {

@@ -293,11 +293,13 @@ pub struct CacheAwareParams {
     /// load poll), and with `fresh_by_writes` its recent writes the same way. In a pool of one
     /// model on unlike GPUs, a queue on a GPU three times as fast is a third of the wait, and a
     /// cache miss there a third of the prefill. Workers within 1.25x of the median, or not yet
-    /// timed (no streams), count as the median, and every worker does while other replicas'
-    /// requests are more than a quarter of the pool's in flight (their prefill throws this
-    /// gateway's fits off; [`crate::load::rate_speeds`]). So a pool of one GPU type is priced as
-    /// without it: on 4 simulated L4s and on 4 L40Ss, one gateway, every workload, the ratings
-    /// read 1 at every scrape (see `docs/measurements.md`, "A pool of unlike GPUs").
+    /// timed (no streams), count as the median. While other replicas' requests are more than a
+    /// quarter of the pool's in flight, their prefill throws this gateway's own fits off, and
+    /// the workers are timed against the prefill their own counters show instead
+    /// (`vllm:prompt_tokens_total` less `vllm:prefix_cache_hits_total`;
+    /// [`crate::load::rate_speeds`]). A pool of one GPU type is priced as without it: on 4
+    /// simulated L4s and on 4 L40Ss, one gateway, every workload, the ratings read 1 at every
+    /// scrape (see `docs/measurements.md`, "A pool of unlike GPUs").
     pub price_by_speed: bool,
 }
 
