@@ -588,34 +588,42 @@ async fn a_workers_engine_step_is_timed_from_the_bursts_of_its_streams() {
     );
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn workers_on_unlike_gpus_are_rated_by_their_fitted_steps() {
-    // A simulated L4 beside an L40S serving the same model, at 4x: per prefill token the L40S
-    // takes about a third of the L4's time (0.13 against 0.38 ms of model time).
+/// A simulated L4 and L40S at `time_scale`, and a `cache_aware` config for them that places
+/// without the speed rating (so that both are sent streams to time, whatever their speed) and
+/// polls every 50 ms (so that the ratings, the median of the last 64 polls, settle in seconds).
+async fn unlike_gpus(time_scale: f64) -> (Sim, Config) {
     let pool = sim_of(SimConfig {
         workers: 2,
         port: 0,
         preset: "l4-qwen2.5-7b,l40s-qwen2.5-7b".into(),
-        time_scale: 4.0,
+        time_scale,
         ..SimConfig::default()
     })
     .await;
-    // Placed without the rating, so that both are sent streams to time whatever their speed.
-    // Polled every 50 ms, so that the ratings (the median of the last 64 polls) settle in seconds.
     let mut cfg = config(&pool);
     cfg.policy = kvroute::config::PolicyConfig::CacheAware(kvroute::config::CacheAwareParams {
         price_by_speed: false,
         ..Default::default()
     });
     cfg.load_signals.interval_seconds = 0.05;
+    (pool, cfg)
+}
+
+/// A worker's slowness beside the pool's median in the metrics `text`, as the last load poll
+/// rated it.
+fn slowness(text: &str, url: &str) -> Option<f64> {
+    let port = url.rsplit(':').next().unwrap();
+    text.lines()
+        .find(|l| l.starts_with("kvroute_worker_slowness{") && l.contains(port))
+        .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn workers_on_unlike_gpus_are_rated_by_their_fitted_steps() {
+    // A simulated L4 beside an L40S serving the same model, at 4x: per prefill token the L40S
+    // takes about a third of the L4's time (0.13 against 0.38 ms of model time).
+    let (pool, cfg) = unlike_gpus(4.0).await;
     let gw = gateway(cfg).await;
-    // Each worker's slowness beside the pool's median, as the last load poll rated it.
-    let slowness = |text: &str, url: &str| {
-        let port = url.rsplit(':').next().unwrap();
-        text.lines()
-            .find(|l| l.starts_with("kvroute_worker_slowness{") && l.contains(port))
-            .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-    };
     // Waves of eight until the polls have rated them apart (half a window of polls after both
     // workers' steps are fitted); at most 200 waves.
     let mut rated = (None, None);
@@ -646,27 +654,8 @@ async fn workers_on_unlike_gpus_are_rated_beside_another_replica() {
     // half the streams: each one's polls show the other's requests on the workers, and its own
     // streams' bursts time steps that also prefill the other's prompts. Each rates the workers
     // by the prefill the workers' own counters show done over its polls.
-    let pool = sim_of(SimConfig {
-        workers: 2,
-        port: 0,
-        preset: "l4-qwen2.5-7b,l40s-qwen2.5-7b".into(),
-        time_scale: 8.0,
-        ..SimConfig::default()
-    })
-    .await;
-    let mut cfg = config(&pool);
-    cfg.policy = kvroute::config::PolicyConfig::CacheAware(kvroute::config::CacheAwareParams {
-        price_by_speed: false,
-        ..Default::default()
-    });
-    cfg.load_signals.interval_seconds = 0.05;
+    let (pool, cfg) = unlike_gpus(8.0).await;
     let (a, b) = (gateway(cfg.clone()).await, gateway(cfg).await);
-    let slowness = |text: &str, url: &str| {
-        let port = url.rsplit(':').next().unwrap();
-        text.lines()
-            .find(|l| l.starts_with("kvroute_worker_slowness{") && l.contains(port))
-            .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-    };
     let rated = |text: &str| (slowness(text, &pool.urls[0]), slowness(text, &pool.urls[1]));
     let apart =
         |r: (Option<f64>, Option<f64>)| matches!(r, (Some(l4), Some(l40s)) if l4 / l40s > 2.0);

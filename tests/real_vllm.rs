@@ -536,18 +536,10 @@ async fn real_vllms_counters_show_the_prefill_it_did() {
     };
     let before = polled().await;
     assert!(before.prefix_hits.is_some(), "{before:?}");
-    let body = json!({"model": pool.model, "prompt": words(41_017, 300), "max_tokens": 1});
+    let text = words(41_017, 300);
     let mut usage = Vec::new();
     for _ in 0..2 {
-        let r = request(
-            worker,
-            "POST",
-            "/v1/completions",
-            body.to_string().as_bytes(),
-        )
-        .await;
-        assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
-        usage.push(r.json()["usage"].clone());
+        usage.push(one_token_usage(worker, &pool.model, &text, None).await);
     }
     let prompt = usage[0]["prompt_tokens"].as_f64().unwrap();
     let cached_of = |u: &Value| {
@@ -1124,6 +1116,19 @@ async fn feed_on_first_worker(
 /// The prompt tokens `worker` reports it reused for a one-token completion of `prompt` by
 /// `model`, under `salt` if given.
 async fn cached_tokens(worker: SocketAddr, model: &str, prompt: &str, salt: Option<&str>) -> u64 {
+    one_token_usage(worker, model, prompt, salt).await["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap_or(0)
+}
+
+/// The `usage` `worker` answers a one-token completion of `prompt` by `model` with, under `salt`
+/// if given.
+async fn one_token_usage(
+    worker: SocketAddr,
+    model: &str,
+    prompt: &str,
+    salt: Option<&str>,
+) -> Value {
     let mut body = json!({"model": model, "prompt": prompt, "max_tokens": 1});
     if let Some(s) = salt {
         body["cache_salt"] = json!(s);
@@ -1136,9 +1141,7 @@ async fn cached_tokens(worker: SocketAddr, model: &str, prompt: &str, salt: Opti
     )
     .await;
     assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
-    r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
-        .as_u64()
-        .unwrap_or(0)
+    r.json()["usage"].clone()
 }
 
 /// The cached tokens a `cache_aware` gateway's metrics `m` say it predicted for `worker`'s
