@@ -76,8 +76,8 @@ pub struct Polled {
     pub prompt_tokens: Option<f64>,
     /// `process_start_time_seconds` (vLLM with one API server shows it).
     pub started: Option<f64>,
-    /// `vllm:prefix_cache_hits_total` (`vllm:gpu_prefix_cache_hits_total` before vLLM 0.10),
-    /// summed over engines: prompt tokens found cached.
+    /// `vllm:prefix_cache_hits_total` (or, where a release shows only that,
+    /// `vllm:gpu_prefix_cache_hits_total`), summed over engines: prompt tokens found cached.
     pub prefix_hits: Option<f64>,
 }
 
@@ -236,8 +236,9 @@ pub struct StepClock {
     ratio: AtomicU64,
     /// Those readings, oldest first (only the load poll touches them).
     readings: parking_lot::Mutex<VecDeque<f64>>,
-    /// Load polls left for which its readings come from the fit against the worker's counters:
-    /// [`RATINGS`] from each poll that showed others' requests beside this gateway's.
+    /// Load polls left for which the pool's readings come from the fits against the workers'
+    /// counters: [`RATINGS`] from each poll that showed others' requests beside this gateway's
+    /// (the same on every worker of the pool; [`rate_speeds`]).
     beside: AtomicU32,
 }
 
@@ -829,18 +830,25 @@ pub fn rate_speeds(workers: &[Arc<Worker>]) {
     if local + others == 0 {
         return;
     }
-    // Beside others, and for a window of polls after them (their requests come and go, and
-    // readings of the two kinds are not to be mixed in one median), each worker's time per
-    // token as fitted against its own counters.
+    // Beside others, and for a window of polls after them (their requests come and go), each
+    // worker's time per token as fitted against its own counters. One choice for the whole pool
+    // (a worker added since takes it up too): readings of the two kinds are not to be mixed in
+    // one median. Kept on the workers' clocks, the function having no state of its own.
     let shared = others as f64 > ALONE_SHARE * (local + others) as f64;
+    let beside = if shared {
+        RATINGS as u32
+    } else {
+        let left = |w: &Arc<Worker>| w.steps.beside.load(Ordering::Relaxed);
+        workers
+            .iter()
+            .map(left)
+            .max()
+            .unwrap_or(0)
+            .saturating_sub(1)
+    };
     let readings: Vec<Option<f64>> = workers
         .iter()
         .map(|w| {
-            let beside = if shared {
-                RATINGS as u32
-            } else {
-                w.steps.beside.load(Ordering::Relaxed).saturating_sub(1)
-            };
             w.steps.beside.store(beside, Ordering::Relaxed);
             if beside > 0 {
                 w.steps.settled_pool_per_token()
@@ -1312,7 +1320,7 @@ mod tests {
         // Fitted against their counters (the slow one at 30 us a token, the others at 10 and
         // 11): rated apart again, by those fits.
         for (w, per_token) in ws.iter().zip([10, 10, 11, 30, 10, 10]) {
-            fit_against_counters(&w.steps, 20_000, per_token, STEP_WINDOW as usize);
+            fit_against_counters(&w.steps, 20_000, per_token, 3, STEP_WINDOW as usize);
         }
         for _ in 0..RATINGS / 2 + 1 {
             rate_speeds(&ws);
@@ -1323,10 +1331,16 @@ mod tests {
     }
 
     /// Feeds `clock` `windows` poll windows' worth of steps of `base + per_token × prefill`
-    /// microseconds, a poll every four steps, this gateway busy throughout, a third of each
+    /// microseconds, a poll every four steps, this gateway busy throughout, `1 / share` of each
     /// step's prefill its own and the rest another replica's (the worker's counters show it all,
     /// and 100 cached prompt tokens a poll).
-    fn fit_against_counters(clock: &StepClock, base: u64, per_token: u64, windows: usize) {
+    fn fit_against_counters(
+        clock: &StepClock,
+        base: u64,
+        per_token: u64,
+        share: u64,
+        windows: usize,
+    ) {
         let mix = [0, 300, 0, 900, 150, 0, 600, 0, 1200, 0, 30];
         // On from where the clock and the counters are.
         let mut t = clock.last.load(Ordering::Relaxed).max(1_000);
@@ -1337,7 +1351,7 @@ mod tests {
         let steps = POLL_WINDOW_STEPS as usize * windows;
         for (i, x) in mix.iter().copied().cycle().take(steps).enumerate() {
             t += base + per_token * x;
-            clock.frame(t, x / 3, || 0);
+            clock.frame(t, x / share, || 0);
             prompt += x as f64;
             if i % 4 == 3 {
                 prompt += 100.0;
@@ -1348,12 +1362,55 @@ mod tests {
     }
 
     #[test]
+    fn after_other_replicas_leave_the_pool_is_rated_from_the_counters_for_a_window_of_polls() {
+        // By the counters, worker 3 takes three times the others' time per token; by this
+        // gateway's own fits all four look alike (worker 3's prompts all its own, the others'
+        // a third: their own fits take the other replica's prefill for theirs). Worker 4 joins
+        // later: its own fit nine times too slow, its counters' fit like the others'.
+        let ws = crate::workers::test_workers(5);
+        for (w, (per_token, share)) in ws.iter().zip([(10, 3), (10, 3), (10, 3), (30, 1), (10, 9)])
+        {
+            fit_against_counters(&w.steps, 20_000, per_token, share, STEP_WINDOW as usize);
+        }
+        let (four, _inflight) = (&ws[..4], ws.iter().map(|w| w.acquire()).collect::<Vec<_>>());
+        let others = |running: f64| {
+            for w in &ws {
+                let polled = Polled {
+                    running,
+                    ..Polled::default()
+                };
+                w.load.store(Some(polled), w.inflight());
+            }
+        };
+        // Beside another replica.
+        others(2.0);
+        for _ in 0..RATINGS / 2 + 1 {
+            rate_speeds(four);
+        }
+        assert!((ws[3].steps.slowness() - 3.0).abs() < 0.15);
+        // It leaves: for a window of polls the counters still rate the pool, worker 4 (joined
+        // now) included.
+        others(1.0);
+        for _ in 0..RATINGS - 1 {
+            rate_speeds(&ws);
+        }
+        assert!((ws[3].steps.slowness() - 3.0).abs() < 0.15);
+        assert_eq!(ws[4].steps.slowness(), 1.0);
+        // Then this gateway's own fits, by which worker 4 is slow and worker 3 like the others.
+        for _ in 0..RATINGS / 2 + 2 {
+            rate_speeds(&ws);
+        }
+        assert_eq!(ws[3].steps.slowness(), 1.0);
+        assert!(ws[4].steps.slowness() > 2.5, "{}", ws[4].steps.slowness());
+    }
+
+    #[test]
     fn a_workers_steps_are_fitted_against_the_prefill_its_own_counters_show() {
         let clock = StepClock::default();
-        fit_against_counters(&clock, 20_000, 30, STEP_WINDOW as usize - 1);
+        fit_against_counters(&clock, 20_000, 30, 3, STEP_WINDOW as usize - 1);
         // Not before a full window of windows.
         assert_eq!(clock.settled_pool_per_token(), None);
-        fit_against_counters(&clock, 20_000, 30, 1);
+        fit_against_counters(&clock, 20_000, 30, 3, 1);
         let per_token = clock.settled_pool_per_token().expect("a fit");
         assert!((per_token - 30.0).abs() < 0.5, "{per_token}");
         // The fit of this gateway's own prompts alone takes the other's prefill for its own
