@@ -300,6 +300,30 @@ async fn a_repeated_prompt_reports_cached_tokens_in_usage_and_metrics() {
         metric(&m, &format!("vllm:prefix_cache_queries_total{label}")),
         Some(2.0 * prompt_tokens as f64)
     );
+    // The prompt tokens by where they came from, counted with each first token, as vLLM does.
+    let source = |s: &str| {
+        metric(
+            &m,
+            &format!(
+                "vllm:prompt_tokens_by_source_total{{engine=\"0\",model_name=\"{MODEL}\",source=\"{s}\"}}"
+            ),
+        )
+    };
+    assert_eq!(
+        source("local_compute"),
+        Some((2 * prompt_tokens - cached) as f64)
+    );
+    // A prompt cached but for its last token has that token computed and counted as a hit too.
+    let recomputed = u64::from(cached + 1 == prompt_tokens);
+    assert_eq!(
+        source("local_cache_hit"),
+        Some((cached + recomputed) as f64)
+    );
+    assert_eq!(source("external_kv_transfer"), Some(0.0));
+    assert_eq!(
+        metric(&m, &format!("vllm:prompt_tokens_cached_total{label}")),
+        Some(cached as f64)
+    );
     assert!(m.contains("vllm:cache_config_info{block_size=\"16\""));
     for name in [
         "vllm:time_to_first_token_seconds_count",

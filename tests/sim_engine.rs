@@ -52,12 +52,15 @@ fn a_shared_prefix_is_prefilled_once_and_counted_as_hits() {
     let a = random_request(1, 600, 4);
     let mut b = random_request(2, 600, 4);
     b.prompt[..512].copy_from_slice(&a.prompt[..512]);
+    // All but the last token cached: vLLM computes that one again and counts it as a hit too.
+    let mut c = random_request(3, 513, 4);
+    c.prompt.copy_from_slice(&a.prompt[..513]);
     let id = e.add(a, 0.0);
     let (t, ev) = run(&mut e, 0.0);
     assert_eq!(finished(&ev, id).0, 0);
     let prefill_first = e.counters.prefill_tokens_computed;
     let id = e.add(b, t);
-    let (_, ev) = run(&mut e, t);
+    let (t, ev) = run(&mut e, t);
     let (cached, _) = finished(&ev, id);
     assert_eq!(cached, 512, "32 full blocks of 16 shared tokens");
     assert_eq!(
@@ -66,6 +69,19 @@ fn a_shared_prefix_is_prefilled_once_and_counted_as_hits() {
     );
     assert_eq!(e.counters.prefix_hits, 512);
     assert_eq!(e.counters.prefix_queries, 1200);
+    let c = e.add(c, t);
+    let (_, ev) = run(&mut e, t);
+    assert_eq!(finished(&ev, c).0, 512);
+    let n = &e.counters;
+    assert_eq!(
+        (
+            n.prompt_tokens,
+            n.prompt_computed,
+            n.prompt_cached,
+            n.prompt_recomputed
+        ),
+        (1713, 600 + 88 + 1, 1024, 1)
+    );
 }
 
 #[test]
@@ -145,6 +161,30 @@ fn an_aborted_request_stops_at_the_next_step_and_frees_its_blocks() {
     assert_eq!(e.counters.generation_tokens, generated);
     assert_eq!(e.kv_usage(), 0.0);
     assert!(e.is_idle());
+}
+
+#[test]
+fn a_prompt_is_counted_when_its_prefill_yields_a_token_as_vllm_counts_it() {
+    // A 4,000-token prompt takes two chunked-prefill steps at 2,048 tokens a step. vLLM adds a
+    // prompt to `vllm:prompt_tokens_total` with its first token, but its prefix-cache query when
+    // it is scheduled; a request aborted mid-prefill is never counted as prompt tokens.
+    let mut e = Engine::new(params(1000, 16));
+    let aborted = e.add(random_request(7, 4000, 4), 0.0);
+    let mut now = e.step(0.0).duration;
+    assert_eq!(e.counters.prefix_queries, 4000, "queried when scheduled");
+    assert_eq!(e.counters.prompt_tokens, 0, "no token yet, so not counted");
+    assert!(e.abort(aborted));
+    now += e.step(now).duration;
+    assert_eq!(e.counters.prompt_tokens, 0);
+
+    let id = e.add(random_request(8, 4000, 4), now);
+    now += e.step(now).duration;
+    assert_eq!(e.counters.prompt_tokens, 0, "still prefilling");
+    let out = e.step(now);
+    assert!(out.events.iter().any(|(i, _)| *i == id), "the first token");
+    assert_eq!(e.counters.prompt_tokens, 4000);
+    run(&mut e, now + out.duration);
+    assert_eq!(e.counters.prompt_tokens, 4000, "counted once");
 }
 
 #[test]

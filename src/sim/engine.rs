@@ -73,7 +73,15 @@ pub struct Counters {
     pub prefix_queries: u64,
     pub prefix_hits: u64,
     pub preemptions: u64,
+    /// Counted as vLLM counts them, when a request's prefill yields its first token: its prompt
+    /// tokens, those it prefilled, those it found cached, and the cached last token it
+    /// recomputed when the whole prompt but that token was cached (vLLM's
+    /// `prompt_tokens_by_source`: `local_compute` is `prompt_computed`, `local_cache_hit` is
+    /// `prompt_cached + prompt_recomputed`).
     pub prompt_tokens: u64,
+    pub prompt_computed: u64,
+    pub prompt_cached: u64,
+    pub prompt_recomputed: u64,
     pub generation_tokens: u64,
     pub prefill_tokens_computed: u64,
     pub generated_after_disconnect: u64,
@@ -305,7 +313,17 @@ impl Engine {
                 self.counters.generated_after_disconnect += 1;
             }
             match s.first_token {
-                None => s.first_token = Some(end),
+                None => {
+                    s.first_token = Some(end);
+                    // vLLM counts a prompt's tokens when its prefill yields the first token, not
+                    // when it is scheduled: a request aborted before then is never counted.
+                    let (prompt, cached) = (s.req.prompt.len(), s.cached_tokens.unwrap_or(0));
+                    let c = &mut self.counters;
+                    c.prompt_tokens += prompt as u64;
+                    c.prompt_computed += (prompt - cached) as u64;
+                    c.prompt_cached += cached as u64;
+                    c.prompt_recomputed += u64::from(cached + 1 == prompt);
+                }
                 Some(_) => out.inter_token.push(end - s.last_token),
             }
             s.last_token = end;
@@ -418,7 +436,6 @@ impl Engine {
                     s.cached_tokens = Some(cached);
                     self.counters.prefix_queries += s.tokens.len() as u64;
                     self.counters.prefix_hits += cached as u64;
-                    self.counters.prompt_tokens += s.req.prompt.len() as u64;
                 }
                 s.computed = hit.len() * block;
                 s.blocks = hit;

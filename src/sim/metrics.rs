@@ -7,7 +7,8 @@
 //! while clients see everything ten times sooner.
 
 use prometheus::{
-    Encoder, Gauge, Histogram, HistogramOpts, IntCounter, IntGauge, Opts, Registry, TextEncoder,
+    Encoder, Gauge, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, Opts, Registry,
+    TextEncoder,
 };
 
 use super::engine::{Counters, Timings};
@@ -39,6 +40,9 @@ pub struct SimMetrics {
     prefix_hits: IntCounter,
     preemptions: IntCounter,
     prompt_tokens: IntCounter,
+    /// `local_compute`, `local_cache_hit`, `external_kv_transfer` (always 0 here).
+    prompt_by_source: [IntCounter; 3],
+    prompt_cached: IntCounter,
     generation_tokens: IntCounter,
     after_disconnect: IntCounter,
     aborted: IntCounter,
@@ -120,7 +124,21 @@ impl SimMetrics {
                 .register(Box::new(started))
                 .expect("metric registered once");
         }
+        let by_source = reg!(IntCounterVec::new(
+            opts(
+                "vllm:prompt_tokens_by_source_total",
+                "Number of prompt tokens by source."
+            ),
+            &["source"]
+        ));
+        let prompt_by_source = ["local_compute", "local_cache_hit", "external_kv_transfer"]
+            .map(|source| by_source.with_label_values(&[source]));
         Self {
+            prompt_by_source,
+            prompt_cached: reg!(IntCounter::with_opts(opts(
+                "vllm:prompt_tokens_cached_total",
+                "Number of cached prompt tokens (local + external)."
+            ))),
             running: reg!(IntGauge::with_opts(opts(
                 "vllm:num_requests_running",
                 "Number of requests in model execution batches."
@@ -211,6 +229,14 @@ impl SimMetrics {
             .inc_by(delta(c.preemptions, seen.preemptions));
         self.prompt_tokens
             .inc_by(delta(c.prompt_tokens, seen.prompt_tokens));
+        let [computed, cache_hit, _] = &self.prompt_by_source;
+        computed.inc_by(delta(c.prompt_computed, seen.prompt_computed));
+        cache_hit.inc_by(delta(
+            c.prompt_cached + c.prompt_recomputed,
+            seen.prompt_cached + seen.prompt_recomputed,
+        ));
+        self.prompt_cached
+            .inc_by(delta(c.prompt_cached, seen.prompt_cached));
         self.generation_tokens
             .inc_by(delta(c.generation_tokens, seen.generation_tokens));
         self.after_disconnect.inc_by(delta(
