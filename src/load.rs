@@ -79,6 +79,22 @@ pub struct Polled {
     /// `vllm:prefix_cache_hits_total` (or, where a release shows only that,
     /// `vllm:gpu_prefix_cache_hits_total`), summed over engines: prompt tokens found cached.
     pub prefix_hits: Option<f64>,
+    /// `vllm:prompt_tokens_by_source_total{source="local_compute"}`, summed over engines: the
+    /// prompt tokens the worker prefilled itself (vLLM 0.11 on).
+    pub prompt_computed: Option<f64>,
+}
+
+impl Polled {
+    /// The prompt tokens the worker has prefilled, as a counter: its own count of them where it
+    /// shows one, else its prompt tokens less those it found cached. The first is counted
+    /// for each request once, when its first token comes. Of the second pair, vLLM 0.32 counts
+    /// the prompt then and the hits when the request is admitted; earlier releases counted the
+    /// hits at every step a request waited to be admitted, so under KV pressure the difference
+    /// could fall.
+    pub fn prefilled(&self) -> Option<f64> {
+        self.prompt_computed
+            .or_else(|| Some(self.prompt_tokens? - self.prefix_hits?))
+    }
 }
 
 impl Load {
@@ -319,7 +335,7 @@ impl Moments {
 }
 
 /// A worker's steps fitted over the intervals between load polls against the prefill its own
-/// counters show done in each (`vllm:prompt_tokens_total` less `vllm:prefix_cache_hits_total`):
+/// counters show done in each ([`Polled::prefilled`]):
 /// every replica's and every client's, where [`StepFit`]'s windows know only this gateway's
 /// prompts. Windows span load polls that all found this gateway with requests in flight there,
 /// so that its streams' bursts mark the worker's steps throughout ([`StepClock::polled`]).
@@ -330,9 +346,8 @@ struct PollFit {
     steps: f64,
     time: f64,
     since: u64,
-    /// The counters `(prompt tokens, prefix cache hits)` where it began; `None` while no window
-    /// is under way.
-    counters: Option<(f64, f64)>,
+    /// The worker's prefilled-token counter where it began; `None` while no window is under way.
+    counters: Option<f64>,
     moments: Moments,
     /// The fit's time per prefill token, in microseconds; 0 while unknown.
     per_token: f64,
@@ -518,14 +533,14 @@ impl StepClock {
         (self.fit.lock().moments.windows >= STEP_WINDOW as u32).then_some(per_token)
     }
 
-    /// A load poll at `now` ([`now_us`]): `counters` are the worker's `(prompt tokens, prefix
-    /// cache hits)` as polled (`None` where it does not show them), `busy` whether this gateway
+    /// A load poll at `now` ([`now_us`]): `counters` is the worker's count of the prompt tokens
+    /// it prefilled ([`Polled::prefilled`]; `None` where it does not show one), `busy` whether this gateway
     /// had requests in flight there. Polls that find this gateway busy and show the counters
     /// sum the steps between them into a window; once a window holds [`POLL_WINDOW_STEPS`]
     /// steps, its steps, their time and the prefill the counters moved by over it go to
     /// [`Self::settled_pool_per_token`]'s fit. A poll that finds this gateway idle, or counters
     /// missing or fallen (a restart), drops the window under way.
-    pub fn polled(&self, now: u64, counters: Option<(f64, f64)>, busy: bool) {
+    pub fn polled(&self, now: u64, counters: Option<f64>, busy: bool) {
         let mut fit = self.fit.lock();
         let p = &mut fit.polls;
         let start = p.counters;
@@ -534,11 +549,11 @@ impl StepClock {
             p.counters = counters.filter(|_| busy);
             (p.steps, p.time, p.since) = (0.0, 0.0, now);
         };
-        let (Some((prompt0, hits0)), Some((prompt1, hits1)), true) = (start, counters, busy) else {
+        let (Some(before), Some(after), true) = (start, counters, busy) else {
             return restart(p);
         };
-        let prefill = (prompt1 - prompt0) - (hits1 - hits0);
-        if prompt1 < prompt0 || prefill < 0.0 {
+        let prefill = after - before;
+        if prefill < 0.0 {
             return restart(p);
         }
         if steps < POLL_WINDOW_STEPS {
@@ -622,6 +637,12 @@ pub fn parse_vllm_metrics(text: &str, engine: Option<u32>) -> Option<Polled> {
             }
             "gpu_prefix_cache_hits_total" => {
                 *gpu_hits.get_or_insert(0.0) += value;
+                continue;
+            }
+            "prompt_tokens_by_source_total" => {
+                if label(rest, "source") == Some("local_compute") {
+                    *p.prompt_computed.get_or_insert(0.0) += value;
+                }
                 continue;
             }
             _ => continue,
@@ -908,7 +929,7 @@ pub async fn run(up: Arc<Upstreams>, cancel: CancellationToken) {
             let inflight = w.inflight();
             w.steps.polled(
                 now_us(),
-                p.and_then(|p| p.prompt_tokens.zip(p.prefix_hits)),
+                p.as_ref().and_then(Polled::prefilled),
                 inflight > 0,
             );
             w.load.store(p, inflight);
@@ -1047,8 +1068,20 @@ mod tests {
                 started: None,
                 // The deprecated name of the same count is not added to it.
                 prefix_hits: Some(620.0),
+                prompt_computed: None,
             }
         );
+        assert_eq!(p.prefilled(), Some(380.0), "prompt tokens less hits");
+        // Where the worker counts what it prefilled, that count.
+        let by_source = format!(
+            "{text}vllm:prompt_tokens_by_source_total{{engine=\"0\",model_name=\"m\",source=\"local_compute\"}} 390.0\n\
+            vllm:prompt_tokens_by_source_total{{engine=\"1\",model_name=\"m\",source=\"local_compute\"}} 5.0\n\
+            vllm:prompt_tokens_by_source_total{{engine=\"0\",model_name=\"m\",source=\"local_cache_hit\"}} 610.0\n\
+            vllm:prompt_tokens_by_source_total{{engine=\"0\",model_name=\"m\",source=\"external_kv_transfer\"}} 0.0\n"
+        );
+        let p = parse_vllm_metrics(&by_source, None).unwrap();
+        assert_eq!(p.prompt_computed, Some(395.0));
+        assert_eq!(p.prefilled(), Some(395.0));
         // A release that shows only the old name.
         let old = "vllm:num_requests_running 1\nvllm:gpu_prefix_cache_hits_total 7.0\n";
         assert_eq!(
@@ -1097,6 +1130,7 @@ mod tests {
                 prompt_tokens: Some(70.0),
                 started: Some(1700000000.5),
                 prefix_hits: None,
+                prompt_computed: None,
             }
         );
         let zero = parse_vllm_metrics(text, Some(0)).unwrap();
@@ -1332,8 +1366,7 @@ mod tests {
 
     /// Feeds `clock` `windows` poll windows' worth of steps of `base + per_token × prefill`
     /// microseconds, a poll every four steps, this gateway busy throughout, `1 / share` of each
-    /// step's prefill its own and the rest another replica's (the worker's counters show it all,
-    /// and 100 cached prompt tokens a poll).
+    /// step's prefill its own and the rest another replica's (the worker's counter shows it all).
     fn fit_against_counters(
         clock: &StepClock,
         base: u64,
@@ -1345,18 +1378,15 @@ mod tests {
         // On from where the clock and the counters are.
         let mut t = clock.last.load(Ordering::Relaxed).max(1_000);
         clock.frame(t, 0, || 0);
-        let counters = clock.fit.lock().polls.counters;
-        let (mut prompt, mut hits) = counters.unwrap_or((5_000.0, 4_000.0));
-        clock.polled(t, Some((prompt, hits)), true);
+        let mut prefilled = clock.fit.lock().polls.counters.unwrap_or(1_000.0);
+        clock.polled(t, Some(prefilled), true);
         let steps = POLL_WINDOW_STEPS as usize * windows;
         for (i, x) in mix.iter().copied().cycle().take(steps).enumerate() {
             t += base + per_token * x;
             clock.frame(t, x / share, || 0);
-            prompt += x as f64;
+            prefilled += x as f64;
             if i % 4 == 3 {
-                prompt += 100.0;
-                hits += 100.0;
-                clock.polled(t, Some((prompt, hits)), true);
+                clock.polled(t, Some(prefilled), true);
             }
         }
     }
@@ -1435,7 +1465,7 @@ mod tests {
             if fell {
                 prompt = 0.0;
             }
-            clock.polled(t, counters.then_some((prompt, 0.0)), busy);
+            clock.polled(t, counters.then_some(prompt), busy);
             t
         };
         run(0, true, true, false);
@@ -1463,8 +1493,8 @@ mod tests {
         // and a burst 30 ms after it: the window holds the 30 ms since that poll, not the second
         // before it, and that share of the gap as steps.
         let t = run(0, true, true, false);
-        clock.polled(t + 500_000, Some((prompt, 0.0)), false);
-        clock.polled(t + 990_000, Some((prompt, 0.0)), true);
+        clock.polled(t + 500_000, Some(prompt), false);
+        clock.polled(t + 990_000, Some(prompt), true);
         clock.frame(t + 1_020_000, 0, || 0);
         let polls = &clock.fit.lock().polls;
         assert_eq!(polls.time, 30_000.0);

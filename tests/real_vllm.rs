@@ -536,6 +536,7 @@ async fn real_vllms_counters_show_the_prefill_it_did() {
     };
     let before = polled().await;
     assert!(before.prefix_hits.is_some(), "{before:?}");
+    assert!(before.prompt_computed.is_some(), "{before:?}");
     let text = words(41_017, 300);
     let mut usage = Vec::new();
     for _ in 0..2 {
@@ -555,19 +556,26 @@ async fn real_vllms_counters_show_the_prefill_it_did() {
         let now = polled().await;
         let prompts = now.prompt_tokens.unwrap() - before.prompt_tokens.unwrap();
         let hits = now.prefix_hits.unwrap() - before.prefix_hits.unwrap();
-        if prompts >= 2.0 * prompt && hits >= cached {
+        // vLLM's own count of the prompt tokens it prefilled (`prompt_tokens_by_source`).
+        let computed = now.prompt_computed.unwrap() - before.prompt_computed.unwrap();
+        if prompts >= 2.0 * prompt && hits >= cached && computed >= 2.0 * prompt - cached {
             // Nothing else ran on the worker meanwhile: the prefill done is what the two
-            // answers did not report cached.
+            // answers did not report cached, by either count.
             assert_eq!(
                 prompts - hits,
                 2.0 * prompt - cached,
                 "{now:?} after {before:?}"
             );
+            assert_eq!(computed, 2.0 * prompt - cached, "{now:?} after {before:?}");
+            assert_eq!(
+                now.prefilled().unwrap() - before.prefilled().unwrap(),
+                computed
+            );
             break;
         }
         assert!(
             tokio::time::Instant::now() < deadline,
-            "counters moved by {prompts} prompt tokens and {hits} hits"
+            "counters moved by {prompts} prompt tokens, {hits} hits and {computed} computed"
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
