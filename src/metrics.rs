@@ -337,7 +337,7 @@ impl Metrics {
             ),
             worker_slowness: float_gauge(
                 "kvroute_worker_slowness",
-                "A worker's fitted time per prefill token over the median of the pool's fitted workers (a GPU three times as fast as the median shows 0.33); 1 while it has no fit over a full window of steps, or within 1.25x of the median. Beside other replicas' requests (more than a quarter of the pool's), the fit is of its steps against the prefill its own counters show (vllm:prompt_tokens_total less vllm:prefix_cache_hits_total). cache_aware prices each worker in its own time by it (price_by_speed).",
+                "A worker's fitted time per prefill token over the median of the pool's fitted workers (a GPU three times as fast as the median shows 0.33); 1 while it has no fit over a full window of steps, or within 1.25x of the median. Beside other replicas' requests (more than a quarter of the pool's), the fit is of its steps against the prefill its own counters show (vllm:prompt_tokens_by_source_total{source=\"local_compute\"}, or vllm:prompt_tokens_total less vllm:prefix_cache_hits_total). cache_aware prices each worker in its own time by it (price_by_speed).",
                 &["worker"],
             ),
             kv_event_batches: counter(
