@@ -301,6 +301,16 @@ pub struct CacheAwareParams {
     /// workload, the ratings read 1 at every scrape (see `docs/measurements.md`, "A pool of
     /// unlike GPUs").
     pub price_by_speed: bool,
+    /// With `price_by_speed`, each worker is home to a share of prompts in proportion to its
+    /// speed (weighted rendezvous hashing: a prompt's home is the worker with the highest
+    /// `u^slowness`, `u` its rendezvous score in (0, 1]), not an equal share: in a pool of
+    /// unlike GPUs the homes that replicas meet at, and that new prompts start on, are then
+    /// where the capacity is, and the cost does not keep moving a slow home's conversations
+    /// away from it. Workers rated alike (all 1) keep the plain rendezvous order, and a
+    /// replica whose ratings differ a little from another's disagrees on about that share of
+    /// homes only. Not in pools of more than 128 workers, whose homes are found without
+    /// reading the workers' ratings.
+    pub home_by_speed: bool,
 }
 
 impl Default for CacheAwareParams {
@@ -328,6 +338,7 @@ impl Default for CacheAwareParams {
             reuse_from_usage: true,
             fresh_by_writes: true,
             price_by_speed: true,
+            home_by_speed: true,
         }
     }
 }

@@ -61,7 +61,10 @@
 //! counted in its own time: times its fitted time per prefill token over the pool's median
 //! ([`crate::load::StepClock::slowness`], rated at each load poll by [`crate::load::rate_speeds`]).
 //! A pool of one model on unlike GPUs otherwise prices a queue on a GPU three times as fast as
-//! the same queue on the slow one, and keeps the slow ones as busy. Alike workers read 1.
+//! the same queue on the slow one, and keeps the slow ones as busy. Alike workers read 1. With
+//! `home_by_speed` too, each worker is home to keys in proportion to its speed (weighted
+//! rendezvous: the highest `u^slowness`, `pass::home_rank`), so that homes, where replicas
+//! meet and new prompts start, are where the capacity is.
 //!
 //! Several replicas sharing nothing each know only the turns they routed. Once one of them sends
 //! a turn elsewhere for load, it would follow that copy while the others keep to the home, and
@@ -468,6 +471,9 @@ impl CacheAware {
             idle_credit,
             weights,
             by_speed: self.params.price_by_speed,
+            home_by_speed: self.params.price_by_speed
+                && self.params.home_by_speed
+                && workers.len() <= PRICE_ALL_UP_TO,
         }
     }
 

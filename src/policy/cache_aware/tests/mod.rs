@@ -311,10 +311,9 @@ pub(super) fn new_prompt_and_its_home_with(
     (ws, p, r, home)
 }
 
-#[test]
-fn in_a_pool_of_unlike_gpus_each_worker_is_priced_in_its_own_time() {
-    // Workers 0 and 1 take three times as long a step and a prefill token as 2 and 3 (an L4 beside
-    // an L40S), their last steps long over. Eight new prompts arrive together, each held unstarted.
+/// Four workers rated as an L4 pair beside an L40S pair: workers 0 and 1 take three times as
+/// long a step and a prefill token as 2 and 3, their last steps long over.
+fn unlike_pool() -> Vec<Arc<Worker>> {
     let ws = test_workers(4);
     let now = crate::load::now_us();
     for (i, w) in ws.iter().enumerate() {
@@ -333,6 +332,13 @@ fn in_a_pool_of_unlike_gpus_each_worker_is_priced_in_its_own_time() {
         (slowness[0] / slowness[2] - 3.0).abs() < 0.1 && slowness[0] == slowness[1],
         "{slowness:?}"
     );
+    ws
+}
+
+#[test]
+fn in_a_pool_of_unlike_gpus_each_worker_is_priced_in_its_own_time() {
+    // An L4 pair beside an L40S pair; eight new prompts arrive together, each held unstarted.
+    let ws = unlike_pool();
     let prompts = || (0..8).map(|c| convo(100 + c, 0, 4));
     // Placed by cost alone (no home's credit): by tokens the four are alike, two each.
     let by_cost = |price_by_speed| {
@@ -353,4 +359,70 @@ fn in_a_pool_of_unlike_gpus_each_worker_is_priced_in_its_own_time() {
     // k = 10. So all eight go to the fast two.
     let timed_pool = arrive_together(&by_cost(true), &ws, prompts(), (256, 256));
     assert_eq!(timed_pool, [0, 0, 4, 4]);
+}
+
+#[test]
+fn workers_are_homes_in_proportion_to_their_speed() {
+    let ws = test_workers(4);
+    let homes = |slowness: [f64; 4], key: u64| {
+        (0..4)
+            .map(|i| (pass::home_rank(mix(key, ws[i].id_hash), slowness[i]), i))
+            .fold(
+                (f64::NEG_INFINITY, 4),
+                |top, x| if x.0 > top.0 { x } else { top },
+            )
+            .1
+    };
+    let keys = (0..40_000u64).map(|k| xxhash_rust::xxh3::xxh3_64(&k.to_le_bytes()));
+    let (mut share, mut plain, mut agree) = ([0usize; 4], 0, 0);
+    for key in keys {
+        let home = homes([1.5, 1.5, 0.5, 0.5], key);
+        share[home] += 1;
+        // Rated alike, the highest score: the plain rendezvous home.
+        let top = (0..4).max_by_key(|&i| mix(key, ws[i].id_hash)).unwrap();
+        plain += usize::from(homes([1.0; 4], key) == top);
+        // Another replica's ratings of the same workers, each a little off.
+        agree += usize::from(homes([1.4, 1.6, 0.45, 0.55], key) == home);
+    }
+    // Weights 1/1.5 and 1/0.5: an eighth of the keys each, and three eighths.
+    for (got, want) in share.iter().zip([0.125, 0.125, 0.375, 0.375]) {
+        assert!((*got as f64 / 40_000.0 - want).abs() < 0.01, "{share:?}");
+    }
+    assert_eq!(plain, 40_000);
+    assert!(agree > 36_000, "{agree} of 40,000");
+    // The rank rises with the score (to the float's precision) across a power of two, and is
+    // about `slowness × log2(u)`.
+    let rank = |score| pass::home_rank(score, 1.0);
+    assert!(rank(0) < rank(1) && rank((1 << 63) - (1 << 12)) < rank(1 << 63));
+    assert!(rank(u64::MAX - (1 << 12)) < rank(u64::MAX) && rank(u64::MAX) <= 0.0);
+    assert!((pass::home_rank(3 << 61, 2.0) - 2.0 * (0.375f64).log2()).abs() < 0.02);
+}
+
+#[test]
+fn in_a_pool_of_unlike_gpus_new_prompts_start_on_homes_where_the_capacity_is() {
+    // With the home's credit as large as the prompt's cost, each new prompt goes to its home
+    // on an idle pool: 400 of them, one after another, show where the homes are.
+    let ws = unlike_pool();
+    let placed = |home_by_speed| {
+        let p = CacheAware::new(CacheAwareParams {
+            home_affinity: 1.0,
+            new_prompt_by_reuse: false,
+            fresh_by_writes: false,
+            home_by_speed,
+            ..CacheAwareParams::default()
+        });
+        let mut per_worker = [0; 4];
+        for c in 0..400 {
+            let s = pick(&p, &ws, &convo(1_000 + c, 0, 4));
+            assert_eq!(s.outcome, Outcome::HashHome);
+            per_worker[s.index] += 1;
+        }
+        per_worker
+    };
+    // An eighth each on the slow pair and three eighths each on the fast one, against a quarter
+    // each by the plain hash.
+    let by_speed = placed(true);
+    assert!(by_speed[0] + by_speed[1] < 140, "{by_speed:?}");
+    let plain = placed(false);
+    assert!(plain[0] + plain[1] > 160, "{plain:?}");
 }
