@@ -347,7 +347,7 @@ struct PollFit {
     time: f64,
     since: u64,
     /// The worker's prefilled-token counter where it began; `None` while no window is under way.
-    counters: Option<f64>,
+    prefilled: Option<f64>,
     moments: Moments,
     /// The fit's time per prefill token, in microseconds; 0 while unknown.
     per_token: f64,
@@ -533,23 +533,23 @@ impl StepClock {
         (self.fit.lock().moments.windows >= STEP_WINDOW as u32).then_some(per_token)
     }
 
-    /// A load poll at `now` ([`now_us`]): `counters` is the worker's count of the prompt tokens
-    /// it prefilled ([`Polled::prefilled`]; `None` where it does not show one), `busy` whether this gateway
-    /// had requests in flight there. Polls that find this gateway busy and show the counters
+    /// A load poll at `now` ([`now_us`]): `prefilled` is the worker's count of the prompt tokens
+    /// it prefilled ([`Polled::prefilled`]; `None` where it does not show one), `busy` whether
+    /// this gateway had requests in flight there. Polls that find this gateway busy and show it
     /// sum the steps between them into a window; once a window holds [`POLL_WINDOW_STEPS`]
     /// steps, its steps, their time and the prefill the counters moved by over it go to
     /// [`Self::settled_pool_per_token`]'s fit. A poll that finds this gateway idle, or counters
     /// missing or fallen (a restart), drops the window under way.
-    pub fn polled(&self, now: u64, counters: Option<f64>, busy: bool) {
+    pub fn polled(&self, now: u64, prefilled: Option<f64>, busy: bool) {
         let mut fit = self.fit.lock();
         let p = &mut fit.polls;
-        let start = p.counters;
+        let start = p.prefilled;
         let (steps, time) = (p.steps, p.time);
         let restart = |p: &mut PollFit| {
-            p.counters = counters.filter(|_| busy);
+            p.prefilled = prefilled.filter(|_| busy);
             (p.steps, p.time, p.since) = (0.0, 0.0, now);
         };
-        let (Some(before), Some(after), true) = (start, counters, busy) else {
+        let (Some(before), Some(after), true) = (start, prefilled, busy) else {
             return restart(p);
         };
         let prefill = after - before;
@@ -1378,7 +1378,7 @@ mod tests {
         // On from where the clock and the counters are.
         let mut t = clock.last.load(Ordering::Relaxed).max(1_000);
         clock.frame(t, 0, || 0);
-        let mut prefilled = clock.fit.lock().polls.counters.unwrap_or(1_000.0);
+        let mut prefilled = clock.fit.lock().polls.prefilled.unwrap_or(1_000.0);
         clock.polled(t, Some(prefilled), true);
         let steps = POLL_WINDOW_STEPS as usize * windows;
         for (i, x) in mix.iter().copied().cycle().take(steps).enumerate() {
