@@ -80,7 +80,8 @@ pub struct Polled {
     /// `vllm:gpu_prefix_cache_hits_total`), summed over engines: prompt tokens found cached.
     pub prefix_hits: Option<f64>,
     /// `vllm:prompt_tokens_by_source_total{source="local_compute"}`, summed over engines: the
-    /// prompt tokens the worker prefilled itself (vLLM 0.11 on).
+    /// prompt tokens the worker prefilled itself (vLLM 0.32 shows it; which release first did
+    /// was not checked).
     pub prompt_computed: Option<f64>,
 }
 

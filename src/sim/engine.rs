@@ -74,12 +74,10 @@ pub struct Counters {
     pub prefix_hits: u64,
     pub preemptions: u64,
     /// Counted as vLLM counts them, when a request's prefill yields its first token: its prompt
-    /// tokens, those it prefilled, those it found cached, and the cached last token it
-    /// recomputed when the whole prompt but that token was cached (vLLM's
-    /// `prompt_tokens_by_source`: `local_compute` is `prompt_computed`, `local_cache_hit` is
-    /// `prompt_cached + prompt_recomputed`).
+    /// tokens, those it found cached, and the cached last token it recomputed when the whole
+    /// prompt but that token was cached (vLLM's `prompt_tokens_by_source`: `local_compute` is
+    /// `prompt_tokens - prompt_cached`, `local_cache_hit` is `prompt_cached + prompt_recomputed`).
     pub prompt_tokens: u64,
-    pub prompt_computed: u64,
     pub prompt_cached: u64,
     pub prompt_recomputed: u64,
     pub generation_tokens: u64,
@@ -320,7 +318,6 @@ impl Engine {
                     let (prompt, cached) = (s.req.prompt.len(), s.cached_tokens.unwrap_or(0));
                     let c = &mut self.counters;
                     c.prompt_tokens += prompt as u64;
-                    c.prompt_computed += (prompt - cached) as u64;
                     c.prompt_cached += cached as u64;
                     c.prompt_recomputed += u64::from(cached + 1 == prompt);
                 }

@@ -230,7 +230,10 @@ impl SimMetrics {
         self.prompt_tokens
             .inc_by(delta(c.prompt_tokens, seen.prompt_tokens));
         let [computed, cache_hit, _] = &self.prompt_by_source;
-        computed.inc_by(delta(c.prompt_computed, seen.prompt_computed));
+        computed.inc_by(delta(
+            c.prompt_tokens - c.prompt_cached,
+            seen.prompt_tokens - seen.prompt_cached,
+        ));
         cache_hit.inc_by(delta(
             c.prompt_cached + c.prompt_recomputed,
             seen.prompt_cached + seen.prompt_recomputed,

@@ -200,9 +200,9 @@ impl Pass<'_> {
             if IDLE && held == 0.0 && queued == 0 {
                 cost -= idle_credit;
             }
-            if by_speed {
-                cost *= w.steps.slowness();
-            }
+            // Read once for the cost and the home (`home_by_speed` comes with `by_speed`).
+            let slowness = if by_speed { w.steps.slowness() } else { 1.0 };
+            cost *= slowness;
             let score = mix(key, w.id_hash);
             let c = Candidate {
                 index,
@@ -214,7 +214,7 @@ impl Pass<'_> {
                 best = c;
             }
             let (rank, higher) = if home_by_speed {
-                let rank = home_rank(score, w.steps.slowness());
+                let rank = home_rank(score, slowness);
                 (rank, rank > home_top)
             } else {
                 (0.0, score > home.score)
