@@ -566,13 +566,13 @@ impl StepClock {
     }
 
     /// The time per prefill token, in microseconds, fitted over windows of load polls against
-    /// the prefill the worker's own counters show ([`Self::polled`]), once over a full moving
-    /// window of [`STEP_WINDOW`] of them. Unlike [`Self::fit`], it counts the prefill
-    /// of every replica's requests.
+    /// the prefill the worker's own counters show ([`Self::polled`]), once over
+    /// [`POLL_FIT_SETTLED`] of them. Unlike [`Self::fit`], it counts the prefill of every
+    /// replica's requests.
     fn settled_pool_per_token(&self) -> Option<f64> {
         let fit = self.fit.lock();
         let p = &fit.polls;
-        (p.per_token > 0.0 && p.moments.windows >= STEP_WINDOW as u32).then_some(p.per_token)
+        (p.per_token > 0.0 && p.moments.windows >= POLL_FIT_SETTLED).then_some(p.per_token)
     }
 
     /// The fitted step without prefill and per prefill token, in microseconds, when known.
@@ -800,29 +800,47 @@ impl KvClock {
 /// was without speeds. Unlike GPUs differ by more (an L40S takes about a third of an L4's time).
 pub const SPEED_DEADBAND: f64 = 1.25;
 
-/// A worker is rated by the median of its last this many polls' readings, once it has half as
-/// many: a fit strays now and then for a while (seen on a pool of one GPU type: one worker at
-/// 17 us a token, its neighbours at 76; under the mixed workload with two gateway replicas, each
-/// one's fit thrown by the other's 2,048-token prompts, about 4x off for some 25 polls on end,
-/// which a rating moved a twentieth of the way each poll followed out to 2x), and that should not
-/// send a worker the pool's traffic. A GPU of another type reads apart at every poll and is rated
-/// within half a window.
+/// A worker is rated by the median of its last this many polls' readings: a fit strays now and
+/// then for a while (seen on a pool of one GPU type: one worker at 17 us a token, its neighbours
+/// at 76; under the mixed workload with two gateway replicas, each one's fit thrown by the
+/// other's 2,048-token prompts, about 4x off for some 25 polls on end, which a rating moved a
+/// twentieth of the way each poll followed out to 2x), and that should not send a worker the
+/// pool's traffic. A GPU of another type reads apart at every poll and is rated within half a
+/// window.
 const RATINGS: usize = 64;
+
+/// A worker's first rating comes from this many readings: until a worker has been read at all,
+/// polls that give no reading add nothing, so a gateway that has just started (a replica in a
+/// rollout) rates its workers a few polls after their fits settle instead of once their readings
+/// outnumber the polls it waited through. Placed while every worker reads 1, the conversations
+/// of two replicas on 2 simulated L4s and 2 L40Ss started at the pool's median speed and stayed
+/// (`docs/measurements.md`, "Replicas rated from their first polls").
+const FIRST_RATINGS: usize = 8;
+
+/// Poll windows after which [`StepClock::settled_pool_per_token`]'s fit counts. Each spans at
+/// least [`POLL_WINDOW_STEPS`] steps and a load poll at either end, so that a prompt's chunks
+/// fall within one window or straddle two, and the counters are every replica's alike.
+const POLL_FIT_SETTLED: u32 = 8;
 
 /// Workers are rated while no more than this share of the requests in flight on the pool, as
 /// polled, are other than this gateway's ([`rate_speeds`]).
 pub const ALONE_SHARE: f64 = 0.25;
 
 impl StepClock {
-    /// Adds a poll's reading of this worker beside the pool's median; its rating becomes the
-    /// median of the last [`RATINGS`] readings, 1 until there are half as many.
-    fn rate(&self, seen: f64) {
+    /// Adds a poll's reading of this worker beside the pool's median, `None` for a poll that
+    /// could not read it (no settled fit, no pool to compare with), which counts as 1 once the
+    /// worker has been read before and not at all until then; its rating becomes the median of
+    /// the last [`RATINGS`] readings, 1 until there are [`FIRST_RATINGS`].
+    fn rate(&self, seen: Option<f64>) {
         let mut readings = self.readings.lock();
+        if seen.is_none() && readings.is_empty() {
+            return;
+        }
         if readings.len() == RATINGS {
             readings.pop_front();
         }
-        readings.push_back(seen);
-        let ratio = if readings.len() >= RATINGS / 2 {
+        readings.push_back(seen.unwrap_or(1.0));
+        let ratio = if readings.len() >= FIRST_RATINGS {
             crate::bench::stats::median(readings.make_contiguous()).unwrap_or(1.0)
         } else {
             1.0
@@ -832,10 +850,11 @@ impl StepClock {
 }
 
 /// Rates each worker's [`StepClock::slowness`] by its fitted time per prefill token over the
-/// median of the fitted workers' (1 where it has no fit over a full window of [`STEP_WINDOW`]
-/// windows or fewer than two workers have one; at most 4 times off), the median of its last
-/// [`RATINGS`] calls' readings; a rating within [`SPEED_DEADBAND`] of 1 reads as 1. What a
-/// worker's queue and misses cost in time, for a pool of unlike GPUs serving one model.
+/// median of the fitted workers' (no reading where its fit has not settled or fewer than two
+/// workers have one; at most 4 times off), the median of its last [`RATINGS`] readings
+/// ([`FIRST_RATINGS`] at least; see `StepClock::rate`); a rating within [`SPEED_DEADBAND`] of 1
+/// reads as 1. What a worker's queue and misses cost in time, for a pool of unlike GPUs serving
+/// one model.
 ///
 /// Whose fit: while this gateway has the pool to itself, its own ([`StepClock::fit`]). Where
 /// the polled load shows more than [`ALONE_SHARE`] of the requests in flight are someone else's
@@ -889,8 +908,8 @@ pub fn rate_speeds(workers: &[Arc<Worker>]) {
         // A reading more than four times off the median is more likely a bad fit than a GPU:
         // it counts as four times.
         let seen = match reading {
-            Some(per_token) if median > 0.0 => (per_token / median).clamp(0.25, 4.0),
-            _ => 1.0,
+            Some(per_token) if median > 0.0 => Some((per_token / median).clamp(0.25, 4.0)),
+            _ => None,
         };
         w.steps.rate(seen);
     }
@@ -1312,8 +1331,8 @@ mod tests {
         }
         assert_eq!(ws[3].steps.slowness(), 1.0);
         let _inflight: Vec<_> = ws.iter().map(|w| w.acquire()).collect();
-        // Rated from half a window of polls on.
-        for _ in 0..RATINGS / 2 - 1 {
+        // Rated from its first few readings on.
+        for _ in 0..FIRST_RATINGS - 1 {
             rate_speeds(&ws);
         }
         assert_eq!(ws[3].steps.slowness(), 1.0);
@@ -1325,7 +1344,11 @@ mod tests {
         assert_eq!(slowness[4], 1.0);
         assert!(ws[5].steps.fit().is_some());
         assert_eq!(slowness[5], 1.0);
-        // One fitted worker has no pool to be compared with: back to 1 over the polls.
+        // A window of readings later, one fitted worker has no pool to be compared with: once
+        // read, it goes back to 1 over the polls that cannot read it.
+        for _ in 0..RATINGS {
+            rate_speeds(&ws);
+        }
         for _ in 0..RATINGS / 2 - 1 {
             rate_speeds(&ws[3..]);
         }
@@ -1438,8 +1461,8 @@ mod tests {
     #[test]
     fn a_workers_steps_are_fitted_against_the_prefill_its_own_counters_show() {
         let clock = StepClock::default();
-        fit_against_counters(&clock, 20_000, 30, 3, STEP_WINDOW as usize - 1);
-        // Not before a full window of windows.
+        fit_against_counters(&clock, 20_000, 30, 3, POLL_FIT_SETTLED as usize - 1);
+        // Not before it has enough windows.
         assert_eq!(clock.settled_pool_per_token(), None);
         fit_against_counters(&clock, 20_000, 30, 3, 1);
         let per_token = clock.settled_pool_per_token().expect("a fit");
@@ -1506,22 +1529,43 @@ mod tests {
     fn a_rating_holds_through_a_fit_that_strays_for_a_while() {
         let clock = StepClock::default();
         for _ in 0..RATINGS {
-            clock.rate(1.0);
+            clock.rate(Some(1.0));
         }
         // Four times the median for almost half a window of polls on end: a fit thrown off (as
         // two replicas' long prompts did), not a slower GPU.
         for _ in 0..RATINGS / 2 - 1 {
-            clock.rate(4.0);
+            clock.rate(Some(4.0));
         }
         assert_eq!(clock.slowness(), 1.0);
         // Slower at every poll for more than half the window: a GPU of another type.
-        clock.rate(3.0);
-        clock.rate(3.0);
+        clock.rate(Some(3.0));
+        clock.rate(Some(3.0));
         assert_eq!(clock.slowness(), 3.0);
         for _ in 0..RATINGS {
-            clock.rate(0.3);
+            clock.rate(Some(0.3));
         }
         assert_eq!(clock.slowness(), 0.3);
+    }
+
+    #[test]
+    fn a_worker_is_rated_from_its_first_readings_however_long_it_went_unread() {
+        let clock = StepClock::default();
+        // Polls while its fit settles: no reading, and they do not count.
+        for _ in 0..RATINGS {
+            clock.rate(None);
+        }
+        // Rated from its eighth reading: eight polls, not half a window of them.
+        for _ in 0..7 {
+            clock.rate(Some(3.0));
+        }
+        assert_eq!(clock.slowness(), 1.0);
+        clock.rate(Some(3.0));
+        assert_eq!(clock.slowness(), 3.0);
+        // Once read, a poll that cannot read it counts as 1 (its fit gone, or its pool).
+        for _ in 0..9 {
+            clock.rate(None);
+        }
+        assert_eq!(clock.slowness(), 1.0);
     }
 
     #[test]
