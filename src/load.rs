@@ -817,9 +817,12 @@ const RATINGS: usize = 64;
 /// (`docs/measurements.md`, "Replicas rated from their first polls").
 const FIRST_RATINGS: usize = 8;
 
-/// Poll windows after which [`StepClock::settled_pool_per_token`]'s fit counts. Each spans at
-/// least [`POLL_WINDOW_STEPS`] steps and a load poll at either end, so that a prompt's chunks
-/// fall within one window or straddle two, and the counters are every replica's alike.
+/// Poll windows after which [`StepClock::settled_pool_per_token`]'s fit counts: the fewest the
+/// fit solves from ([`Moments::solve`]). Its first readings can be well off (seen: an L4 rated
+/// 4.1 times an L40S, the presets' ratio 2.9), which the median of [`RATINGS`] readings then
+/// outvotes; counted from the sixteenth window instead, two replicas on the unlike pool kept less
+/// of what rating early gained them (`docs/measurements.md`, "Replicas rated from their first
+/// polls").
 const POLL_FIT_SETTLED: u32 = 8;
 
 /// Workers are rated while no more than this share of the requests in flight on the pool, as
