@@ -317,12 +317,12 @@ impl Moments {
         mv(&mut self.xd, x * d);
     }
 
-    /// `(base, per_token)`, both positive, once 8 samples are in; `(0, 0)` otherwise. Least
+    /// `(base, per_token)`, both positive, once [`SOLVE_WINDOWS`] samples are in; `(0, 0)` otherwise. Least
     /// squares through the origin in two variables: samples whose `x` is always in the same
     /// proportion to their `n` cannot tell base from tokens.
     fn solve(&self) -> (f64, f64) {
         let det = self.nn * self.xx - self.nx * self.nx;
-        if self.windows < 8 || det <= 1e-6 * self.nn * self.xx {
+        if self.windows < SOLVE_WINDOWS || det <= 1e-6 * self.nn * self.xx {
             return (0.0, 0.0);
         }
         let base = (self.nd * self.xx - self.xd * self.nx) / det;
@@ -361,6 +361,8 @@ const POLL_WINDOW_STEPS: f64 = 16.0;
 const MIN_STEP_GAP_US: u64 = 500;
 /// Windows in the fit's moving means.
 const STEP_WINDOW: f64 = 32.0;
+/// Windows a fit ([`Moments::solve`]) needs at the fewest.
+const SOLVE_WINDOWS: u32 = 8;
 /// Steps after which a window ends even with prefill outstanding (a worker that never drains).
 const MAX_WINDOW_STEPS: f64 = 16.0;
 
@@ -566,13 +568,15 @@ impl StepClock {
     }
 
     /// The time per prefill token, in microseconds, fitted over windows of load polls against
-    /// the prefill the worker's own counters show ([`Self::polled`]), once over
-    /// [`POLL_FIT_SETTLED`] of them. Unlike [`Self::fit`], it counts the prefill of every
-    /// replica's requests.
+    /// the prefill the worker's own counters show ([`Self::polled`]), as soon as it solves
+    /// ([`SOLVE_WINDOWS`] windows). Unlike [`Self::fit`], it counts the prefill of every
+    /// replica's requests. Its first readings can be well off (seen: an L4 rated 4.1 times an
+    /// L40S, the presets' ratio 2.9), which the median of [`RATINGS`] readings then outvotes;
+    /// counted only from the sixteenth window, two replicas on the unlike pool kept less of what
+    /// rating early gained them (`docs/measurements.md`, "Replicas rated from their first polls").
     fn settled_pool_per_token(&self) -> Option<f64> {
-        let fit = self.fit.lock();
-        let p = &fit.polls;
-        (p.per_token > 0.0 && p.moments.windows >= POLL_FIT_SETTLED).then_some(p.per_token)
+        let per_token = self.fit.lock().polls.per_token;
+        (per_token > 0.0).then_some(per_token)
     }
 
     /// The fitted step without prefill and per prefill token, in microseconds, when known.
@@ -806,7 +810,7 @@ pub const SPEED_DEADBAND: f64 = 1.25;
 /// other's 2,048-token prompts, about 4x off for some 25 polls on end, which a rating moved a
 /// twentieth of the way each poll followed out to 2x), and that should not send a worker the
 /// pool's traffic. A GPU of another type reads apart at every poll and is rated within half a
-/// window.
+/// window, or within [`FIRST_RATINGS`] polls of its first reading.
 const RATINGS: usize = 64;
 
 /// A worker's first rating comes from this many readings: until a worker has been read at all,
@@ -816,14 +820,6 @@ const RATINGS: usize = 64;
 /// of two replicas on 2 simulated L4s and 2 L40Ss started at the pool's median speed and stayed
 /// (`docs/measurements.md`, "Replicas rated from their first polls").
 const FIRST_RATINGS: usize = 8;
-
-/// Poll windows after which [`StepClock::settled_pool_per_token`]'s fit counts: the fewest the
-/// fit solves from ([`Moments::solve`]). Its first readings can be well off (seen: an L4 rated
-/// 4.1 times an L40S, the presets' ratio 2.9), which the median of [`RATINGS`] readings then
-/// outvotes; counted from the sixteenth window instead, two replicas on the unlike pool kept less
-/// of what rating early gained them (`docs/measurements.md`, "Replicas rated from their first
-/// polls").
-const POLL_FIT_SETTLED: u32 = 8;
 
 /// Workers are rated while no more than this share of the requests in flight on the pool, as
 /// polled, are other than this gateway's ([`rate_speeds`]).
@@ -1464,7 +1460,7 @@ mod tests {
     #[test]
     fn a_workers_steps_are_fitted_against_the_prefill_its_own_counters_show() {
         let clock = StepClock::default();
-        fit_against_counters(&clock, 20_000, 30, 3, POLL_FIT_SETTLED as usize - 1);
+        fit_against_counters(&clock, 20_000, 30, 3, SOLVE_WINDOWS as usize - 1);
         // Not before it has enough windows.
         assert_eq!(clock.settled_pool_per_token(), None);
         fit_against_counters(&clock, 20_000, 30, 3, 1);
