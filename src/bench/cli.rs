@@ -304,7 +304,8 @@ impl LoadArgs {
     }
 }
 
-fn describe(spec: &LoadSpec) -> String {
+/// The run's header. `seeds` are `compare --seeds`, which replace `--seed` when given.
+fn describe(spec: &LoadSpec, seeds: &[u64]) -> String {
     let timed = matches!(&spec.workload, Workload::Trace(t) if t.is_timed());
     let arrival = match spec.rate {
         _ if timed => format!(
@@ -330,9 +331,17 @@ fn describe(spec: &LoadSpec) -> String {
     } else {
         arrival
     };
+    let seeds = match seeds {
+        [] => format!("seed {}", spec.seed),
+        [one] => format!("seed {one}"),
+        many => {
+            let list: Vec<String> = many.iter().map(u64::to_string).collect();
+            format!("seeds {}", list.join(", "))
+        }
+    };
     format!(
-        "workload {:?}\n{arrival}, seed {}, warm-up {:?}, window {:?}\n",
-        spec.workload, spec.seed, spec.warmup, spec.duration
+        "workload {:?}\n{arrival}, {seeds}, warm-up {:?}, window {:?}\n",
+        spec.workload, spec.warmup, spec.duration
     )
 }
 
@@ -345,7 +354,7 @@ pub async fn run(cmd: BenchCommand) -> Result<(), BenchError> {
             load,
         } => {
             let spec = load.spec(url.clone())?;
-            print!("{}", describe(&spec));
+            print!("{}", describe(&spec, &[]));
             let (run, _) =
                 super::run_once(&url, &spec, &worker_metrics, load.slo(), load.time_scale).await?;
             let runs = vec![run];
@@ -380,7 +389,7 @@ pub async fn run(cmd: BenchCommand) -> Result<(), BenchError> {
             }
             policies.extend(external);
             let mut spec = load.spec(String::new())?;
-            print!("{}", describe(&spec));
+            print!("{}", describe(&spec, &seeds));
             let target = if pool.is_empty() {
                 let sim = SimConfig {
                     workers,
@@ -489,7 +498,7 @@ pub async fn run(cmd: BenchCommand) -> Result<(), BenchError> {
             load,
         } => {
             let spec = load.spec(url)?;
-            print!("{}", describe(&spec));
+            print!("{}", describe(&spec, &[]));
             let runs = super::sweep(
                 &spec,
                 &points,
@@ -507,5 +516,33 @@ pub async fn run(cmd: BenchCommand) -> Result<(), BenchError> {
                 .collect();
             load.write(&runs, || report::sweep_svg(&pts)).map_err(io)
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+
+    #[derive(Parser)]
+    struct Load {
+        #[command(flatten)]
+        load: LoadArgs,
+    }
+
+    fn spec(args: &[&str]) -> LoadSpec {
+        let args = std::iter::once("load").chain(args.iter().copied());
+        Load::parse_from(args).load.spec(String::new()).unwrap()
+    }
+
+    #[test]
+    fn the_header_names_the_seeds_that_compare_runs_not_the_unused_seed_flag() {
+        let s = spec(&["--seed", "7"]);
+        assert!(describe(&s, &[]).contains(", seed 7, "));
+        assert!(describe(&s, &[2]).contains(", seed 2, "));
+        let many = describe(&s, &[1, 2, 3]);
+        assert!(many.contains(", seeds 1, 2, 3, "), "{many}");
+        assert!(!many.contains("seed 7"), "{many}");
     }
 }
