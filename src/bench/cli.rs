@@ -537,7 +537,7 @@ mod tests {
     }
 
     #[test]
-    fn the_header_names_the_seeds_that_compare_runs_not_the_unused_seed_flag() {
+    fn the_header_names_the_seeds_given_rather_than_the_seed_flag() {
         let s = spec(&["--seed", "7"]);
         assert!(describe(&s, &[]).contains(", seed 7, "));
         assert!(describe(&s, &[2]).contains(", seed 2, "));
