@@ -162,6 +162,62 @@ async fn cancelling_clients_are_counted_and_do_not_count_as_errors() {
     assert!(w.generation_tokens < sent * 40.0, "{w:?}");
 }
 
+/// The workers' KV cache usage and queue are sampled through the window, worker by worker: a
+/// pool whose caches cannot hold the requests in flight shows them full with requests waiting
+/// for blocks, and one with room shows them nearly empty and nothing waiting.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_workers_kv_usage_and_queue_are_sampled_through_the_window() {
+    // Four requests in flight per worker, each 200 prompt tokens and up to 60 more (13 to 17
+    // blocks): 40 blocks hold two or three of them, 2,048 hold them all at 3% or so.
+    let run_on = |blocks: usize| async move {
+        let sim = SimConfig {
+            workers: 2,
+            engine: Some(EngineParams {
+                max_model_len: 512,
+                ..small_engine(blocks)
+            }),
+            time_scale: 4.0,
+            ..SimConfig::default()
+        };
+        let pool = bench::start_pool(&sim, "round_robin").await.unwrap();
+        let load = LoadSpec {
+            url: pool.gateway.clone(),
+            ..spec(Workload::Random {
+                input_tokens: 200,
+                output_tokens: 60,
+            })
+        };
+        let (run, _) = bench::run_once("g", &load, &pool.workers, (1e9, 1e9), 4.0)
+            .await
+            .unwrap();
+        assert_eq!(run.summary.errors, 0);
+        run
+    };
+    let tight = run_on(40).await;
+    let table = bench::report::table(std::slice::from_ref(&tight));
+    assert_eq!(tight.per_worker.len(), 2, "{table}");
+    for w in &tight.per_worker {
+        // A sample every 250 ms over a 2 s window.
+        assert!((4..=10).contains(&w.gauges.samples), "{table}");
+        assert!(w.gauges.kv_usage_peak >= 0.6, "{table}");
+        assert!(w.gauges.waiting_peak >= 1.0, "{table}");
+        let mean = w.gauges.kv_usage_mean().unwrap();
+        assert!(mean > 0.3 && mean <= w.gauges.kv_usage_peak, "{table}");
+    }
+    assert!(table.contains("KV usage mean / peak per worker"), "{table}");
+    let roomy = run_on(2048).await;
+    let table = bench::report::table(std::slice::from_ref(&roomy));
+    for w in &roomy.per_worker {
+        assert!(w.gauges.samples >= 4, "{table}");
+        assert!(
+            w.gauges.kv_usage_peak > 0.0 && w.gauges.kv_usage_peak < 0.1,
+            "{table}"
+        );
+        assert_eq!(w.gauges.waiting_peak, 0.0, "{table}");
+    }
+    assert!(roomy.kv_usage_peak().unwrap() < tight.kv_usage_peak().unwrap());
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn compare_takes_config_files_and_sweep_finds_throughput_rising_with_concurrency() {
     let sim = SimConfig {

@@ -97,7 +97,27 @@ pub async fn run_once_on_engines(
             snapshot(urls, target).await
         })
     };
-    let mut samples = loadgen::run(spec).await?;
+    // The workers' load gauges through the window, once a second of modelled time.
+    let stop = CancellationToken::new();
+    let gauges = {
+        let (urls, stop) = (worker_metrics.to_vec(), stop.clone());
+        let (warmup, window) = (spec.warmup, spec.duration);
+        let every =
+            Duration::from_secs_f64(1.0 / time_scale.max(1e-3)).max(Duration::from_millis(20));
+        tokio::spawn(async move {
+            tokio::time::sleep(warmup).await;
+            let until = stop.clone();
+            tokio::spawn(async move {
+                tokio::time::sleep(window).await;
+                until.cancel();
+            });
+            workers::watch_gauges(urls, engines, every, stop).await
+        })
+    };
+    let samples = loadgen::run(spec).await;
+    stop.cancel();
+    let gauges = gauges.await.unwrap_or_default();
+    let mut samples = samples?;
     for s in &mut samples {
         s.scale(time_scale);
     }
@@ -110,6 +130,7 @@ pub async fn run_once_on_engines(
         .map(|(i, (worker, after))| WorkerReport {
             worker,
             counters: after.since(&workers_before.get(i).cloned().unwrap_or_default()),
+            gauges: gauges.get(i).cloned().unwrap_or_default(),
         })
         .collect();
     let each: Vec<_> = per_worker.iter().map(|w| w.counters.clone()).collect();

@@ -5,7 +5,7 @@ use std::fmt::Write;
 use serde::Serialize;
 
 use super::stats::{median, Summary};
-use super::workers::WorkerCounters;
+use super::workers::{WorkerCounters, WorkerGauges};
 
 /// One labelled run: a policy in a comparison, a concurrency in a sweep, or a single run.
 #[derive(Clone, Debug, Serialize)]
@@ -52,6 +52,19 @@ pub struct CachedTokens {
 pub struct WorkerReport {
     pub worker: String,
     pub counters: WorkerCounters,
+    /// Its KV cache usage and queue, sampled through the window.
+    pub gauges: WorkerGauges,
+}
+
+impl Run {
+    /// The highest KV cache usage any worker showed in the window, `None` without samples.
+    pub fn kv_usage_peak(&self) -> Option<f64> {
+        self.per_worker
+            .iter()
+            .filter(|w| w.gauges.samples > 0)
+            .map(|w| w.gauges.kv_usage_peak)
+            .reduce(f64::max)
+    }
 }
 
 /// A token count in k / M.
@@ -148,6 +161,39 @@ pub fn table(runs: &[Run]) -> String {
             .collect::<Vec<_>>()
             .join(" / ")
     });
+    // Sampled gauges: a tail from one worker that ran out of KV cache (100%, requests waiting
+    // for blocks) reads differently from one of a long queue with room to spare.
+    let sampled = |r: &Run| r.per_worker.iter().any(|w| w.gauges.samples > 0);
+    if runs.iter().any(sampled) {
+        row("KV usage mean / peak per worker", &|r| {
+            if !sampled(r) {
+                return "-".into();
+            }
+            r.per_worker
+                .iter()
+                .map(|w| match w.gauges.kv_usage_mean() {
+                    Some(mean) => {
+                        format!("{:.0}/{:.0}%", mean * 100.0, w.gauges.kv_usage_peak * 100.0)
+                    }
+                    None => "-".into(),
+                })
+                .collect::<Vec<_>>()
+                .join(" · ")
+        });
+        row("requests waiting, peak per worker", &|r| {
+            if !sampled(r) {
+                return "-".into();
+            }
+            r.per_worker
+                .iter()
+                .map(|w| match w.gauges.samples {
+                    0 => "-".into(),
+                    _ => format!("{:.0}", w.gauges.waiting_peak),
+                })
+                .collect::<Vec<_>>()
+                .join(" / ")
+        });
+    }
     row("routing outcomes", &|r| {
         let total: f64 = r.routing.values().sum();
         if total <= 0.0 {
@@ -268,6 +314,11 @@ pub fn across_seeds(runs: &[Vec<Run>]) -> String {
                 .map(|a| a.agreed as f64 / a.cached as f64)
         },
         &|v| format!("{:.1}%", v * 100.0),
+    );
+    row(
+        "KV usage peak (fullest worker)",
+        &Run::kv_usage_peak,
+        &|v| format!("{:.0}%", v * 100.0),
     );
     let rps = |r: &Run| Some(r.summary.req_per_s);
     let tail = |r: &Run| Some(r.summary.ttft.p95);
@@ -575,6 +626,7 @@ mod tests {
                 ttft_count,
                 ..Default::default()
             },
+            gauges: WorkerGauges::default(),
         };
         r.per_worker = vec![worker(3.0, 25.0), worker(0.0, 0.0)];
         let t = table(&[r]);
@@ -583,6 +635,51 @@ mod tests {
             .find(|l| l.contains("TTFT mean per worker"))
             .unwrap();
         assert!(row.contains("120 / -"), "{row}");
+    }
+
+    #[test]
+    fn sampled_gauges_show_per_worker_and_the_fullest_worker_across_seeds() {
+        let with = |label: &str, peaks: &[(u32, f64, f64)]| {
+            let mut r = run(label, 1.0, 0.1);
+            r.per_worker = peaks
+                .iter()
+                .map(|&(samples, peak, waiting)| WorkerReport {
+                    worker: "w".into(),
+                    counters: WorkerCounters::default(),
+                    gauges: WorkerGauges {
+                        samples,
+                        kv_usage_sum: f64::from(samples) * peak / 2.0,
+                        kv_usage_peak: peak,
+                        waiting_peak: waiting,
+                    },
+                })
+                .collect();
+            r
+        };
+        // Without samples (workers not read) the rows stay out of the table.
+        assert!(!table(&[with("least_conn", &[(0, 0.0, 0.0)])]).contains("KV usage"));
+        let t = table(&[
+            with("least_conn", &[(0, 0.0, 0.0)]),
+            with(
+                "cache_aware",
+                &[(10, 0.5, 0.0), (10, 1.0, 12.0), (0, 0.0, 0.0)],
+            ),
+        ]);
+        let find = |name: &str| t.lines().find(|l| l.contains(name)).unwrap();
+        let kv = find("KV usage mean / peak");
+        assert!(kv.contains("25/50% · 50/100% · -"), "{t}");
+        assert!(find("waiting, peak").contains("0 / 12 / -"), "{t}");
+        // The unsampled arm's cell is a dash, not a row of zeros.
+        assert_eq!(kv.split('|').nth(2).map(str::trim), Some("-"), "{t}");
+        // Across seeds, the fullest worker of each run.
+        let seeds = vec![
+            vec![with("cache_aware", &[(10, 0.5, 0.0), (10, 0.6, 0.0)])],
+            vec![with("cache_aware", &[(10, 1.0, 9.0), (10, 0.4, 0.0)])],
+            vec![with("cache_aware", &[(10, 0.7, 0.0), (0, 0.0, 0.0)])],
+        ];
+        let t = across_seeds(&seeds);
+        let peak = t.lines().find(|l| l.contains("fullest worker")).unwrap();
+        assert!(peak.contains("70% [60%, 100%, 70%]"), "{t}");
     }
 
     #[test]

@@ -112,19 +112,28 @@ impl WorkerCounters {
 
 /// `GET {base}/metrics` as text; `None` (with a warning) when unreachable.
 async fn metrics_text(client: &HttpClient, base: &str) -> Option<String> {
-    let uri = format!("{}/metrics", base.trim_end_matches('/'))
-        .parse::<http::Uri>()
-        .ok()?;
-    match client.get(uri).await {
-        Ok(resp) => {
-            let b = resp.into_body().collect().await.ok()?;
-            Some(String::from_utf8_lossy(&b.to_bytes()).into_owned())
-        }
+    match metrics_body(client, base).await {
+        Ok(text) => text,
         Err(e) => {
             tracing::warn!(target_url = %base, "cannot scrape metrics: {e}");
             None
         }
     }
+}
+
+/// [`metrics_text`] without the warning, for a sampler that would repeat it every tick.
+async fn metrics_body(
+    client: &HttpClient,
+    base: &str,
+) -> Result<Option<String>, hyper_util::client::legacy::Error> {
+    let Ok(uri) = format!("{}/metrics", base.trim_end_matches('/')).parse::<http::Uri>() else {
+        return Ok(None);
+    };
+    let resp = client.get(uri).await?;
+    Ok(match resp.into_body().collect().await {
+        Ok(b) => Some(String::from_utf8_lossy(&b.to_bytes()).into_owned()),
+        Err(_) => None,
+    })
 }
 
 /// Reads every worker's `/metrics` (base URLs), one entry per worker (zero when unreachable);
@@ -147,6 +156,74 @@ pub async fn scrape_each(workers: &[String], engines: Option<u32>) -> Vec<Worker
         }
     }
     out
+}
+
+/// A worker's load gauges sampled through a run's window: how full its KV cache and its queue got.
+/// A tail that comes from one worker reads here as whether that worker ran out of KV cache
+/// (usage at 100%, requests waiting for blocks) or only had a long queue with room to spare.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct WorkerGauges {
+    /// Samples taken; 0 when the worker's metrics were not read during the window.
+    pub samples: u32,
+    /// `vllm:kv_cache_usage_perc` (`gpu_cache_usage_perc` before vLLM 0.10), in [0, 1]: the
+    /// sum over the samples and the highest.
+    pub kv_usage_sum: f64,
+    pub kv_usage_peak: f64,
+    /// The most requests `vllm:num_requests_waiting` showed at once.
+    pub waiting_peak: f64,
+}
+
+impl WorkerGauges {
+    fn add(&mut self, p: &crate::load::Polled) {
+        self.samples += 1;
+        self.kv_usage_sum += p.kv_usage;
+        self.kv_usage_peak = self.kv_usage_peak.max(p.kv_usage);
+        self.waiting_peak = self.waiting_peak.max(p.waiting);
+    }
+
+    /// The mean KV cache usage over the samples, `None` without any.
+    pub fn kv_usage_mean(&self) -> Option<f64> {
+        (self.samples > 0).then(|| self.kv_usage_sum / f64::from(self.samples))
+    }
+}
+
+/// Samples every worker's load gauges every `every` until `stop` is cancelled, one entry per
+/// worker (per data-parallel engine with `engines`, as [`scrape_each`]). A worker that does not
+/// answer in time is skipped for that sample: a sample late by a slow scrape is still a sample.
+pub async fn watch_gauges(
+    workers: Vec<String>,
+    engines: Option<u32>,
+    every: Duration,
+    stop: tokio_util::sync::CancellationToken,
+) -> Vec<WorkerGauges> {
+    let client = client();
+    let ranks: Vec<Option<u32>> = match engines {
+        Some(n) => (0..n).map(Some).collect(),
+        None => vec![None],
+    };
+    let mut out = vec![WorkerGauges::default(); workers.len() * ranks.len()];
+    let mut tick = tokio::time::interval(every);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = stop.cancelled() => return out,
+            _ = tick.tick() => {}
+        }
+        let texts = futures_util::future::join_all(workers.iter().map(|w| {
+            let client = &client;
+            let wait = every.max(Duration::from_millis(200));
+            async move { tokio::time::timeout(wait, metrics_body(client, w)).await }
+        }))
+        .await;
+        for (i, text) in texts.into_iter().enumerate() {
+            let Ok(Ok(Some(text))) = text else { continue };
+            for (r, &rank) in ranks.iter().enumerate() {
+                if let Some(p) = crate::load::parse_vllm_metrics(&text, rank) {
+                    out[i * ranks.len() + r].add(&p);
+                }
+            }
+        }
+    }
 }
 
 /// The names [`scrape_each`]'s entries are reported under: each worker's URL, with `/dp<rank>`
