@@ -90,6 +90,12 @@ pub struct MetricSet {
     /// `worker`: its time per prefill token over the pool's median, as `price_by_speed` prices it
     /// ([`crate::load::StepClock::slowness`]).
     pub worker_slowness: GaugeVec,
+    /// `worker`: uncached prompt tokens this gateway sent it that it has not started answering
+    /// (set at scrape time): its prefill backlog as this replica made it.
+    pub pending_prefill: GaugeVec,
+    /// `worker`: of those, what its step clock counts as prefilled by the step under way (set at
+    /// scrape time), which `cache_aware` with `step_prefill` takes off the backlog it prices.
+    pub step_prefill_done: GaugeVec,
     /// `worker`: KV event batches applied (live and replayed).
     pub kv_event_batches: IntCounterVec,
     /// `worker`, `result` (replayed, dropped): sequence gaps in a worker's KV events.
@@ -340,6 +346,16 @@ impl Metrics {
                 "A worker's fitted time per prefill token over the median of the pool's fitted workers (a GPU three times as fast as the median shows 0.33); 1 while it has no fit over a full window of steps, or within 1.25x of the median. Beside other replicas' requests (more than a quarter of the pool's), the fit is of its steps against the prefill its own counters show (vllm:prompt_tokens_by_source_total{source=\"local_compute\"}, or vllm:prompt_tokens_total less vllm:prefix_cache_hits_total). cache_aware prices each worker in its own time by it (price_by_speed).",
                 &["worker"],
             ),
+            pending_prefill: float_gauge(
+                "kvroute_worker_pending_prefill_tokens",
+                "Prompt tokens, less those predicted cached, of this gateway's requests to a worker that have not had their first token: the worker's prefill backlog as this replica sent it. Counted for requests routed by cache_aware (the policy that prices it); 0 under other policies.",
+                &["worker"],
+            ),
+            step_prefill_done: float_gauge(
+                "kvroute_worker_step_prefill_done_tokens",
+                "Of kvroute_worker_pending_prefill_tokens, what the worker's step clock counts as prefilled by the step under way (its fitted time per prefill token since the step's base time): the part cache_aware with step_prefill takes off the backlog it prices. 0 while the step is not fitted.",
+                &["worker"],
+            ),
             kv_event_batches: counter(
                 "kvroute_kv_event_batches_total",
                 "KV cache event batches applied from a worker's publisher (live and replayed).",
@@ -449,6 +465,8 @@ impl Metrics {
         forget(&self.kv_event_gaps, &by_worker);
         forget(&self.step_seconds, &by_worker);
         self.worker_slowness.remove_label_values(&[name]).ok();
+        self.pending_prefill.remove_label_values(&[name]).ok();
+        self.step_prefill_done.remove_label_values(&[name]).ok();
         self.worker_inflight.remove_label_values(&[name]).ok();
         self.worker_healthy.remove_label_values(&[name]).ok();
         self.kv_event_batches.remove_label_values(&[name]).ok();
@@ -518,6 +536,17 @@ impl Metrics {
                 }
             }
         }
+    }
+
+    /// Publishes a worker's prefill backlog as this gateway sent it, and what the step under way
+    /// is counted to have done of it (called at scrape time).
+    pub fn publish_prefill(&self, worker: &str, pending: u64, done: f64) {
+        self.pending_prefill
+            .with_label_values(&[worker])
+            .set(pending as f64);
+        self.step_prefill_done
+            .with_label_values(&[worker])
+            .set(done);
     }
 
     /// Publishes a prefix index's figures (called at scrape time).

@@ -547,6 +547,9 @@ pub async fn metrics(State(s): State<AppState>) -> Response {
             metrics.publish_feed(&w.name, feed);
         }
         metrics.publish_steps(&w.name, w.steps.fit(), w.steps.slowness());
+        let pending = w.load.pending_prefill();
+        let done = w.steps.prefill_done(crate::load::now_us(), pending);
+        metrics.publish_prefill(&w.name, pending, done);
     }
     (
         [(

@@ -164,12 +164,13 @@ async fn cancelling_clients_are_counted_and_do_not_count_as_errors() {
 
 /// The workers' KV cache usage and queue are sampled through the window, worker by worker: a
 /// pool whose caches cannot hold the requests in flight shows them full with requests waiting
-/// for blocks, and one with room shows them nearly empty and nothing waiting.
+/// for blocks, and one with room shows them nearly empty and nothing waiting. A kvroute
+/// target's view of each worker's prefill backlog is read beside them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn each_workers_kv_usage_and_queue_are_sampled_through_the_window() {
     // Four requests in flight per worker, each 200 prompt tokens and up to 60 more (13 to 17
     // blocks): 40 blocks hold two or three of them, 2,048 hold them all at 3% or so.
-    let run_on = |blocks: usize| async move {
+    let run_on = |blocks: usize, policy: &'static str| async move {
         let sim = SimConfig {
             workers: 2,
             engine: Some(EngineParams {
@@ -179,7 +180,7 @@ async fn each_workers_kv_usage_and_queue_are_sampled_through_the_window() {
             time_scale: 4.0,
             ..SimConfig::default()
         };
-        let pool = bench::start_pool(&sim, "round_robin").await.unwrap();
+        let pool = bench::start_pool(&sim, policy).await.unwrap();
         let load = LoadSpec {
             url: pool.gateway.clone(),
             ..spec(Workload::Random {
@@ -193,7 +194,7 @@ async fn each_workers_kv_usage_and_queue_are_sampled_through_the_window() {
         assert_eq!(run.summary.errors, 0);
         run
     };
-    let tight = run_on(40).await;
+    let tight = run_on(40, "round_robin").await;
     let table = bench::report::table(std::slice::from_ref(&tight));
     assert_eq!(tight.per_worker.len(), 2, "{table}");
     for w in &tight.per_worker {
@@ -205,7 +206,7 @@ async fn each_workers_kv_usage_and_queue_are_sampled_through_the_window() {
         assert!(mean > 0.3 && mean <= w.gauges.kv_usage_peak, "{table}");
     }
     assert!(table.contains("KV usage mean / peak per worker"), "{table}");
-    let roomy = run_on(2048).await;
+    let roomy = run_on(2048, "cache_aware").await;
     let table = bench::report::table(std::slice::from_ref(&roomy));
     for w in &roomy.per_worker {
         assert!(w.gauges.samples >= 4, "{table}");
@@ -214,7 +215,14 @@ async fn each_workers_kv_usage_and_queue_are_sampled_through_the_window() {
             "{table}"
         );
         assert_eq!(w.gauges.waiting_peak, 0.0, "{table}");
+        // The gateway's view of the worker was read beside the worker's own.
+        assert!(w.gauges.gateway_samples >= 4, "{table}");
     }
+    // Round-robin prices no prefill, so it shows no backlog.
+    assert!(tight
+        .per_worker
+        .iter()
+        .all(|w| w.gauges.pending_prefill_mean().is_none()));
     assert!(roomy.kv_usage_peak().unwrap() < tight.kv_usage_peak().unwrap());
 }
 

@@ -311,6 +311,39 @@ async fn load_signals_are_polled_from_the_workers_metrics() {
     task.await.unwrap().unwrap();
 }
 
+/// The prefill backlog the gateway prices is exported per worker: a request the worker has not
+/// started answering counts its prompt there until its first token, then nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_workers_pending_prefill_is_exported_until_its_first_token() {
+    // The worker looks at each request 1.5 s after it arrives: until then it is all prefill.
+    let pool = sim_of(SimConfig {
+        workers: 1,
+        faults: sim::Faults {
+            added_latency_ms: 1500,
+            ..Default::default()
+        },
+        ..SimConfig::default()
+    })
+    .await;
+    let gw = gateway(config(&pool)).await;
+    let name = pool.urls[0].trim_start_matches("http://");
+    let pending = format!("kvroute_worker_pending_prefill_tokens{{worker=\"{name}\"}}");
+    let done = format!("kvroute_worker_step_prefill_done_tokens{{worker=\"{name}\"}}");
+    let text = metrics_text(gw.addr).await;
+    assert_eq!(metric(&text, &pending), Some(0.0), "{text}");
+    // 2,000 bytes: 500 tokens at the 4 bytes a token the gateway starts from.
+    let body = json!({"prompt": "abcd".repeat(500), "max_tokens": 4, "stream": true}).to_string();
+    let mut s = common::send(gw.addr, "POST", "/v1/completions", body.as_bytes()).await;
+    let seen = common::wait_metric(gw.addr, &pending, 500.0, Duration::from_secs(1)).await;
+    assert_eq!(seen, Some(500.0));
+    // No step fitted on one request: nothing of it is counted done by a step.
+    assert_eq!(metric(&metrics_text(gw.addr).await, &done), Some(0.0));
+    let answer = common::read_until(&mut s, b"[DONE]", Duration::from_secs(10)).await;
+    assert!(String::from_utf8_lossy(&answer).contains("[DONE]"));
+    let after = common::wait_metric(gw.addr, &pending, 0.0, Duration::from_secs(5)).await;
+    assert_eq!(after, Some(0.0));
+}
+
 /// `/debug/route` says where a request would go and why, and changes nothing: asking about a
 /// new conversation many times neither records it in the index nor moves where it would go, and
 /// the request itself then goes where the answer said. A rotating policy says it cannot tell.

@@ -101,6 +101,7 @@ pub async fn run_once_on_engines(
     let stop = CancellationToken::new();
     let gauges = {
         let (urls, stop) = (worker_metrics.to_vec(), stop.clone());
+        let gateways: Vec<String> = spec.url.split(',').map(str::to_string).collect();
         let (warmup, window) = (spec.warmup, spec.duration);
         let every =
             Duration::from_secs_f64(1.0 / time_scale.max(1e-3)).max(Duration::from_millis(20));
@@ -111,7 +112,7 @@ pub async fn run_once_on_engines(
                 tokio::time::sleep(window).await;
                 until.cancel();
             });
-            workers::watch_gauges(urls, engines, every, stop).await
+            workers::watch_gauges(urls, engines, gateways, every, stop).await
         })
     };
     let samples = loadgen::run(spec).await;

@@ -194,6 +194,34 @@ pub fn table(runs: &[Run]) -> String {
                 .join(" / ")
         });
     }
+    // The gateway's own view of each worker's prefill backlog (a kvroute target whose policy
+    // prices it): what it believed queued there, and how much of that the step clock took as
+    // done by the step under way.
+    let backlog = |r: &Run| {
+        r.per_worker
+            .iter()
+            .any(|w| w.gauges.pending_prefill_mean().is_some())
+    };
+    if runs.iter().any(backlog) {
+        row("pending prefill mean / peak (step-done), gateway", &|r| {
+            if !backlog(r) {
+                return "-".into();
+            }
+            r.per_worker
+                .iter()
+                .map(|w| match w.gauges.pending_prefill_mean() {
+                    Some((mean, done)) => format!(
+                        "{}/{} ({})",
+                        si(mean),
+                        si(w.gauges.pending_prefill_peak),
+                        si(done)
+                    ),
+                    None => "-".into(),
+                })
+                .collect::<Vec<_>>()
+                .join(" · ")
+        });
+    }
     row("routing outcomes", &|r| {
         let total: f64 = r.routing.values().sum();
         if total <= 0.0 {
@@ -651,6 +679,7 @@ mod tests {
                         kv_usage_sum: f64::from(samples) * peak / 2.0,
                         kv_usage_peak: peak,
                         waiting_peak: waiting,
+                        ..WorkerGauges::default()
                     },
                 })
                 .collect();
@@ -680,6 +709,21 @@ mod tests {
         let t = across_seeds(&seeds);
         let peak = t.lines().find(|l| l.contains("fullest worker")).unwrap();
         assert!(peak.contains("70% [60%, 100%, 70%]"), "{t}");
+        // A kvroute target's backlog: mean / peak (mean counted done by the step), per worker,
+        // only where some worker had any.
+        assert!(!table(&[with("cache_aware", &[(10, 0.5, 0.0)])]).contains("pending prefill"));
+        let mut r = with("cache_aware", &[(10, 0.5, 0.0), (10, 0.5, 0.0)]);
+        r.per_worker[0].gauges = WorkerGauges {
+            gateway_samples: 4,
+            pending_prefill_sum: 4.0 * 1500.0,
+            pending_prefill_peak: 12_400.0,
+            step_done_sum: 4.0 * 300.0,
+            ..r.per_worker[0].gauges.clone()
+        };
+        r.per_worker[1].gauges.gateway_samples = 4;
+        let t = table(&[r]);
+        let row = t.lines().find(|l| l.contains("pending prefill")).unwrap();
+        assert!(row.contains("1.5k/12.4k (300) · -"), "{t}");
     }
 
     #[test]

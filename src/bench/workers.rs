@@ -171,6 +171,15 @@ pub struct WorkerGauges {
     pub kv_usage_peak: f64,
     /// The most requests `vllm:num_requests_waiting` showed at once.
     pub waiting_peak: f64,
+    /// Samples of a kvroute target's view of the worker (its replicas summed), 0 for another
+    /// target or policy that does not price prefill.
+    pub gateway_samples: u32,
+    /// `kvroute_worker_pending_prefill_tokens`: the sum over those samples and the highest.
+    pub pending_prefill_sum: f64,
+    pub pending_prefill_peak: f64,
+    /// `kvroute_worker_step_prefill_done_tokens`, summed over the samples: what the step clock
+    /// counted done of that backlog.
+    pub step_done_sum: f64,
 }
 
 impl WorkerGauges {
@@ -185,14 +194,52 @@ impl WorkerGauges {
     pub fn kv_usage_mean(&self) -> Option<f64> {
         (self.samples > 0).then(|| self.kv_usage_sum / f64::from(self.samples))
     }
+
+    /// The gateway's mean pending prefill for the worker and the mean the step clock counted
+    /// done of it, in tokens; `None` without a sample with some backlog.
+    pub fn pending_prefill_mean(&self) -> Option<(f64, f64)> {
+        let n = f64::from(self.gateway_samples);
+        (self.gateway_samples > 0 && self.pending_prefill_peak > 0.0)
+            .then(|| (self.pending_prefill_sum / n, self.step_done_sum / n))
+    }
+}
+
+/// A kvroute target's per-worker prefill backlog in one exposition, by worker name:
+/// (`kvroute_worker_pending_prefill_tokens`, `kvroute_worker_step_prefill_done_tokens`).
+fn gateway_backlog(text: &str, out: &mut std::collections::HashMap<String, (f64, f64)>) {
+    const PENDING: &str = "kvroute_worker_pending_prefill_tokens{";
+    const DONE: &str = "kvroute_worker_step_prefill_done_tokens{";
+    for line in text.lines() {
+        let pending = line.starts_with(PENDING);
+        if !pending && !line.starts_with(DONE) {
+            continue;
+        }
+        let (Some(worker), Some(v)) = (
+            crate::load::label(line, "worker"),
+            line.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok()),
+        ) else {
+            continue;
+        };
+        let entry = out.entry(worker.to_string()).or_default();
+        if pending {
+            entry.0 += v;
+        } else {
+            entry.1 += v;
+        }
+    }
 }
 
 /// Samples every worker's load gauges every `every` until `stop` is cancelled, one entry per
 /// worker (per data-parallel engine with `engines`, as [`scrape_each`]). A worker that does not
 /// answer in time is skipped for that sample: a sample late by a slow scrape is still a sample.
+///
+/// With `gateways` (a kvroute target's base URLs), each sample also reads the target's view of
+/// each worker's prefill backlog, matched to the worker by its name, which the gateway gives
+/// as the worker URL's `host:port` unless configured otherwise (so not per engine).
 pub async fn watch_gauges(
     workers: Vec<String>,
     engines: Option<u32>,
+    gateways: Vec<String>,
     every: Duration,
     stop: tokio_util::sync::CancellationToken,
 ) -> Vec<WorkerGauges> {
@@ -202,6 +249,7 @@ pub async fn watch_gauges(
         None => vec![None],
     };
     let mut out = vec![WorkerGauges::default(); workers.len() * ranks.len()];
+    let wait = every.max(Duration::from_millis(200));
     let mut tick = tokio::time::interval(every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -211,7 +259,6 @@ pub async fn watch_gauges(
         }
         let texts = futures_util::future::join_all(workers.iter().map(|w| {
             let client = &client;
-            let wait = every.max(Duration::from_millis(200));
             async move { tokio::time::timeout(wait, metrics_body(client, w)).await }
         }))
         .await;
@@ -221,6 +268,28 @@ pub async fn watch_gauges(
                 if let Some(p) = crate::load::parse_vllm_metrics(&text, rank) {
                     out[i * ranks.len() + r].add(&p);
                 }
+            }
+        }
+        if gateways.is_empty() || engines.is_some() {
+            continue;
+        }
+        let mut backlog = std::collections::HashMap::new();
+        for g in &gateways {
+            let text = tokio::time::timeout(wait, metrics_body(&client, g)).await;
+            if let Ok(Ok(Some(text))) = text {
+                gateway_backlog(&text, &mut backlog);
+            }
+        }
+        for (w, g) in workers.iter().zip(out.iter_mut()) {
+            let name = w
+                .parse::<http::Uri>()
+                .ok()
+                .and_then(|u| u.authority().map(|a| a.to_string()));
+            if let Some((pending, done)) = name.and_then(|n| backlog.get(&n)) {
+                g.gateway_samples += 1;
+                g.pending_prefill_sum += pending;
+                g.pending_prefill_peak = g.pending_prefill_peak.max(*pending);
+                g.step_done_sum += done;
             }
         }
     }
@@ -401,6 +470,26 @@ mod tests {
             vllm:num_requests_running{engine=\"0\"} 0.0\n";
         assert_eq!(capacity_in(text), (400, 16));
         assert_eq!(capacity_in("vllm:num_requests_running 0\n"), (0, 0));
+    }
+
+    #[test]
+    fn a_gateways_backlog_is_read_by_worker_and_summed_over_replicas() {
+        let replica = |pending: f64, done: f64| {
+            format!(
+                "# HELP kvroute_worker_pending_prefill_tokens x\n\
+                 kvroute_worker_pending_prefill_tokens{{worker=\"127.0.0.1:9001\"}} {pending}\n\
+                 kvroute_worker_pending_prefill_tokens{{worker=\"127.0.0.1:9002\"}} 7\n\
+                 kvroute_worker_step_prefill_done_tokens{{worker=\"127.0.0.1:9001\"}} {done}\n\
+                 kvroute_worker_inflight{{worker=\"127.0.0.1:9001\"}} 99\n"
+            )
+        };
+        let mut out = std::collections::HashMap::new();
+        gateway_backlog(&replica(2048.0, 512.0), &mut out);
+        gateway_backlog(&replica(1000.0, 0.5), &mut out);
+        assert_eq!(out["127.0.0.1:9001"], (3048.0, 512.5));
+        // No step series for that worker: nothing counted done.
+        assert_eq!(out["127.0.0.1:9002"], (14.0, 0.0));
+        assert_eq!(out.len(), 2);
     }
 
     #[test]
