@@ -249,6 +249,9 @@ pub async fn watch_gauges(
         None => vec![None],
     };
     let mut out = vec![WorkerGauges::default(); workers.len() * ranks.len()];
+    if workers.is_empty() {
+        return out;
+    }
     let wait = every.max(Duration::from_millis(200));
     let mut tick = tokio::time::interval(every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
