@@ -82,6 +82,11 @@ fn ms(s: f64) -> String {
     format!("{:.0}", s * 1e3)
 }
 
+/// One cell of a per-worker row: `f` of each worker of the run, joined by `sep`.
+fn each_worker(r: &Run, sep: &str, f: &dyn Fn(&WorkerReport) -> String) -> String {
+    r.per_worker.iter().map(f).collect::<Vec<_>>().join(sep)
+}
+
 /// The most workload classes the table gives a TTFT each (the JSON has them all).
 const MAX_CLASSES_SHOWN: usize = 8;
 
@@ -137,29 +142,19 @@ pub fn table(runs: &[Run]) -> String {
             .map_or("-".into(), |w| format!("{:.1}%", w.hit_rate() * 100.0))
     });
     row("requests per worker", &|r| {
-        r.per_worker
-            .iter()
-            .map(|w| format!("{:.0}", w.counters.requests))
-            .collect::<Vec<_>>()
-            .join(" / ")
+        each_worker(r, " / ", &|w| format!("{:.0}", w.counters.requests))
     });
     row("hit rate per worker", &|r| {
-        r.per_worker
-            .iter()
-            .map(|w| format!("{:.0}%", w.counters.hit_rate() * 100.0))
-            .collect::<Vec<_>>()
-            .join(" / ")
+        each_worker(r, " / ", &|w| {
+            format!("{:.0}%", w.counters.hit_rate() * 100.0)
+        })
     });
     row("TTFT mean per worker (its metrics), ms", &|r| {
-        r.per_worker
-            .iter()
-            .map(|w| {
-                w.counters
-                    .mean_ttft()
-                    .map_or("-".into(), |t| format!("{:.0}", t * 1e3))
-            })
-            .collect::<Vec<_>>()
-            .join(" / ")
+        each_worker(r, " / ", &|w| {
+            w.counters
+                .mean_ttft()
+                .map_or("-".into(), |t| format!("{:.0}", t * 1e3))
+        })
     });
     // Sampled gauges: a tail from one worker that ran out of KV cache (100%, requests waiting
     // for blocks) reads differently from one of a long queue with room to spare.
@@ -169,29 +164,19 @@ pub fn table(runs: &[Run]) -> String {
             if !sampled(r) {
                 return "-".into();
             }
-            r.per_worker
-                .iter()
-                .map(|w| match w.gauges.kv_usage_mean() {
-                    Some(mean) => {
-                        format!("{:.0}/{:.0}%", mean * 100.0, w.gauges.kv_usage_peak * 100.0)
-                    }
-                    None => "-".into(),
-                })
-                .collect::<Vec<_>>()
-                .join(" · ")
+            each_worker(r, " · ", &|w| match w.gauges.kv_usage_mean() {
+                Some(mean) => format!("{:.0}/{:.0}%", mean * 100.0, w.gauges.kv_usage_peak * 100.0),
+                None => "-".into(),
+            })
         });
         row("requests waiting, peak per worker", &|r| {
             if !sampled(r) {
                 return "-".into();
             }
-            r.per_worker
-                .iter()
-                .map(|w| match w.gauges.samples {
-                    0 => "-".into(),
-                    _ => format!("{:.0}", w.gauges.waiting_peak),
-                })
-                .collect::<Vec<_>>()
-                .join(" / ")
+            each_worker(r, " / ", &|w| match w.gauges.samples {
+                0 => "-".into(),
+                _ => format!("{:.0}", w.gauges.waiting_peak),
+            })
         });
     }
     // The gateway's own view of each worker's prefill backlog (a kvroute target whose policy
@@ -207,19 +192,15 @@ pub fn table(runs: &[Run]) -> String {
             if !backlog(r) {
                 return "-".into();
             }
-            r.per_worker
-                .iter()
-                .map(|w| match w.gauges.pending_prefill_mean() {
-                    Some((mean, done)) => format!(
-                        "{}/{} ({})",
-                        si(mean),
-                        si(w.gauges.pending_prefill_peak),
-                        si(done)
-                    ),
-                    None => "-".into(),
-                })
-                .collect::<Vec<_>>()
-                .join(" · ")
+            each_worker(r, " · ", &|w| match w.gauges.pending_prefill_mean() {
+                Some((mean, done)) => format!(
+                    "{}/{} ({})",
+                    si(mean),
+                    si(w.gauges.pending_prefill_peak),
+                    si(done)
+                ),
+                None => "-".into(),
+            })
         });
     }
     row("routing outcomes", &|r| {
