@@ -106,13 +106,20 @@ pub async fn run_once_on_engines(
         let every =
             Duration::from_secs_f64(1.0 / time_scale.max(1e-3)).max(Duration::from_millis(20));
         tokio::spawn(async move {
-            tokio::time::sleep(warmup).await;
-            let until = stop.clone();
-            tokio::spawn(async move {
+            // A run over before its warm-up (a short `--requests` stream) samples nothing.
+            tokio::select! {
+                _ = stop.cancelled() => return Vec::new(),
+                _ = tokio::time::sleep(warmup) => {}
+            }
+            let window_over = stop.child_token();
+            let end = window_over.clone();
+            let timer = tokio::spawn(async move {
                 tokio::time::sleep(window).await;
-                until.cancel();
+                end.cancel();
             });
-            workers::watch_gauges(urls, engines, gateways, every, stop).await
+            let gauges = workers::watch_gauges(urls, engines, gateways, every, window_over).await;
+            timer.abort();
+            gauges
         })
     };
     let samples = loadgen::run(spec).await;

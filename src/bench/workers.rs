@@ -171,8 +171,8 @@ pub struct WorkerGauges {
     pub kv_usage_peak: f64,
     /// The most requests `vllm:num_requests_waiting` showed at once.
     pub waiting_peak: f64,
-    /// Samples of a kvroute target's view of the worker (its replicas summed), 0 for another
-    /// target or policy that does not price prefill.
+    /// Samples of a kvroute target's view of the worker (its replicas summed); 0 for a target
+    /// that is not kvroute. Under a policy that does not price prefill the backlog reads 0.
     pub gateway_samples: u32,
     /// `kvroute_worker_pending_prefill_tokens`: the sum over those samples and the highest.
     pub pending_prefill_sum: f64,
