@@ -111,15 +111,7 @@ pub async fn run_once_on_engines(
                 _ = stop.cancelled() => return Vec::new(),
                 _ = tokio::time::sleep(warmup) => {}
             }
-            let window_over = stop.child_token();
-            let end = window_over.clone();
-            let timer = tokio::spawn(async move {
-                tokio::time::sleep(window).await;
-                end.cancel();
-            });
-            let gauges = workers::watch_gauges(urls, engines, gateways, every, window_over).await;
-            timer.abort();
-            gauges
+            workers::watch_gauges(urls, engines, gateways, every, window, stop).await
         })
     };
     let samples = loadgen::run(spec).await;

@@ -136,14 +136,19 @@ async fn metrics_body(
     })
 }
 
+/// The engines each worker's series are read for: every rank of `engines`, or the whole server.
+fn ranks(engines: Option<u32>) -> Vec<Option<u32>> {
+    match engines {
+        Some(n) => (0..n).map(Some).collect(),
+        None => vec![None],
+    }
+}
+
 /// Reads every worker's `/metrics` (base URLs), one entry per worker (zero when unreachable);
 /// with `engines`, one entry per data-parallel engine of each, in worker then rank order.
 pub async fn scrape_each(workers: &[String], engines: Option<u32>) -> Vec<WorkerCounters> {
     let client = client();
-    let ranks: Vec<Option<u32>> = match engines {
-        Some(n) => (0..n).map(Some).collect(),
-        None => vec![None],
-    };
+    let ranks = ranks(engines);
     let mut out = Vec::with_capacity(workers.len() * ranks.len());
     for w in workers {
         let text = metrics_text(&client, w).await;
@@ -229,9 +234,10 @@ fn gateway_backlog(text: &str, out: &mut std::collections::HashMap<String, (f64,
     }
 }
 
-/// Samples every worker's load gauges every `every` until `stop` is cancelled, one entry per
-/// worker (per data-parallel engine with `engines`, as [`scrape_each`]). A worker that does not
-/// answer in time is skipped for that sample: a sample late by a slow scrape is still a sample.
+/// Samples every worker's load gauges every `every` for `window` or until `stop` is cancelled,
+/// one entry per worker (per data-parallel engine with `engines`, as [`scrape_each`]). A worker
+/// that does not answer in time is skipped for that sample: a sample late by a slow scrape is
+/// still a sample.
 ///
 /// With `gateways` (a kvroute target's base URLs), each sample also reads the target's view of
 /// each worker's prefill backlog, matched to the worker by its name, which the gateway gives
@@ -241,13 +247,11 @@ pub async fn watch_gauges(
     engines: Option<u32>,
     gateways: Vec<String>,
     every: Duration,
+    window: Duration,
     stop: tokio_util::sync::CancellationToken,
 ) -> Vec<WorkerGauges> {
     let client = client();
-    let ranks: Vec<Option<u32>> = match engines {
-        Some(n) => (0..n).map(Some).collect(),
-        None => vec![None],
-    };
+    let ranks = ranks(engines);
     let mut out = vec![WorkerGauges::default(); workers.len() * ranks.len()];
     if workers.is_empty() {
         return out;
@@ -255,9 +259,12 @@ pub async fn watch_gauges(
     let wait = every.max(Duration::from_millis(200));
     let mut tick = tokio::time::interval(every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let over = tokio::time::sleep(window);
+    tokio::pin!(over);
     loop {
         tokio::select! {
             _ = stop.cancelled() => return out,
+            _ = &mut over => return out,
             _ = tick.tick() => {}
         }
         let texts = futures_util::future::join_all(workers.iter().map(|w| {
