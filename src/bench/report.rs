@@ -203,6 +203,25 @@ pub fn table(runs: &[Run]) -> String {
             })
         });
     }
+    // The step clock behind `step_prefill`: its fitted time per prefill token, typical and
+    // lowest; a lowest far under the typical is a fit that strayed and counted prefill done too
+    // soon.
+    let fitted = |r: &Run| {
+        r.per_worker
+            .iter()
+            .any(|w| w.gauges.step_per_token_spread().is_some())
+    };
+    if runs.iter().any(fitted) {
+        row("fitted us / prefill token median (min), gateway", &|r| {
+            if !fitted(r) {
+                return "-".into();
+            }
+            each_worker(r, " · ", &|w| match w.gauges.step_per_token_spread() {
+                Some((median, low)) => format!("{median:.0} ({low:.0})"),
+                None => "-".into(),
+            })
+        });
+    }
     row("routing outcomes", &|r| {
         let total: f64 = r.routing.values().sum();
         if total <= 0.0 {
@@ -647,8 +666,8 @@ mod tests {
     }
 
     #[test]
-    fn sampled_gauges_and_the_gateways_backlog_show_per_worker_and_the_fullest_worker_across_seeds()
-    {
+    fn sampled_gauges_and_the_gateways_backlog_and_step_fit_show_per_worker_and_the_fullest_worker_across_seeds(
+    ) {
         let with = |label: &str, peaks: &[(u32, f64, f64)]| {
             let mut r = run(label, 1.0, 0.1);
             r.per_worker = peaks
@@ -693,19 +712,23 @@ mod tests {
         assert!(peak.contains("70% [60%, 100%, 70%]"), "{t}");
         // A kvroute target's backlog: mean / peak (mean counted done by the step), per worker,
         // only where some worker had any.
-        assert!(!table(&[with("cache_aware", &[(10, 0.5, 0.0)])]).contains("pending prefill"));
+        let unsampled = table(&[with("cache_aware", &[(10, 0.5, 0.0)])]);
+        assert!(!unsampled.contains("pending prefill") && !unsampled.contains("fitted"));
         let mut r = with("cache_aware", &[(10, 0.5, 0.0), (10, 0.5, 0.0)]);
         r.per_worker[0].gauges = WorkerGauges {
             gateway_samples: 4,
             pending_prefill_sum: 4.0 * 1500.0,
             pending_prefill_peak: 12_400.0,
             step_done_sum: 4.0 * 300.0,
+            step_per_token_us: vec![76.0, 24.0, 75.0, 75.4],
             ..r.per_worker[0].gauges.clone()
         };
         r.per_worker[1].gauges.gateway_samples = 4;
         let t = table(&[r]);
         let row = t.lines().find(|l| l.contains("pending prefill")).unwrap();
         assert!(row.contains("1.5k/12.4k (300) · -"), "{t}");
+        let row = t.lines().find(|l| l.contains("fitted us")).unwrap();
+        assert!(row.contains("75 (24) · -"), "{t}");
     }
 
     #[test]

@@ -185,6 +185,11 @@ pub struct WorkerGauges {
     /// `kvroute_worker_step_prefill_done_tokens`, summed over the samples: what the step clock
     /// counted done of that backlog.
     pub step_done_sum: f64,
+    /// The step clock's fitted time per prefill token, in microseconds
+    /// (`kvroute_worker_step_seconds{part="per_prefill_token"}`), each sample of each replica
+    /// that had one: how steady the clock that `step_prefill` trusts stayed.
+    #[serde(skip)]
+    pub step_per_token_us: Vec<f64>,
 }
 
 impl WorkerGauges {
@@ -207,29 +212,51 @@ impl WorkerGauges {
         (self.gateway_samples > 0 && self.pending_prefill_peak > 0.0)
             .then(|| (self.pending_prefill_sum / n, self.step_done_sum / n))
     }
+
+    /// The median and the lowest of the sampled fitted times per prefill token, in
+    /// microseconds; `None` without a sample.
+    pub fn step_per_token_spread(&self) -> Option<(f64, f64)> {
+        let mut v = self.step_per_token_us.clone();
+        v.sort_by(f64::total_cmp);
+        Some((v.get(v.len() / 2).copied()?, v[0]))
+    }
 }
 
-/// A kvroute target's per-worker prefill backlog in one exposition, by worker name:
-/// (`kvroute_worker_pending_prefill_tokens`, `kvroute_worker_step_prefill_done_tokens`).
-fn gateway_backlog(text: &str, out: &mut std::collections::HashMap<String, (f64, f64)>) {
+/// A kvroute target's view of one worker at one sample, its replicas' added up.
+#[derive(Debug, Default, PartialEq)]
+struct GatewayView {
+    /// Its prefill backlog (`kvroute_worker_pending_prefill_tokens`) and what the step clock
+    /// counted done of it (`kvroute_worker_step_prefill_done_tokens`), summed over replicas.
+    pending: f64,
+    done: f64,
+    /// Each replica's fitted time per prefill token, in microseconds.
+    per_token_us: Vec<f64>,
+}
+
+/// A kvroute target's per-worker view in one exposition, by worker name.
+fn gateway_backlog(text: &str, out: &mut std::collections::HashMap<String, GatewayView>) {
     const PENDING: &str = "kvroute_worker_pending_prefill_tokens{";
     const DONE: &str = "kvroute_worker_step_prefill_done_tokens{";
+    const STEP: &str = "kvroute_worker_step_seconds{";
     for line in text.lines() {
-        let pending = line.starts_with(PENDING);
-        if !pending && !line.starts_with(DONE) {
-            continue;
-        }
+        let series = [PENDING, DONE, STEP]
+            .into_iter()
+            .position(|s| line.starts_with(s));
+        let Some(series) = series else { continue };
         let (Some(worker), Some(v)) = (
             crate::load::label(line, "worker"),
             line.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok()),
         ) else {
             continue;
         };
+        if series == 2 && crate::load::label(line, "part") != Some("per_prefill_token") {
+            continue;
+        }
         let entry = out.entry(worker.to_string()).or_default();
-        if pending {
-            entry.0 += v;
-        } else {
-            entry.1 += v;
+        match series {
+            0 => entry.pending += v,
+            1 => entry.done += v,
+            _ => entry.per_token_us.push(v * 1e6),
         }
     }
 }
@@ -295,11 +322,12 @@ pub async fn watch_gauges(
                 .parse::<http::Uri>()
                 .ok()
                 .and_then(|u| u.authority().map(|a| a.to_string()));
-            if let Some((pending, done)) = name.and_then(|n| backlog.get(&n)) {
+            if let Some(view) = name.and_then(|n| backlog.get(&n)) {
                 g.gateway_samples += 1;
-                g.pending_prefill_sum += pending;
-                g.pending_prefill_peak = g.pending_prefill_peak.max(*pending);
-                g.step_done_sum += done;
+                g.pending_prefill_sum += view.pending;
+                g.pending_prefill_peak = g.pending_prefill_peak.max(view.pending);
+                g.step_done_sum += view.done;
+                g.step_per_token_us.extend(&view.per_token_us);
             }
         }
     }
@@ -483,23 +511,40 @@ mod tests {
     }
 
     #[test]
-    fn a_gateways_backlog_is_read_by_worker_and_summed_over_replicas() {
-        let replica = |pending: f64, done: f64| {
+    fn a_gateways_backlog_is_read_by_worker_and_summed_over_replicas_and_its_step_fits_kept_apart()
+    {
+        let replica = |pending: f64, done: f64, per_token: f64| {
             format!(
                 "# HELP kvroute_worker_pending_prefill_tokens x\n\
                  kvroute_worker_pending_prefill_tokens{{worker=\"127.0.0.1:9001\"}} {pending}\n\
                  kvroute_worker_pending_prefill_tokens{{worker=\"127.0.0.1:9002\"}} 7\n\
                  kvroute_worker_step_prefill_done_tokens{{worker=\"127.0.0.1:9001\"}} {done}\n\
+                 kvroute_worker_step_seconds{{part=\"base\",worker=\"127.0.0.1:9001\"}} 0.02\n\
+                 kvroute_worker_step_seconds{{part=\"per_prefill_token\",worker=\"127.0.0.1:9001\"}} {per_token}\n\
                  kvroute_worker_inflight{{worker=\"127.0.0.1:9001\"}} 99\n"
             )
         };
         let mut out = std::collections::HashMap::new();
-        gateway_backlog(&replica(2048.0, 512.0), &mut out);
-        gateway_backlog(&replica(1000.0, 0.5), &mut out);
-        assert_eq!(out["127.0.0.1:9001"], (3048.0, 512.5));
-        // No step series for that worker: nothing counted done.
-        assert_eq!(out["127.0.0.1:9002"], (14.0, 0.0));
+        gateway_backlog(&replica(2048.0, 512.0, 75e-6), &mut out);
+        gateway_backlog(&replica(1000.0, 0.5, 25e-6), &mut out);
+        let seen = |w: &str| {
+            let v = &out[w];
+            (
+                v.pending,
+                v.done,
+                v.per_token_us.iter().map(|t| t.round()).collect::<Vec<_>>(),
+            )
+        };
+        assert_eq!(seen("127.0.0.1:9001"), (3048.0, 512.5, vec![75.0, 25.0]));
+        // No step series for that worker: nothing counted done, no fit.
+        assert_eq!(seen("127.0.0.1:9002"), (14.0, 0.0, vec![]));
         assert_eq!(out.len(), 2);
+        let g = WorkerGauges {
+            step_per_token_us: vec![75.0, 25.0, 76.0],
+            ..Default::default()
+        };
+        assert_eq!(g.step_per_token_spread(), Some((75.0, 25.0)));
+        assert_eq!(WorkerGauges::default().step_per_token_spread(), None);
     }
 
     #[test]
