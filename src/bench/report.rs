@@ -87,6 +87,20 @@ fn each_worker(r: &Run, sep: &str, f: &dyn Fn(&WorkerReport) -> String) -> Strin
     r.per_worker.iter().map(f).collect::<Vec<_>>().join(sep)
 }
 
+/// A cell of a worker's sampled gauges; `None` where it has nothing to show.
+type GaugeCell = dyn Fn(&WorkerGauges) -> Option<String>;
+
+/// A run's cells of a row of a kvroute target's view of each worker, `cell` of each one's
+/// gauges (a dash where it gives none); `None` where it gives none for any worker.
+fn gateway_cells(r: &Run, cell: &GaugeCell) -> Option<String> {
+    let any = r.per_worker.iter().any(|w| cell(&w.gauges).is_some());
+    any.then(|| {
+        each_worker(r, " · ", &|w| {
+            cell(&w.gauges).unwrap_or_else(|| "-".into())
+        })
+    })
+}
+
 /// The most workload classes the table gives a TTFT each (the JSON has them all).
 const MAX_CLASSES_SHOWN: usize = 8;
 
@@ -179,48 +193,33 @@ pub fn table(runs: &[Run]) -> String {
             })
         });
     }
-    // The gateway's own view of each worker's prefill backlog (a kvroute target whose policy
-    // prices it): what it believed queued there, and how much of that the step clock took as
-    // done by the step under way.
-    let backlog = |r: &Run| {
-        r.per_worker
-            .iter()
-            .any(|w| w.gauges.pending_prefill_mean().is_some())
+    // A kvroute target's own view of each worker (its policy prices prefill): the prefill
+    // backlog it believed queued there and how much of it the step clock took as done by the
+    // step under way; and that clock's fitted time per prefill token, typical and lowest (a
+    // lowest far under the typical is a fit that strayed and counted prefill done too soon).
+    let backlog = |g: &WorkerGauges| {
+        let (mean, done) = g.pending_prefill_mean()?;
+        Some(format!(
+            "{}/{} ({})",
+            si(mean),
+            si(g.pending_prefill_peak),
+            si(done)
+        ))
     };
-    if runs.iter().any(backlog) {
-        row("pending prefill mean / peak (step-done), gateway", &|r| {
-            if !backlog(r) {
-                return "-".into();
-            }
-            each_worker(r, " · ", &|w| match w.gauges.pending_prefill_mean() {
-                Some((mean, done)) => format!(
-                    "{}/{} ({})",
-                    si(mean),
-                    si(w.gauges.pending_prefill_peak),
-                    si(done)
-                ),
-                None => "-".into(),
-            })
-        });
-    }
-    // The step clock behind `step_prefill`: its fitted time per prefill token, typical and
-    // lowest; a lowest far under the typical is a fit that strayed and counted prefill done too
-    // soon.
-    let fitted = |r: &Run| {
-        r.per_worker
-            .iter()
-            .any(|w| w.gauges.step_per_token_spread().is_some())
+    let fitted = |g: &WorkerGauges| {
+        let (median, low) = g.step_per_token_spread()?;
+        Some(format!("{median:.0} ({low:.0})"))
     };
-    if runs.iter().any(fitted) {
-        row("fitted us / prefill token median (min), gateway", &|r| {
-            if !fitted(r) {
-                return "-".into();
-            }
-            each_worker(r, " · ", &|w| match w.gauges.step_per_token_spread() {
-                Some((median, low)) => format!("{median:.0} ({low:.0})"),
-                None => "-".into(),
-            })
-        });
+    let gateway_rows: [(&str, &GaugeCell); 2] = [
+        ("pending prefill mean / peak (step-done), gateway", &backlog),
+        ("fitted us / prefill token median (min), gateway", &fitted),
+    ];
+    for (name, cell) in gateway_rows {
+        if runs.iter().any(|r| gateway_cells(r, cell).is_some()) {
+            row(name, &|r| {
+                gateway_cells(r, cell).unwrap_or_else(|| "-".into())
+            });
+        }
     }
     row("routing outcomes", &|r| {
         let total: f64 = r.routing.values().sum();
