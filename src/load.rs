@@ -275,11 +275,11 @@ pub struct StepClock {
 ///
 /// Windows without prefill and windows with it are kept in moving moments of their own, which
 /// the fit weighs alike. Most windows are a single step that only decodes (88% of them in a
-/// mixed run on the simulated L4s), so in one moving mean a window with prefill was outweighed
-/// fifteen to one by the time the next came, the time per token rested on two or three windows,
-/// and one mistimed window (a 12 ms step clearing a 2,048-token prompt was seen) moved it by up to
-/// three times for seconds. Kept apart, the time per token rests on the last [`STEP_WINDOW`]
-/// windows with prefill.
+/// mixed run on the simulated L4s), so in one moving mean a window with prefill is outweighed
+/// fifteen to one by the time the next comes, and the time per token would rest on two or three
+/// windows: one mistimed window (a probe build once saw a 12 ms step clear a 2,048-token prompt)
+/// would move it by more than half. Kept apart, the time per token rests on the last
+/// [`STEP_WINDOW`] windows with prefill.
 #[derive(Debug, Default)]
 struct StepFit {
     /// The duration of the step that the burst at `last` ended; its tokens are counted since.
@@ -429,6 +429,11 @@ impl StepFit {
     fn moments(&self) -> Moments {
         self.bare.joined(&self.prefill)
     }
+
+    /// Windows added to either set (saturating).
+    fn windows(&self) -> u32 {
+        self.bare.windows.saturating_add(self.prefill.windows)
+    }
 }
 
 impl StepClock {
@@ -477,7 +482,7 @@ impl StepClock {
         // window it falls in.
         let per_token = f64::from_bits(self.per_token_us.load(Ordering::Relaxed));
         let expected = fit.expected(base, per_token, ended_began, tokens);
-        if ended <= 0.0 || (fit.moments().windows >= 8 && ended > 4.0 * expected) {
+        if ended <= 0.0 || (fit.windows() >= 8 && ended > 4.0 * expected) {
             fit.open = Default::default();
             return;
         }
@@ -568,7 +573,7 @@ impl StepClock {
     /// others').
     fn settled_per_token(&self) -> Option<f64> {
         let (_, per_token) = self.fit()?;
-        (self.fit.lock().moments().windows >= STEP_WINDOW as u32).then_some(per_token)
+        (self.fit.lock().windows() >= STEP_WINDOW as u32).then_some(per_token)
     }
 
     /// A load poll at `now` ([`now_us`]): `prefilled` is the worker's count of the prompt tokens

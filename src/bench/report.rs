@@ -665,8 +665,7 @@ mod tests {
     }
 
     #[test]
-    fn sampled_gauges_and_the_gateways_backlog_and_step_fit_show_per_worker_and_the_fullest_worker_across_seeds(
-    ) {
+    fn sampled_gauges_and_the_gateways_view_show_per_worker_and_the_fullest_worker_across_seeds() {
         let with = |label: &str, peaks: &[(u32, f64, f64)]| {
             let mut r = run(label, 1.0, 0.1);
             r.per_worker = peaks

@@ -234,7 +234,7 @@ struct GatewayView {
 }
 
 /// A kvroute target's per-worker view in one exposition, by worker name.
-fn gateway_backlog(text: &str, out: &mut std::collections::HashMap<String, GatewayView>) {
+fn gateway_view(text: &str, out: &mut std::collections::HashMap<String, GatewayView>) {
     const PENDING: &str = "kvroute_worker_pending_prefill_tokens{";
     const DONE: &str = "kvroute_worker_step_prefill_done_tokens{";
     const STEP: &str = "kvroute_worker_step_seconds{";
@@ -314,7 +314,7 @@ pub async fn watch_gauges(
         for g in &gateways {
             let text = tokio::time::timeout(wait, metrics_body(&client, g)).await;
             if let Ok(Ok(Some(text))) = text {
-                gateway_backlog(&text, &mut backlog);
+                gateway_view(&text, &mut backlog);
             }
         }
         for (w, g) in workers.iter().zip(out.iter_mut()) {
@@ -511,8 +511,7 @@ mod tests {
     }
 
     #[test]
-    fn a_gateways_backlog_is_read_by_worker_and_summed_over_replicas_and_its_step_fits_kept_apart()
-    {
+    fn a_gateways_view_is_read_by_worker_its_backlog_summed_and_each_replicas_step_fit_kept() {
         let replica = |pending: f64, done: f64, per_token: f64| {
             format!(
                 "# HELP kvroute_worker_pending_prefill_tokens x\n\
@@ -525,8 +524,8 @@ mod tests {
             )
         };
         let mut out = std::collections::HashMap::new();
-        gateway_backlog(&replica(2048.0, 512.0, 75e-6), &mut out);
-        gateway_backlog(&replica(1000.0, 0.5, 25e-6), &mut out);
+        gateway_view(&replica(2048.0, 512.0, 75e-6), &mut out);
+        gateway_view(&replica(1000.0, 0.5, 25e-6), &mut out);
         let seen = |w: &str| {
             let v = &out[w];
             (
