@@ -90,15 +90,12 @@ fn each_worker(r: &Run, sep: &str, f: &dyn Fn(&WorkerReport) -> String) -> Strin
 /// A cell of a worker's sampled gauges; `None` where it has nothing to show.
 type GaugeCell = dyn Fn(&WorkerGauges) -> Option<String>;
 
-/// A run's cells of a row of a kvroute target's view of each worker, `cell` of each one's
-/// gauges (a dash where it gives none); `None` where it gives none for any worker.
-fn gateway_cells(r: &Run, cell: &GaugeCell) -> Option<String> {
+/// A run's cell of a row of each worker's sampled gauges: `cell` of each worker, joined by
+/// `sep` (a dash where it gives none); `None` where it gives none for any worker, so that a row
+/// shows only where some run sampled something and a run that did not reads as a dash.
+fn gauge_cells(r: &Run, sep: &str, cell: &GaugeCell) -> Option<String> {
     let any = r.per_worker.iter().any(|w| cell(&w.gauges).is_some());
-    any.then(|| {
-        each_worker(r, " · ", &|w| {
-            cell(&w.gauges).unwrap_or_else(|| "-".into())
-        })
-    })
+    any.then(|| each_worker(r, sep, &|w| cell(&w.gauges).unwrap_or_else(|| "-".into())))
 }
 
 /// The most workload classes the table gives a TTFT each (the JSON has them all).
@@ -172,27 +169,15 @@ pub fn table(runs: &[Run]) -> String {
     });
     // Sampled gauges: a tail from one worker that ran out of KV cache (100%, requests waiting
     // for blocks) reads differently from one of a long queue with room to spare.
-    let sampled = |r: &Run| r.per_worker.iter().any(|w| w.gauges.samples > 0);
-    if runs.iter().any(sampled) {
-        row("KV usage mean / peak per worker", &|r| {
-            if !sampled(r) {
-                return "-".into();
-            }
-            each_worker(r, " · ", &|w| match w.gauges.kv_usage_mean() {
-                Some(mean) => format!("{:.0}/{:.0}%", mean * 100.0, w.gauges.kv_usage_peak * 100.0),
-                None => "-".into(),
-            })
-        });
-        row("requests waiting, peak per worker", &|r| {
-            if !sampled(r) {
-                return "-".into();
-            }
-            each_worker(r, " / ", &|w| match w.gauges.samples {
-                0 => "-".into(),
-                _ => format!("{:.0}", w.gauges.waiting_peak),
-            })
-        });
-    }
+    let kv = |g: &WorkerGauges| {
+        let mean = g.kv_usage_mean()?;
+        Some(format!(
+            "{:.0}/{:.0}%",
+            mean * 100.0,
+            g.kv_usage_peak * 100.0
+        ))
+    };
+    let waiting = |g: &WorkerGauges| (g.samples > 0).then(|| format!("{:.0}", g.waiting_peak));
     // A kvroute target's own view of each worker (its policy prices prefill): the prefill
     // backlog it believed queued there and how much of it the step clock took as done by the
     // step under way; and that clock's fitted time per prefill token, typical and lowest (a
@@ -210,14 +195,24 @@ pub fn table(runs: &[Run]) -> String {
         let (median, low) = g.step_per_token_spread()?;
         Some(format!("{median:.0} ({low:.0})"))
     };
-    let gateway_rows: [(&str, &GaugeCell); 2] = [
-        ("pending prefill mean / peak (step-done), gateway", &backlog),
-        ("fitted us / prefill token median (min), gateway", &fitted),
+    let gauge_rows: [(&str, &str, &GaugeCell); 4] = [
+        ("KV usage mean / peak per worker", " · ", &kv),
+        ("requests waiting, peak per worker", " / ", &waiting),
+        (
+            "pending prefill mean / peak (step-done), gateway",
+            " · ",
+            &backlog,
+        ),
+        (
+            "fitted us / prefill token median (min), gateway",
+            " · ",
+            &fitted,
+        ),
     ];
-    for (name, cell) in gateway_rows {
-        if runs.iter().any(|r| gateway_cells(r, cell).is_some()) {
+    for (name, sep, cell) in gauge_rows {
+        if runs.iter().any(|r| gauge_cells(r, sep, cell).is_some()) {
             row(name, &|r| {
-                gateway_cells(r, cell).unwrap_or_else(|| "-".into())
+                gauge_cells(r, sep, cell).unwrap_or_else(|| "-".into())
             });
         }
     }

@@ -188,7 +188,6 @@ pub struct WorkerGauges {
     /// The step clock's fitted time per prefill token, in microseconds
     /// (`kvroute_worker_step_seconds{part="per_prefill_token"}`), each sample of each replica
     /// that had one: how steady the clock that `step_prefill` trusts stayed.
-    #[serde(skip)]
     pub step_per_token_us: Vec<f64>,
 }
 
