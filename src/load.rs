@@ -170,7 +170,9 @@ pub struct RequestLoad {
 impl RequestLoad {
     pub fn new(worker: &Arc<Worker>, tokens: u64, context: u64) -> Self {
         let load = &worker.load;
-        load.pending_prefill.fetch_add(tokens, Ordering::Relaxed);
+        if load.pending_prefill.fetch_add(tokens, Ordering::Relaxed) == 0 && tokens > 0 {
+            worker.steps.sent(now_us());
+        }
         load.context_tokens.fetch_add(context, Ordering::Relaxed);
         Self {
             worker: Arc::clone(worker),
@@ -253,6 +255,9 @@ pub struct StepClock {
     ratio: AtomicU64,
     /// Those readings, oldest first (only the load poll touches them).
     readings: parking_lot::Mutex<VecDeque<f64>>,
+    /// [`now_us`] when this gateway's pending prefill there last rose from none: no step that
+    /// prefills a prompt sent since began before it.
+    sent: AtomicU64,
     /// Load polls left for which the pool's readings come from the fits against the workers'
     /// counters: [`RATINGS`] from each poll that showed others' requests beside this gateway's
     /// (the same on every worker of the pool; [`rate_speeds`]).
@@ -284,6 +289,11 @@ pub struct StepClock {
 struct StepFit {
     /// The duration of the step that the burst at `last` ended; its tokens are counted since.
     gap: f64,
+    /// The same step's duration if it prefilled anything: from no earlier than the send of the
+    /// first prompt after a moment with none of this gateway's pending ([`StepClock::sent`]).
+    /// Shorter than `gap` where the worker sat idle, as far as this gateway can tell, before
+    /// that prompt came.
+    prefill_gap: f64,
     /// This gateway's prefill pending when that step began: what it could prefill.
     began: f64,
     /// The window being summed: steps, prompt tokens cleared, duration.
@@ -475,7 +485,19 @@ impl StepClock {
             fit.polls.steps += part / gap.max(1) as f64;
             fit.polls.time += part;
         }
-        let ended = std::mem::replace(&mut fit.gap, if last == 0 { 0.0 } else { gap as f64 });
+        let gap = if last == 0 { 0.0 } else { gap as f64 };
+        let sent = self.sent.load(Ordering::Relaxed);
+        let prefill_gap = if sent > last && sent <= now {
+            gap.min(now.saturating_sub(sent) as f64)
+        } else {
+            gap
+        };
+        let ended = std::mem::replace(&mut fit.gap, gap);
+        let ended_prefill = std::mem::replace(&mut fit.prefill_gap, prefill_gap);
+        // A step that prefilled began once the prompt was there: the time the worker sat idle
+        // before it (waiting for this gateway's next prompts, or for a slower worker's answers
+        // to end a wave of requests) is none of the step's.
+        let ended = if tokens > 0.0 { ended_prefill } else { ended };
         // And what the step that has just ended (the one the burst at `last` ended) began with.
         let ended_began = std::mem::replace(&mut fit.began, began);
         // An idle pause is no step: leave out what is far longer than the step should be, and the
@@ -493,6 +515,12 @@ impl StepClock {
         self.base_us.store(base.to_bits(), Ordering::Relaxed);
         self.per_token_us
             .store(per_token.to_bits(), Ordering::Relaxed);
+    }
+
+    /// A prompt was sent at `now` ([`now_us`]) to the worker, which had none of this gateway's
+    /// prompts waiting for their first token.
+    pub fn sent(&self, now: u64) {
+        self.sent.store(now, Ordering::Relaxed);
     }
 
     /// What remains at `now` of the step under way without this gateway's prefill, in prompt
@@ -1642,6 +1670,32 @@ mod tests {
             "per token after a pause {per_token} us"
         );
         assert!(ahead(t + 250) > 1_800.0);
+    }
+
+    #[test]
+    fn a_worker_idle_until_its_next_prompts_came_is_timed_from_their_send() {
+        // Waves of prompts on a worker whose steps take 20 ms plus 10 us per prefill token: each
+        // wave's prompts are prefilled in one step, then decoded for five, and the next wave
+        // comes after a pause twice as long as the prefill (the wave waits for a worker a third
+        // as fast to finish its share). The step that prefills a wave spans the pause, from the
+        // last burst to the next, but began when the prompts were sent.
+        let clock = StepClock::default();
+        let waves = [512u64, 1_024, 2_048, 256, 1_536, 768];
+        let mut t = 1_000;
+        for x in waves.iter().copied().cycle().take(120) {
+            t += 20 * x;
+            clock.sent(t);
+            t += 20_000 + 10 * x;
+            clock.frame(t, x, || 0);
+            for _ in 0..5 {
+                t += 20_000;
+                clock.frame(t, 0, || 0);
+                clock.frame(t + 50, 0, || 0);
+            }
+        }
+        let (base, per_token) = clock.fit().expect("fitted");
+        assert!((base - 20_000.0).abs() < 1_000.0, "base {base} us");
+        assert!((per_token - 10.0).abs() < 1.0, "per token {per_token} us");
     }
 
     #[test]

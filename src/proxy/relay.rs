@@ -149,9 +149,11 @@ impl Tracker {
                     f.opening = None;
                 }
             }
+            // The time first: a prompt sent once this one's first token has cleared the pending
+            // prefill is sent after it, and cannot have been part of the step that ended now.
+            let now = sse.then(crate::load::now_us);
             let cleared = f.load.done();
-            if sse {
-                let now = crate::load::now_us();
+            if let Some(now) = now {
                 let w = self.slot.worker();
                 w.steps.frame(now, cleared, || w.load.pending_prefill());
             }
