@@ -1675,20 +1675,29 @@ mod tests {
     #[test]
     fn a_worker_idle_until_its_next_prompts_came_is_timed_from_their_send() {
         // Waves of prompts on a worker whose steps take 20 ms plus 10 us per prefill token: each
-        // wave's prompts are prefilled in one step, then decoded for five, and the next wave
-        // comes after a pause twice as long as the prefill (the wave waits for a worker a third
-        // as fast to finish its share). The step that prefills a wave spans the pause, from the
-        // last burst to the next, but began when the prompts were sent.
+        // wave's prompts are prefilled in one step, then decoded for five. Every other wave
+        // comes after a pause twice as long as its prefill (it waits for a worker a third as
+        // fast to finish its share): the step that prefills it spans the pause, from the last
+        // burst to the next, but began when the prompts were sent. The others are sent 2 ms
+        // before the end of the previous wave's last decode step, which they wait for: that
+        // step, though it ends after their send, is timed whole, as it prefilled nothing.
         let clock = StepClock::default();
-        let waves = [512u64, 1_024, 2_048, 256, 1_536, 768];
+        let waves = [512u64, 1_024, 2_048, 256, 1_536, 768, 384];
         let mut t = 1_000;
-        for x in waves.iter().copied().cycle().take(120) {
-            t += 20 * x;
-            clock.sent(t);
+        for (i, x) in waves.iter().copied().cycle().take(140).enumerate() {
+            let paused = i % 2 == 0;
+            if paused {
+                t += 20 * x;
+                clock.sent(t);
+            }
             t += 20_000 + 10 * x;
             clock.frame(t, x, || 0);
-            for _ in 0..5 {
+            for step in 0..5 {
                 t += 20_000;
+                if paused && step == 4 {
+                    // The next wave, sent while this step runs.
+                    clock.sent(t - 2_000);
+                }
                 clock.frame(t, 0, || 0);
                 clock.frame(t + 50, 0, || 0);
             }

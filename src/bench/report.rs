@@ -94,8 +94,14 @@ type GaugeCell = dyn Fn(&WorkerGauges) -> Option<String>;
 /// `sep` (a dash where it gives none); `None` where it gives none for any worker, so that a row
 /// shows only where some run sampled something and a run that did not reads as a dash.
 fn gauge_cells(r: &Run, sep: &str, cell: &GaugeCell) -> Option<String> {
-    let any = r.per_worker.iter().any(|w| cell(&w.gauges).is_some());
-    any.then(|| each_worker(r, sep, &|w| cell(&w.gauges).unwrap_or_else(|| "-".into())))
+    let cells: Vec<Option<String>> = r.per_worker.iter().map(|w| cell(&w.gauges)).collect();
+    cells.iter().any(Option::is_some).then(|| {
+        cells
+            .into_iter()
+            .map(|c| c.unwrap_or_else(|| "-".into()))
+            .collect::<Vec<_>>()
+            .join(sep)
+    })
 }
 
 /// The most workload classes the table gives a TTFT each (the JSON has them all).
