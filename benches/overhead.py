@@ -71,9 +71,12 @@ def nginx_bin():
     return shutil.which("nginx") or "/usr/sbin/nginx"
 
 
-def start_nginx(dir_, name, http_block, workers):
+def start_nginx(dir_, name, http_block, workers, main_block="", wrap=()):
+    """An nginx serving `http_block`, its config in `dir_/name`; `main_block` adds top-level
+    directives, and `wrap` a command to run it under (benches/instructions.py: valgrind)."""
     os.makedirs(f"{dir_}/{name}", exist_ok=True)
     conf = f"""
+{main_block}
 worker_processes {workers};
 worker_rlimit_nofile 20000;
 pid {dir_}/{name}/nginx.pid;
@@ -93,10 +96,27 @@ http {{
         f.write(conf)
     # Not our stdout: a worker outliving this script would hold a pipe reading it open.
     p = subprocess.Popen(
-        [nginx_bin(), "-c", path, "-e", f"{dir_}/{name}/error.log"],
+        [*wrap, nginx_bin(), "-c", path, "-e", f"{dir_}/{name}/error.log"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
     return p
+
+
+def nginx_proxy(port, up_port):
+    """nginx's http block as a plain reverse proxy on `port` to the upstream on `up_port`."""
+    return f"""
+  upstream workers {{ server 127.0.0.1:{up_port}; keepalive 64; }}
+  server {{
+    listen 127.0.0.1:{port} backlog=4096;
+    location = /health {{ return 200; }}
+    location / {{
+      proxy_pass http://workers;
+      proxy_http_version 1.1;
+      proxy_set_header Connection "";
+      proxy_buffering off;
+    }}
+  }}
+"""
 
 
 def wait_port(port, timeout=10):
@@ -263,19 +283,7 @@ def main():
     }}
   }}
 """, 1)
-    proxy = start_nginx(d, "proxy", f"""
-  upstream workers {{ server 127.0.0.1:{up_port}; keepalive 64; }}
-  server {{
-    listen 127.0.0.1:{ngx_port} backlog=4096;
-    location = /health {{ return 200; }}
-    location / {{
-      proxy_pass http://workers;
-      proxy_http_version 1.1;
-      proxy_set_header Connection "";
-      proxy_buffering off;
-    }}
-  }}
-""", cores)
+    proxy = start_nginx(d, "proxy", nginx_proxy(ngx_port, up_port), cores)
     def start_kvroute(binary):
         """The process, its port, and its admin listener's port (None for a build without one)."""
         admin = "--admin-listen" in subprocess.run([binary, "serve", "--help"], capture_output=True, text=True).stdout
