@@ -136,7 +136,9 @@ def count(start, shape, warmup, requests, out):
     return annotate(out, requests)
 
 
-LINE = re.compile(r"\s*([\d,]+) \(\s*[\d.]+%\)\s+(.*?):(.*) \[(.*)\]\s*$")
+# `Ir (share)  file:function [object]`; the object is left out on lines for code inlined from
+# another file than the function's.
+LINE = re.compile(r"\s*([\d,]+) \(\s*[\d.]+%\)\s+(.*?):(.*?)(?: \[(.*)\])?\s*$")
 
 
 def annotate(out, requests):
@@ -151,16 +153,17 @@ def annotate(out, requests):
             continue
         m = LINE.match(line)
         if m:
-            groups[group(m.group(3), m.group(4))] += int(m.group(1).replace(",", ""))
+            groups[group(m.group(2), m.group(3), m.group(4) or "")] += int(m.group(1).replace(",", ""))
     if total is None:
         raise SystemExit(f"no totals in {out}")
     return total / requests, {k: v / requests for k, v in groups.items()}
 
 
-def group(function, obj):
+def group(source, function, obj):
     """Where a function's instructions are counted: its crate, or the shared object's part."""
     base = os.path.basename(obj)
-    if base.startswith("libc.so"):
+    # glibc's debug info names its sources relative to its build tree (`./malloc/malloc.c`).
+    if base.startswith("libc.so") or (not base and source.startswith("./")):
         if "malloc" in function or "free" in function or function.startswith("_int_"):
             return "libc: allocator"
         if function.startswith("__mem") or function.startswith("mem"):
@@ -235,12 +238,12 @@ def main():
             per = [r[0] for r in results[(shape, name)]]
             medians[(shape, name)] = statistics.median(per)
             print(f"| {shape} | {name} | {medians[(shape, name)]:,.0f} | {' '.join(f'{p:,.0f}' for p in per)} |")
-    print()
-    for shape in shapes:
-        for other in ("baseline", "nginx"):
-            if (shape, other) in medians:
-                ratio = medians[(shape, "kvroute")] / medians[(shape, other)]
-                print(f"{shape}: kvroute / {other} {ratio:.4f}x")
+    ratios = [
+        f"{shape}: kvroute / {other} {medians[(shape, 'kvroute')] / medians[(shape, other)]:.4f}x"
+        for shape in shapes for other in ("baseline", "nginx") if (shape, other) in medians
+    ]
+    if ratios:
+        print("\n" + "\n".join(ratios))
     for shape in shapes:
         for name, _ in builds:
             # The groups of the run closest to the median.
