@@ -39,7 +39,7 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from overhead import (  # noqa: E402
-    BODY, JSON_ANSWER, SSE_ANSWER, free_port, nginx_proxy, start_nginx, wait_port,
+    BODY, free_port, nginx_proxy, start_nginx, start_upstream, wait_port,
 )
 
 
@@ -49,33 +49,6 @@ def ensure_tools():
     if missing:
         subprocess.run(["apt-get", "install", "-y", "-q", *missing], check=True,
                        env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"})
-
-
-def start_upstream(d):
-    """An nginx answering as benches/overhead.py's upstream does; its port."""
-    os.chmod(d, 0o755)
-    os.makedirs(f"{d}/static", mode=0o755, exist_ok=True)
-    with open(f"{d}/static/sse.txt", "w") as f:
-        f.write(SSE_ANSWER)
-    port = free_port()
-    p = start_nginx(d, "upstream", f"""
-  server {{
-    listen 127.0.0.1:{port};
-    default_type application/json;
-    location = /health {{ return 200; }}
-    location = /v1/completions {{
-      if ($arg_sse) {{ rewrite ^ /static/sse.txt last; }}
-      return 200 '{JSON_ANSWER}';
-    }}
-    location /static/ {{
-      root {d};
-      default_type text/event-stream;
-      error_page 405 =200 $uri;
-    }}
-  }}
-""", 1)
-    wait_port(port)
-    return p, port
 
 
 def callgrind(out):
@@ -209,7 +182,10 @@ def main():
         if path and not os.access(path, os.X_OK):
             raise SystemExit(f"not an executable: {path}")
     d = tempfile.mkdtemp(prefix="kvroute-instructions-")
-    upstream, up_port = start_upstream(d)
+    os.chmod(d, 0o755)  # nginx's workers run as an unprivileged user and read the static files
+    up_port = free_port()
+    upstream = start_upstream(d, up_port)
+    wait_port(up_port)
     builds = [("kvroute", lambda out: start_kvroute(a.bin, up_port, out))]
     if a.baseline:
         builds.append(("baseline", lambda out: start_kvroute(a.baseline, up_port, out)))

@@ -119,6 +119,42 @@ def nginx_proxy(port, up_port):
 """
 
 
+def start_upstream(d, port):
+    """The fast upstream on `port`: an nginx answering `POST /v1/completions` with a small JSON
+    completion at once, or a 100-event SSE stream with `sse=1` (one that trickles out with
+    `hold=1`). `d` must be readable by nginx's unprivileged workers."""
+    os.makedirs(f"{d}/static/hold", mode=0o755, exist_ok=True)
+    os.chmod(f"{d}/static", 0o755)
+    for path in (f"{d}/static/sse.txt", f"{d}/static/hold/sse.txt"):
+        with open(path, "w") as f:
+            f.write(SSE_ANSWER)
+    # Static files answer GET only: a POST's 405 is turned into the file (`error_page ... =200`).
+    return start_nginx(d, "upstream", f"""
+  server {{
+    listen 127.0.0.1:{port} backlog=4096;
+    default_type application/json;
+    location = /health {{ return 200; }}
+    location = /v1/completions {{
+      if ($arg_hold) {{ rewrite ^ /static/hold/sse.txt last; }}
+      if ($arg_sse) {{ rewrite ^ /static/sse.txt last; }}
+      return 200 '{JSON_ANSWER}';
+    }}
+    location /static/ {{
+      root {d};
+      default_type text/event-stream;
+      error_page 405 =200 $uri;
+    }}
+    location /static/hold/ {{
+      root {d};
+      default_type text/event-stream;
+      error_page 405 =200 $uri;
+      limit_rate_after 1k;
+      limit_rate 2;
+    }}
+  }}
+""", 1)
+
+
 def wait_port(port, timeout=10):
     end = time.time() + timeout
     while time.time() < end:
@@ -253,36 +289,7 @@ def main():
     d = tempfile.mkdtemp(prefix="kvroute-overhead-")
     os.chmod(d, 0o755)  # nginx's workers run as an unprivileged user and read the static files
     up_port, ngx_port = free_port(), free_port()
-    os.makedirs(f"{d}/static/hold", mode=0o755, exist_ok=True)
-    os.chmod(f"{d}/static", 0o755)
-    for path in (f"{d}/static/sse.txt", f"{d}/static/hold/sse.txt"):
-        with open(path, "w") as f:
-            f.write(SSE_ANSWER)
-    # Static files answer GET only: a POST's 405 is turned into the file (`error_page ... =200`).
-    upstream = start_nginx(d, "upstream", f"""
-  server {{
-    listen 127.0.0.1:{up_port} backlog=4096;
-    default_type application/json;
-    location = /health {{ return 200; }}
-    location = /v1/completions {{
-      if ($arg_hold) {{ rewrite ^ /static/hold/sse.txt last; }}
-      if ($arg_sse) {{ rewrite ^ /static/sse.txt last; }}
-      return 200 '{JSON_ANSWER}';
-    }}
-    location /static/ {{
-      root {d};
-      default_type text/event-stream;
-      error_page 405 =200 $uri;
-    }}
-    location /static/hold/ {{
-      root {d};
-      default_type text/event-stream;
-      error_page 405 =200 $uri;
-      limit_rate_after 1k;
-      limit_rate 2;
-    }}
-  }}
-""", 1)
+    upstream = start_upstream(d, up_port)
     proxy = start_nginx(d, "proxy", nginx_proxy(ngx_port, up_port), cores)
     def start_kvroute(binary):
         """The process, its port, and its admin listener's port (None for a build without one)."""
