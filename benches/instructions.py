@@ -12,8 +12,9 @@ that one upstream) runs under `valgrind --tool=callgrind` with counting off. One
 connection from this script sends the warm-up requests. Counting is then switched on
 (`callgrind_control -i on`) for the counted requests and off again, so start-up, warm-up and
 shutdown are not counted. With --nginx, nginx as benches/overhead.py's plain reverse proxy
-(one process, `master_process off`) is counted the same way. Counts are user-space instructions of the gateway process: the
-kernel's work (system calls, the loopback's TCP) is not in them, nor any time spent waiting.
+(one process, `master_process off`) is counted the same way. Counts are the proxy process's
+user-space instructions: the kernel's work (system calls, the loopback's TCP) is not in them,
+nor any time spent waiting.
 
 Prints, for each binary and shape, instructions per request (with --repeat, each run's and their
 median), the ratio to --baseline, and the largest shares by where they ran. Shares go by the
@@ -39,16 +40,8 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from overhead import (  # noqa: E402
-    BODY, free_port, nginx_proxy, start_nginx, start_upstream, wait_port,
+    BODY, ensure_tools, free_port, nginx_proxy, start_nginx, start_upstream, wait_port,
 )
-
-
-def ensure_tools():
-    missing = [p for t, p in (("valgrind", "valgrind"), ("nginx", "nginx-light"))
-               if not shutil.which(t) and not os.path.exists("/usr/sbin/" + t)]
-    if missing:
-        subprocess.run(["apt-get", "install", "-y", "-q", *missing], check=True,
-                       env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"})
 
 
 def callgrind(out):
@@ -177,7 +170,7 @@ def main():
         ap.error("--shape takes json, sse or json,sse")
     if a.requests < 1 or a.repeat < 1 or a.warmup < 0:
         ap.error("--requests and --repeat must be at least 1, --warmup at least 0")
-    ensure_tools()
+    ensure_tools((("valgrind", "valgrind"), ("nginx", "nginx-light")))
     for path in (a.bin, a.baseline):
         if path and not os.access(path, os.X_OK):
             raise SystemExit(f"not an executable: {path}")

@@ -60,10 +60,10 @@ def free_port():
         return s.getsockname()[1]
 
 
-def ensure_tools():
-    missing = [t for t in ("wrk", "nginx") if not shutil.which(t) and not os.path.exists("/usr/sbin/" + t)]
-    if missing:
-        pkgs = ["wrk" if m == "wrk" else "nginx-light" for m in missing]
+def ensure_tools(tools=(("wrk", "wrk"), ("nginx", "nginx-light"))):
+    """Installs the Debian package of each (command, package) whose command is missing."""
+    pkgs = [p for t, p in tools if not shutil.which(t) and not os.path.exists("/usr/sbin/" + t)]
+    if pkgs:
         subprocess.run(["apt-get", "install", "-y", "-q", *pkgs], check=True, env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"})
 
 
