@@ -40,27 +40,13 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from overhead import (  # noqa: E402
-    BODY, ensure_tools, free_port, nginx_proxy, start_nginx, start_upstream, wait_port,
+    BODY, ensure_tools, free_port, nginx_proxy, start_kvroute, start_nginx, start_upstream,
+    wait_port,
 )
 
 
 def callgrind(out):
     return ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}"]
-
-
-def start_kvroute(binary, up_port, out):
-    """kvroute under callgrind, counting off; the process and the port it listens on."""
-    kv = subprocess.Popen(
-        [*callgrind(out), binary, "serve", "--listen", "127.0.0.1:0",
-         "--worker", f"http://127.0.0.1:{up_port}"],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-        env={**os.environ, "RUST_LOG": "error"},
-    )
-    line = kv.stdout.readline().strip()
-    if not line:
-        kv.kill()
-        raise SystemExit(f"{binary} printed no listen address under valgrind")
-    return kv, int(line.rsplit(":", 1)[1])
 
 
 def start_nginx_proxy(d, up_port, out):
@@ -179,9 +165,13 @@ def main():
     up_port = free_port()
     upstream = start_upstream(d, up_port)
     wait_port(up_port)
-    builds = [("kvroute", lambda out: start_kvroute(a.bin, up_port, out))]
+    def kvroute(binary):
+        """Starts `binary` under callgrind, counting off; the process and its port."""
+        return lambda out: start_kvroute(binary, up_port, admin=False, wrap=callgrind(out))[:2]
+
+    builds = [("kvroute", kvroute(a.bin))]
     if a.baseline:
-        builds.append(("baseline", lambda out: start_kvroute(a.baseline, up_port, out)))
+        builds.append(("baseline", kvroute(a.baseline)))
     if a.nginx:
         builds.append(("nginx", lambda out: start_nginx_proxy(d, up_port, out)))
     try:

@@ -155,6 +155,28 @@ def start_upstream(d, port):
 """, 1)
 
 
+def start_kvroute(binary, up_port, admin=True, wrap=()):
+    """kvroute (its default policy) in front of the upstream on `up_port`, under `wrap` if given
+    (benches/instructions.py: valgrind): the process, its port, and its admin listener's port
+    (None without `admin`, or for a build without one)."""
+    admin = admin and "--admin-listen" in subprocess.run(
+        [binary, "serve", "--help"], capture_output=True, text=True).stdout
+    p = subprocess.Popen(
+        [*wrap, binary, "serve", "--listen", "127.0.0.1:0", "--worker", f"http://127.0.0.1:{up_port}"]
+        + (["--admin-listen", "127.0.0.1:0"] if admin else []),
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env={**os.environ, "RUST_LOG": "error"},
+    )
+
+    def port():
+        line = p.stdout.readline().strip()
+        if not line:
+            p.kill()
+            raise SystemExit(f"{binary} printed no listen address")
+        return int(line.rsplit(":", 1)[1])
+
+    return p, port(), port() if admin else None
+
+
 def wait_port(port, timeout=10):
     end = time.time() + timeout
     while time.time() < end:
@@ -291,19 +313,8 @@ def main():
     up_port, ngx_port = free_port(), free_port()
     upstream = start_upstream(d, up_port)
     proxy = start_nginx(d, "proxy", nginx_proxy(ngx_port, up_port), cores)
-    def start_kvroute(binary):
-        """The process, its port, and its admin listener's port (None for a build without one)."""
-        admin = "--admin-listen" in subprocess.run([binary, "serve", "--help"], capture_output=True, text=True).stdout
-        p = subprocess.Popen(
-            [binary, "serve", "--listen", "127.0.0.1:0", "--worker", f"http://127.0.0.1:{up_port}"]
-            + (["--admin-listen", "127.0.0.1:0"] if admin else []),
-            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env={**os.environ, "RUST_LOG": "error"},
-        )
-        port = int(p.stdout.readline().strip().rsplit(":", 1)[1])
-        return p, port, int(p.stdout.readline().strip().rsplit(":", 1)[1]) if admin else None
-
-    kv, kv_port, kv_admin = start_kvroute(a.bin)
-    base, base_port, base_admin = start_kvroute(a.baseline) if a.baseline else (None, None, None)
+    kv, kv_port, kv_admin = start_kvroute(a.bin, up_port)
+    base, base_port, base_admin = start_kvroute(a.baseline, up_port) if a.baseline else (None, None, None)
     for p in (up_port, ngx_port, kv_port, base_port):
         if p:
             wait_port(p)
