@@ -239,7 +239,8 @@ pub async fn serve_state(
 /// with a single-threaded runtime and its own connection pool to the workers, and is handed
 /// connections in turn. A request then lives on one thread from the client's socket to the
 /// worker's and back: no work stealing, no cross-thread wake-ups. Policies, the pool and the
-/// metrics are shared. The loops stop and drain together.
+/// metrics are shared; the series every request updates are kept per loop and summed when
+/// scraped (see `metrics::sharded`). The loops stop and drain together.
 pub async fn serve_state_on(
     listener: TcpListener,
     loops: usize,
@@ -255,6 +256,8 @@ pub async fn serve_state_on(
         "kvroute gateway listening"
     );
     let limits = state.upstreams.config.limits.clone();
+    // This thread is loop 0; each loop updates the per-request metrics in a shard of its own.
+    crate::metrics::sharded::pin_thread(0);
     let mut others = Vec::new();
     let mut threads = Vec::new();
     for i in 1..loops.max(1) {
@@ -263,6 +266,7 @@ pub async fn serve_state_on(
         let thread = std::thread::Builder::new()
             .name(format!("kvroute-loop-{i}"))
             .spawn(move || {
+                crate::metrics::sharded::pin_thread(i);
                 let rt = tokio::runtime::Builder::new_current_thread()
                     .enable_all()
                     .build()?;

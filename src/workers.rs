@@ -57,12 +57,12 @@ pub struct Worker {
     pub data_parallel_rank: Option<(u32, http::HeaderValue)>,
     /// Models served; empty means any.
     pub models: Vec<String>,
-    inflight_gauge: prometheus::IntGauge,
+    inflight_gauge: crate::metrics::sharded::Gauge,
     born: Instant,
     /// 5xx answers in a row, for passive ejection.
     error_streak: AtomicU32,
     healthy_gauge: prometheus::IntGauge,
-    metrics: Metrics,
+    pub(crate) metrics: Metrics,
     /// The pool's admission signal, told when a slot is released.
     freed: Arc<SlotFreed>,
     /// The blocks the worker holds, from its KV cache events, when it publishes them.

@@ -27,7 +27,7 @@ pub struct Arm {
     pub policy: Arc<dyn Policy>,
     weight: f64,
     /// `routing_decisions` by outcome (`Outcome as usize`), looked up on first use.
-    decisions: [std::sync::OnceLock<prometheus::IntCounter>; super::Outcome::COUNT],
+    decisions: [std::sync::OnceLock<crate::metrics::sharded::Counter>; super::Outcome::COUNT],
 }
 
 impl Arm {

@@ -192,7 +192,7 @@ async fn send_among(
             arm.count_decision(&up.metrics, selection.outcome);
         }
         let worker = &open[selection.index];
-        let tracker = tracker(up, arm, route, worker, slot, selection, &info, started);
+        let tracker = tracker(arm, route, worker, slot, selection, &info, started);
         let request = Outgoing {
             parts,
             body: body.clone(),
@@ -276,9 +276,7 @@ async fn choose<'w>(
 
 /// The request's accounting on the chosen worker, with what the policy learns from when the
 /// request ends.
-#[allow(clippy::too_many_arguments)]
 fn tracker(
-    up: &Upstreams,
     arm: &Arm,
     route: Route,
     worker: &Arc<Worker>,
@@ -311,7 +309,6 @@ fn tracker(
     Tracker {
         series: worker.series(policy.name(), &arm.name),
         slot,
-        metrics: up.metrics.clone(),
         started,
         phase: Phase::Waiting,
         feedback,

@@ -57,7 +57,6 @@ pub(super) struct Feedback {
 /// One request's accounting; see the module docs.
 pub(super) struct Tracker {
     pub slot: InflightGuard,
-    pub metrics: Metrics,
     /// The worker's series under this request's arm (with the `policy` and `arm` labels).
     pub series: Arc<WorkerSeries>,
     pub started: Instant,
@@ -70,6 +69,12 @@ impl Tracker {
         &self.slot.worker().name
     }
 
+    /// The gateway's metrics, reached through the worker rather than a clone of their `Arc` of
+    /// its own (one shared reference count fewer per request).
+    fn metrics(&self) -> &Metrics {
+        &self.slot.worker().metrics
+    }
+
     /// The request failed upstream before a response; the caller answers with an error.
     pub fn failed(mut self, kind: &str) {
         self.upstream_error(kind);
@@ -80,7 +85,7 @@ impl Tracker {
     }
 
     fn upstream_error(&self, kind: &str) {
-        self.metrics
+        self.metrics()
             .upstream_errors
             .with_label_values(&[self.worker(), kind])
             .inc();
@@ -93,10 +98,11 @@ impl Tracker {
         idle: Duration,
     ) -> Response {
         let (mut parts, incoming) = resp.into_parts();
-        let worker = Arc::clone(self.slot.worker());
-        let series = Arc::clone(&self.series);
+        // Borrowed, not cloned: their reference counts are shared by every event loop.
+        let worker = self.slot.worker();
+        let series = &self.series;
         series.ttfb.observe(self.started.elapsed().as_secs_f64());
-        series.count_request(&self.metrics, route, parts.status);
+        series.count_request(&worker.metrics, route, parts.status);
         if let Some(f) = &mut self.feedback {
             f.failed = !parts.status.is_success();
         }
@@ -186,7 +192,7 @@ impl Tracker {
             return;
         };
         let predicted = u64::from(p.cached_tokens);
-        self.series.count_cached(&self.metrics, predicted, cached);
+        self.series.count_cached(self.metrics(), predicted, cached);
         // Within a tenth of the prompt (the gateway's blocks and the worker's differ) is right.
         let slack = u64::from(p.prompt_tokens / 10).max(16);
         let verdict = if predicted > cached + slack {
@@ -196,10 +202,7 @@ impl Tracker {
         } else {
             "close"
         };
-        self.metrics
-            .cache_predictions
-            .with_label_values(&[self.series.policy, &*self.series.arm, verdict])
-            .inc();
+        self.series.count_verdict(self.metrics(), verdict);
     }
 }
 
@@ -211,11 +214,11 @@ impl Drop for Tracker {
             Phase::Streaming => Some("streaming"),
         };
         if let Some(phase) = phase {
-            self.metrics
+            self.metrics()
                 .client_disconnects
                 .with_label_values(&[phase])
                 .inc();
-            self.metrics
+            self.metrics()
                 .upstream_aborts
                 .with_label_values(&[self.worker()])
                 .inc();
@@ -622,11 +625,9 @@ mod tests {
             fresh: false,
         };
         let policy: Arc<dyn Policy> = Arc::new(crate::policy::CacheAware::new(Default::default()));
-        let metrics = Metrics::new();
         let mut tracker = Tracker {
             slot: worker.acquire(),
             series: worker.series(policy.name(), "default"),
-            metrics,
             started: Instant::now(),
             phase: Phase::Streaming,
             feedback: Some(Feedback {

@@ -3,13 +3,15 @@
 //! Label values come from bounded sets: routes are the matched route names, workers are the
 //! configured pool, policies and outcomes are enums, status is the HTTP status code.
 
+pub mod sharded;
+
 use std::sync::{Arc, OnceLock};
 
 use parking_lot::Mutex;
 
 use prometheus::{
-    Encoder, GaugeVec, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec,
-    IntGaugeVec, Opts, Registry, TextEncoder,
+    Encoder, GaugeVec, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGaugeVec, Opts,
+    Registry, TextEncoder,
 };
 
 /// Latency buckets from 1 ms to 5 min: TTFT of a warm prefix is milliseconds, a cold long prompt seconds.
@@ -36,12 +38,12 @@ pub struct MetricSet {
     /// `/metrics` without bound.
     worker_names: std::sync::Arc<parking_lot::Mutex<std::collections::HashMap<String, usize>>>,
     /// `route`, `policy`, `arm`, `worker` ("none" when no worker was picked), `status`.
-    pub requests: IntCounterVec,
+    pub requests: sharded::CounterVec,
     /// `policy`, `arm`, `outcome` (preferred, spilled, least_conn_fallback, longest_match,
     /// hash_home, replicated, fallback).
-    pub routing_decisions: IntCounterVec,
+    pub routing_decisions: sharded::CounterVec,
     /// `worker`.
-    pub worker_inflight: IntGaugeVec,
+    pub worker_inflight: sharded::GaugeVec,
     /// `worker`: 1 when the worker takes new requests (not down, draining or ejected).
     pub worker_healthy: IntGaugeVec,
     /// `worker`, `result` (ok, fail).
@@ -53,9 +55,9 @@ pub struct MetricSet {
     /// `result` (applied, rejected): config reloads.
     pub config_reloads: IntCounterVec,
     /// `policy`, `arm`, `worker`: from receiving the request to the worker's response headers.
-    pub ttfb: HistogramVec,
+    pub ttfb: sharded::HistogramVec,
     /// `policy`, `arm`, `worker`: from receiving the request to the end of the response body.
-    pub duration: HistogramVec,
+    pub duration: sharded::HistogramVec,
     /// `worker`, `kind` (connect, timeout, idle_timeout, body).
     pub upstream_errors: IntCounterVec,
     /// `phase` (waiting: before the worker's headers; streaming: during the body).
@@ -64,11 +66,11 @@ pub struct MetricSet {
     pub upstream_aborts: IntCounterVec,
     /// `policy`, `arm`, `worker`: prompt tokens a cache-modelling policy expected the worker to
     /// hold, over the answers that reported `cached_tokens`.
-    pub predicted_cached_tokens: IntCounterVec,
+    pub predicted_cached_tokens: sharded::CounterVec,
     /// `policy`, `arm`, `worker`: the `cached_tokens` those answers reported.
-    pub reported_cached_tokens: IntCounterVec,
+    pub reported_cached_tokens: sharded::CounterVec,
     /// `policy`, `arm`, `result` (close, over, under): each prediction against the report.
-    pub cache_predictions: IntCounterVec,
+    pub cache_predictions: sharded::CounterVec,
     /// `policy`, `arm`: blocks held by the policy's prefix index.
     pub index_blocks: IntGaugeVec,
     /// `policy`, `arm`: bytes the prefix index has allocated.
@@ -147,28 +149,31 @@ impl Metrics {
                 .expect("metric registered once");
             c
         };
+        // The series every proxied request updates, in per-loop shards (see [`sharded`]).
+        let per_request = |c: Box<dyn prometheus::core::Collector>| {
+            registry.register(c).expect("metric registered once");
+        };
+        let sharded_counter = |name: &str, help: &str, labels: &[&str]| {
+            let c = sharded::CounterVec::counters(name, help, labels);
+            per_request(Box::new(c.clone()));
+            c
+        };
         let histogram = |name: &str, help: &str| {
-            let h = HistogramVec::new(
-                HistogramOpts::new(name, help).buckets(LATENCY_BUCKETS.to_vec()),
+            let h = sharded::HistogramVec::histograms(
+                name,
+                help,
                 &["policy", "arm", "worker"],
-            )
-            .expect("static metric definition");
-            registry
-                .register(Box::new(h.clone()))
-                .expect("metric registered once");
+                LATENCY_BUCKETS,
+            );
+            per_request(Box::new(h.clone()));
             h
         };
-        let worker_inflight = IntGaugeVec::new(
-            Opts::new(
-                "kvroute_worker_inflight",
-                "Requests in flight to a worker through this gateway.",
-            ),
+        let worker_inflight = sharded::GaugeVec::gauges(
+            "kvroute_worker_inflight",
+            "Requests in flight to a worker through this gateway.",
             &["worker"],
-        )
-        .expect("static metric definition");
-        registry
-            .register(Box::new(worker_inflight.clone()))
-            .expect("metric registered once");
+        );
+        per_request(Box::new(worker_inflight.clone()));
         let gauge = |name: &str, help: &str, labels: &[&str]| {
             let g =
                 IntGaugeVec::new(Opts::new(name, help), labels).expect("static metric definition");
@@ -257,12 +262,12 @@ impl Metrics {
                 "Config reloads, by result (applied, rejected).",
                 &["result"],
             ),
-            requests: counter(
+            requests: sharded_counter(
                 "kvroute_requests_total",
                 "Requests answered, by route, policy, A/B arm, worker and HTTP status.",
                 &["route", "policy", "arm", "worker", "status"],
             ),
-            routing_decisions: counter(
+            routing_decisions: sharded_counter(
                 "kvroute_routing_decisions_total",
                 "Routing decisions, by policy, A/B arm and outcome (preferred, spilled, least_conn_fallback, longest_match, hash_home, replicated, fallback).",
                 &["policy", "arm", "outcome"],
@@ -291,17 +296,17 @@ impl Metrics {
                 "Upstream requests dropped by the gateway because their client went away.",
                 &["worker"],
             ),
-            predicted_cached_tokens: counter(
+            predicted_cached_tokens: sharded_counter(
                 "kvroute_predicted_cached_tokens_total",
                 "Prompt tokens the policy expected the worker to have cached, over answers that reported cached_tokens.",
                 &["policy", "arm", "worker"],
             ),
-            reported_cached_tokens: counter(
+            reported_cached_tokens: sharded_counter(
                 "kvroute_reported_cached_tokens_total",
                 "Cached prompt tokens the workers reported (usage.prompt_tokens_details.cached_tokens) for those answers.",
                 &["policy", "arm", "worker"],
             ),
-            cache_predictions: counter(
+            cache_predictions: sharded_counter(
                 "kvroute_cache_predictions_total",
                 "Cache predictions against the worker's report: close (within a tenth of the prompt), over, under.",
                 &["policy", "arm", "result"],
@@ -432,6 +437,7 @@ impl Metrics {
             answered: Default::default(),
             predicted_cached: OnceLock::new(),
             reported_cached: OnceLock::new(),
+            verdicts: Default::default(),
         }
     }
 
@@ -454,20 +460,20 @@ impl Metrics {
         names.remove(name);
         drop(names);
         let by_worker = std::collections::HashMap::from([("worker", name)]);
-        forget(&self.requests, &by_worker);
+        self.requests.remove_matching(&by_worker);
         forget(&self.health_checks, &by_worker);
         forget(&self.upstream_errors, &by_worker);
         forget(&self.upstream_aborts, &by_worker);
-        forget(&self.predicted_cached_tokens, &by_worker);
-        forget(&self.reported_cached_tokens, &by_worker);
-        forget(&self.ttfb, &by_worker);
-        forget(&self.duration, &by_worker);
+        self.predicted_cached_tokens.remove_matching(&by_worker);
+        self.reported_cached_tokens.remove_matching(&by_worker);
+        self.ttfb.remove_matching(&by_worker);
+        self.duration.remove_matching(&by_worker);
         forget(&self.kv_event_gaps, &by_worker);
         forget(&self.step_seconds, &by_worker);
         self.worker_slowness.remove_label_values(&[name]).ok();
         self.pending_prefill.remove_label_values(&[name]).ok();
         self.step_prefill_done.remove_label_values(&[name]).ok();
-        self.worker_inflight.remove_label_values(&[name]).ok();
+        self.worker_inflight.remove_label_values(&[name]);
         self.worker_healthy.remove_label_values(&[name]).ok();
         self.kv_event_batches.remove_label_values(&[name]).ok();
         self.kv_event_restarts.remove_label_values(&[name]).ok();
@@ -614,12 +620,14 @@ pub struct WorkerSeries {
     worker: Box<str>,
     /// The arm's name as the `x-kvroute-arm` response header, when it can be one.
     pub arm_header: Option<http::HeaderValue>,
-    pub ttfb: Histogram,
-    pub duration: Histogram,
+    pub ttfb: sharded::Histogram,
+    pub duration: sharded::Histogram,
     /// `requests` with status 200, by route (`Route as usize`).
-    answered: [OnceLock<IntCounter>; 4],
-    predicted_cached: OnceLock<IntCounter>,
-    reported_cached: OnceLock<IntCounter>,
+    answered: [OnceLock<sharded::Counter>; 4],
+    predicted_cached: OnceLock<sharded::Counter>,
+    reported_cached: OnceLock<sharded::Counter>,
+    /// `cache_predictions` by verdict (close, over, under).
+    verdicts: [OnceLock<sharded::Counter>; 3],
 }
 
 impl WorkerSeries {
@@ -656,12 +664,34 @@ impl WorkerSeries {
             .get_or_init(|| metrics.reported_cached_tokens.with_label_values(&labels))
             .inc_by(reported);
     }
+
+    /// Counts one cache prediction against the worker's report: `verdict` is `close`, `over`
+    /// or `under`.
+    pub fn count_verdict(&self, metrics: &MetricSet, verdict: &'static str) {
+        let labels = || {
+            metrics
+                .cache_predictions
+                .with_label_values(&[self.policy, &self.arm, verdict])
+        };
+        match ["close", "over", "under"]
+            .iter()
+            .position(|v| *v == verdict)
+        {
+            Some(i) => self.verdicts[i].get_or_init(labels).inc(),
+            None => labels().inc(),
+        }
+    }
 }
 
 /// A worker's [`WorkerSeries`], one per arm it has served (a handful: arms are few, and a reload
 /// that keeps an arm's name and policy keeps its series).
 #[derive(Default)]
-pub struct SeriesByArm(Mutex<Vec<Arc<WorkerSeries>>>);
+pub struct SeriesByArm {
+    /// The first arm's, read with no lock: every request reads it, from every event loop, and a
+    /// lock's word is written even to read.
+    first: OnceLock<Arc<WorkerSeries>>,
+    others: Mutex<Vec<Arc<WorkerSeries>>>,
+}
 
 impl std::fmt::Debug for SeriesByArm {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -677,12 +707,21 @@ impl SeriesByArm {
         arm: &str,
         worker: &str,
     ) -> Arc<WorkerSeries> {
-        let mut all = self.0.lock();
-        if let Some(s) = all.iter().find(|s| s.policy == policy && &*s.arm == arm) {
+        let of_arm = |s: &Arc<WorkerSeries>| s.policy == policy && &*s.arm == arm;
+        if let Some(s) = self.first.get().filter(|s| of_arm(s)) {
+            return Arc::clone(s);
+        }
+        let mut others = self.others.lock();
+        if let Some(s) = self.first.get().filter(|s| of_arm(s)) {
+            return Arc::clone(s);
+        }
+        if let Some(s) = others.iter().find(|s| of_arm(s)) {
             return Arc::clone(s);
         }
         let made = Arc::new(metrics.worker_series(policy, arm, worker));
-        all.push(Arc::clone(&made));
+        if let Err(made) = self.first.set(Arc::clone(&made)) {
+            others.push(made);
+        }
         made
     }
 }
