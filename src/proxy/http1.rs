@@ -285,9 +285,8 @@ fn connection_has(headers: &HeaderMap, token: &str) -> bool {
     headers
         .get_all(header::CONNECTION)
         .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .any(|t| t.trim().eq_ignore_ascii_case(token))
+        .flat_map(|v| v.as_bytes().split(|&b| b == b','))
+        .any(|t| t.trim_ascii().eq_ignore_ascii_case(token.as_bytes()))
 }
 
 /// How the body of a response is delimited (RFC 9112 §6.3).
@@ -741,6 +740,17 @@ mod tests {
             ),
             (
                 "HTTP/1.0 200 OK\r\ncontent-length: 0\r\n\r\n",
+                Framing::Length(0),
+                false,
+            ),
+            // Connection's tokens are a list, in any case, with spaces around them.
+            (
+                "HTTP/1.0 200 OK\r\nconnection:  Keep-Alive \r\ncontent-length: 0\r\n\r\n",
+                Framing::Length(0),
+                true,
+            ),
+            (
+                "HTTP/1.1 200 OK\r\nconnection: keep-alive,CLOSE\r\ncontent-length: 0\r\n\r\n",
                 Framing::Length(0),
                 false,
             ),

@@ -461,7 +461,8 @@ pub(crate) fn error_chain(e: &dyn std::error::Error) -> String {
 }
 
 /// Headers that describe one hop and must not be forwarded (RFC 9110 §7.6.1).
-const HOP_BY_HOP: [HeaderName; 9] = [
+const HOPS: usize = 9;
+const HOP_BY_HOP: [HeaderName; HOPS] = [
     header::CONNECTION,
     HeaderName::from_static("keep-alive"),
     HeaderName::from_static("proxy-connection"),
@@ -495,7 +496,15 @@ pub(super) fn end_to_end(from: &HeaderMap) -> impl Iterator<Item = (&HeaderName,
 
 /// Removes from `headers`, in place, what [`end_to_end`] leaves out.
 pub(super) fn strip_hop_by_hop(headers: &mut HeaderMap) {
-    if headers.contains_key(header::CONNECTION) {
+    // One pass over the names finds which are there (an answer usually has `Connection` alone),
+    // rather than a lookup for each of the nine.
+    let mut present = [false; HOPS];
+    for name in headers.keys() {
+        if let Some(i) = HOP_BY_HOP.iter().position(|h| h == name) {
+            present[i] = true;
+        }
+    }
+    if present[0] {
         // Usually `keep-alive` or `close`, which go anyway: nothing is allocated for them.
         let mut named: Vec<HeaderName> = Vec::new();
         let tokens = headers
@@ -519,7 +528,7 @@ pub(super) fn strip_hop_by_hop(headers: &mut HeaderMap) {
             headers.remove(name);
         }
     }
-    for name in &HOP_BY_HOP {
+    for (name, _) in HOP_BY_HOP.iter().zip(present).filter(|(_, p)| *p) {
         headers.remove(name);
     }
 }
