@@ -20,7 +20,7 @@ const LATENCY_BUCKETS: &[f64] = &[
     120.0, 300.0,
 ];
 
-/// Every metric; cloned per request, so a clone is one reference count, not one per family.
+/// Every metric; a clone (each worker holds one) is one reference count, not one per family.
 #[derive(Clone)]
 pub struct Metrics(std::sync::Arc<MetricSet>);
 

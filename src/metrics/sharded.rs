@@ -40,8 +40,8 @@ thread_local! {
 }
 
 /// Gives the calling thread the shard of event loop `index`, so that two loops on two cores
-/// write different cells. Other threads (the admin loop, health checks, tests) are given shards
-/// in turn on first use.
+/// write different cells. Other threads (the admin listener's, the blocking pool's, tests') are
+/// given shards in turn on first use.
 pub fn pin_thread(index: usize) {
     SHARD.with(|s| s.set(Some(index % *SHARDS)));
 }
@@ -118,8 +118,8 @@ impl Gauge {
     }
 }
 
-/// Buckets a histogram may have (the one past the last bound counts what is above them all).
-const MAX_BOUNDS: usize = 23;
+/// Bounds a histogram may have (a bucket past the last counts what is above them all).
+const MAX_BOUNDS: usize = 22;
 
 /// One shard of a histogram: its buckets and its sum, on three cache lines of its own.
 #[repr(align(64))]
@@ -128,6 +128,8 @@ struct HistogramShard {
     /// An `f64`'s bits.
     sum: AtomicU64,
 }
+
+const _: () = assert!(std::mem::size_of::<HistogramShard>() == 192);
 
 impl Default for HistogramShard {
     fn default() -> Self {
