@@ -4,7 +4,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{config_for, gateway, request, upstream};
+use common::{config_for, gateway, metric, request, upstream};
 use tokio::{
     io::{AsyncReadExt, AsyncWriteExt},
     net::TcpStream,
@@ -174,6 +174,19 @@ async fn event_loops_share_the_connection_cap_and_stop_together() {
         let body = format!(r#"{{"prompt": "p{i}", "stream": {stream}}}"#);
         let r = request(addr, "POST", "/v1/completions", body.as_bytes()).await;
         assert_eq!(r.status, 200);
+    }
+    // Each loop counted its requests in a shard of its own; a scrape adds them all up.
+    let m = request(addr, "GET", "/metrics", b"").await;
+    let m = String::from_utf8_lossy(&m.body);
+    let labels = r#"arm="cache_aware",policy="cache_aware""#;
+    for series in [
+        format!(
+            r#"kvroute_requests_total{{{labels},route="completions",status="200",worker="w0"}}"#
+        ),
+        format!(r#"kvroute_time_to_first_byte_seconds_count{{{labels},worker="w0"}}"#),
+        format!(r#"kvroute_time_to_first_byte_seconds_bucket{{{labels},worker="w0",le="+Inf"}}"#),
+    ] {
+        assert_eq!(metric(&m, &series), Some(30.0), "{series} in\n{m}");
     }
     // Four held connections fill the cap, whichever loops serve them.
     let mut held = hold_connections(addr, 4).await;
