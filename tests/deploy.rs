@@ -44,7 +44,7 @@ fn the_dashboard_queries_only_metrics_kvroute_and_the_simulator_export() {
         &std::fs::read_to_string(root.join("deploy/monitoring/grafana-dashboard.json")).unwrap(),
     )
     .unwrap();
-    let sources = std::fs::read_to_string(root.join("src/metrics.rs")).unwrap()
+    let sources = std::fs::read_to_string(root.join("src/metrics/mod.rs")).unwrap()
         + &std::fs::read_to_string(root.join("src/sim/metrics.rs")).unwrap();
     let mut names = 0;
     for panel in dash["panels"].as_array().unwrap() {
