@@ -65,6 +65,12 @@ fn cells() -> Arc<[Padded]> {
     (0..*SHARDS).map(|_| Padded::default()).collect()
 }
 
+fn total(cells: &[Padded]) -> u64 {
+    cells
+        .iter()
+        .fold(0u64, |sum, c| sum.wrapping_add(c.0.load(Relaxed)))
+}
+
 /// A monotonic counter (`IntCounter`).
 #[derive(Clone)]
 pub struct Counter(Arc<[Padded]>);
@@ -85,9 +91,7 @@ impl Counter {
     }
 
     pub fn get(&self) -> u64 {
-        self.0
-            .iter()
-            .fold(0u64, |sum, c| sum.wrapping_add(c.0.load(Relaxed)))
+        total(&self.0)
     }
 }
 
@@ -112,9 +116,8 @@ impl Gauge {
     }
 
     pub fn get(&self) -> i64 {
-        self.0
-            .iter()
-            .fold(0u64, |sum, c| sum.wrapping_add(c.0.load(Relaxed))) as i64
+        // Shards' net changes, added with wrap-around: a negative one is its two's complement.
+        total(&self.0) as i64
     }
 }
 
