@@ -150,10 +150,10 @@ async fn past_the_connection_cap_new_clients_wait_until_one_leaves() {
 }
 
 /// `kvroute serve`'s shape: one acceptor handing connections in turn to three event loops, each
-/// a thread of its own. Every loop answers, the one connection cap holds, and all stop on
-/// shutdown.
+/// a thread of its own. Every loop answers, a scrape adds up what each loop counted, the one
+/// connection cap holds, and all stop on shutdown.
 #[tokio::test]
-async fn event_loops_share_the_connection_cap_and_stop_together() {
+async fn event_loops_count_into_one_scrape_share_the_connection_cap_and_stop_together() {
     let up = upstream("w0", &[]).await;
     let mut cfg = config_for(&[&up], "cache_aware");
     cfg.limits.max_connections = 4;

@@ -460,7 +460,8 @@ pub(crate) fn error_chain(e: &dyn std::error::Error) -> String {
     s
 }
 
-/// Headers that describe one hop and must not be forwarded (RFC 9110 §7.6.1).
+/// Headers that describe one hop and must not be forwarded (RFC 9110 §7.6.1). `Connection`
+/// comes first: [`strip_hop_by_hop`] reads its tokens when the first is present.
 const HOPS: usize = 9;
 const HOP_BY_HOP: [HeaderName; HOPS] = [
     header::CONNECTION,
@@ -505,7 +506,8 @@ pub(super) fn strip_hop_by_hop(headers: &mut HeaderMap) {
         }
     }
     if present[0] {
-        // Usually `keep-alive` or `close`, which go anyway: nothing is allocated for them.
+        // `Connection` (first in `HOP_BY_HOP`) may name more headers to remove. It usually says
+        // `keep-alive` or `close`, which go anyway: nothing is allocated for them.
         let mut named: Vec<HeaderName> = Vec::new();
         let tokens = headers
             .get_all(header::CONNECTION)
