@@ -21,6 +21,7 @@ pub mod kv_events;
 pub mod listener;
 pub mod load;
 pub mod logging;
+pub mod loop_copy;
 pub mod metrics;
 pub mod policy;
 pub mod proxy;

@@ -15,10 +15,12 @@ use http_body_util::{BodyExt, LengthLimitError, Limited};
 use crate::{
     config::RoutingConfig,
     error::{error_response, ApiError},
+    loop_copy::LoopCopy,
     policy::arms::{Arm, Arms},
     proxy::{forward, forward_to, Route, Upstreams, WORKER_HEADER},
     responses,
     routing_key::{self, PromptField, RequestInfo},
+    workers::WorkerSet,
 };
 
 /// Shared state of the handlers; every request clones it, so it is one reference count.
@@ -28,6 +30,21 @@ pub struct AppState(Arc<Shared>);
 impl AppState {
     pub fn from_shared(shared: Shared) -> Self {
         Self(Arc::new(shared))
+    }
+
+    /// The same state for one more event loop: each loop serves with its own, so that the
+    /// reference counts a request writes (this state's, and its handles on the arms and the
+    /// workers) are that loop's alone ([`crate::loop_copy`]).
+    pub fn for_loop(&self) -> Self {
+        Self::from_shared(Shared {
+            upstreams: Arc::clone(&self.upstreams),
+            arms: Arc::clone(&self.arms),
+            routing_config: Arc::clone(&self.routing_config),
+            passthrough: Arc::clone(&self.passthrough),
+            resolver: Arc::clone(&self.resolver),
+            responses: Arc::clone(&self.responses),
+            here: Here::default(),
+        })
     }
 }
 
@@ -52,6 +69,27 @@ pub struct Shared {
     pub resolver: Arc<dyn crate::discovery::Resolve>,
     /// Which worker holds each stored Responses API response this gateway has seen.
     pub responses: Arc<crate::responses::Homes>,
+    /// This event loop's handles on the arms and the workers.
+    pub here: Here,
+}
+
+/// An event loop's handles on the snapshots its requests hold ([`crate::loop_copy`]).
+#[derive(Default)]
+pub struct Here {
+    arms: LoopCopy<Arms>,
+    workers: LoopCopy<WorkerSet>,
+}
+
+impl Shared {
+    /// The current arms, held for a request.
+    pub fn arms_now(&self) -> Arc<Arc<Arms>> {
+        self.here.arms.get(&self.arms)
+    }
+
+    /// The current workers, held for a request.
+    pub fn workers_now(&self) -> Arc<Arc<WorkerSet>> {
+        self.upstreams.pool.snapshot_in(&self.here.workers)
+    }
 }
 
 pub async fn completions(State(s): State<AppState>, req: Request) -> Response {
@@ -95,14 +133,14 @@ pub async fn completion(s: AppState, route: Completion, req: Request) -> Respons
 
 async fn routed(s: AppState, route: Route, field: PromptField, req: Request) -> Response {
     let up = &s.upstreams;
-    let arms = s.arms.load_full();
+    let arms = s.arms_now();
     let (parts, body) = req.into_parts();
     let (body, info) = match keyed(up, &parts, body, field).await {
         Ok(x) => x,
         Err(e) => return respond(&s, route, arms.unpicked_labels(), Err(e)),
     };
     let arm = arms.pick(&parts.headers, &info);
-    let result = forward(up, arm, route, &parts, body, info).await;
+    let result = forward(up, &s.workers_now(), arm, route, &parts, body, info).await;
     respond(&s, route, (arm.policy.name(), &arm.name), result)
 }
 
@@ -112,7 +150,7 @@ async fn routed(s: AppState, route: Route, field: PromptField, req: Request) -> 
 /// response is remembered as its home.
 pub async fn responses_create(State(s): State<AppState>, req: Request) -> Response {
     let up = &s.upstreams;
-    let arms = s.arms.load_full();
+    let arms = s.arms_now();
     let (parts, body) = req.into_parts();
     let body = match read_body(&parts.headers, body, up).await {
         Ok(b) => b,
@@ -130,7 +168,8 @@ pub async fn responses_create(State(s): State<AppState>, req: Request) -> Respon
         None => match key(up, &body, PromptField::Input).await {
             Ok(info) => {
                 let arm = arms.pick(&parts.headers, &info);
-                let result = forward(up, arm, Route::Responses, &parts, body, info).await;
+                let workers = s.workers_now();
+                let result = forward(up, &workers, arm, Route::Responses, &parts, body, info).await;
                 ((arm.policy.name(), &*arm.name), result)
             }
             Err(e) => (arms.unpicked_labels(), Err(e)),
@@ -173,7 +212,7 @@ async fn follow(
     info: RequestInfo,
 ) -> Result<Response, ApiError> {
     let up = &s.upstreams;
-    let snapshot = up.pool.snapshot();
+    let snapshot = s.workers_now();
     let workers = crate::workers::eligible(&snapshot, info.model.as_deref())?;
     let named = |name: &str| workers.iter().find(|w| w.name == name);
     let remembered = s.responses.home(id).and_then(|home| named(&home));
@@ -193,7 +232,7 @@ async fn follow(
         .inc();
     match home {
         Some(home) => forward_to(up, &s.passthrough, route, parts, body, info, home).await,
-        None => forward(up, &s.passthrough, route, parts, body, info).await,
+        None => forward(up, &snapshot, &s.passthrough, route, parts, body, info).await,
     }
 }
 
@@ -341,7 +380,17 @@ pub async fn passthrough(State(s): State<AppState>, req: Request) -> Response {
             model: named_model(&parts.headers, &body),
             ..RequestInfo::unkeyed()
         };
-        forward(up, &s.passthrough, Route::Passthrough, &parts, body, info).await
+        let workers = s.workers_now();
+        forward(
+            up,
+            &workers,
+            &s.passthrough,
+            Route::Passthrough,
+            &parts,
+            body,
+            info,
+        )
+        .await
     }
     .await;
     let labels = (s.passthrough.policy.name(), &*s.passthrough.name);

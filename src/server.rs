@@ -45,6 +45,7 @@ impl AppState {
             routing_config: Arc::new(arc_swap::ArcSwap::from_pointee(config.routing())),
             passthrough: Arc::new(Arm::new("passthrough", Arc::new(LeastConn::default()))),
             responses: Arc::new(crate::responses::Homes::new(crate::responses::REMEMBERED)),
+            here: crate::routes::Here::default(),
             upstreams: Arc::new(Upstreams {
                 pool,
                 client: http_client(&config),
@@ -240,7 +241,8 @@ pub async fn serve_state(
 /// connections in turn. A request then lives on one thread from the client's socket to the
 /// worker's and back: no work stealing, no cross-thread wake-ups. Policies, the pool and the
 /// metrics are shared; the series every request updates are kept per loop and summed when
-/// scraped (see `metrics::sharded`). The loops stop and drain together.
+/// scraped (see `metrics::sharded`), and each loop holds the state, the arms and the worker set
+/// through handles of its own (see `loop_copy`). The loops stop and drain together.
 pub async fn serve_state_on(
     listener: TcpListener,
     loops: usize,
@@ -262,7 +264,7 @@ pub async fn serve_state_on(
     let mut threads = Vec::new();
     for i in 1..loops.max(1) {
         let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-        let (state, limits) = (state.clone(), limits.clone());
+        let (state, limits) = (state.for_loop(), limits.clone());
         let thread = std::thread::Builder::new()
             .name(format!("kvroute-loop-{i}"))
             .spawn(move || {
@@ -298,7 +300,7 @@ pub async fn serve_state_on(
     let server = async {
         let accepted = crate::listener::serve_spread(
             listener,
-            gateway(state),
+            gateway(state.for_loop()),
             &limits,
             others,
             shutdown.clone(),

@@ -19,6 +19,7 @@ use crate::{
     admission::SlotFreed,
     config::{worker_name, WorkerConfig},
     error::ApiError,
+    loop_copy::LoopCopy,
     metrics::Metrics,
 };
 
@@ -309,6 +310,9 @@ impl Drop for InflightGuard {
     }
 }
 
+/// The workers of a pool at one moment.
+pub type WorkerSet = Vec<Arc<Worker>>;
+
 /// The current worker set, replaced as a whole.
 pub struct Pool {
     set: ArcSwap<Vec<Arc<Worker>>>,
@@ -465,6 +469,12 @@ impl Pool {
 
     pub fn snapshot(&self) -> Arc<Vec<Arc<Worker>>> {
         self.set.load_full()
+    }
+
+    /// The current workers through an event loop's handle on them ([`crate::loop_copy`]): what
+    /// a request holds while it is routed and answered.
+    pub fn snapshot_in(&self, copy: &LoopCopy<WorkerSet>) -> Arc<Arc<WorkerSet>> {
+        copy.get(&self.set)
     }
 
     pub fn replace(&self, workers: Vec<Arc<Worker>>) {

@@ -129,18 +129,19 @@ impl Route {
     }
 }
 
-/// Sends one request to the worker `policy` picks, retrying on another worker only when the
-/// connection was refused (nothing reached the worker), and returns the streaming response.
+/// Sends one request to the worker `arm`'s policy picks among `pool` (the pool's workers, as
+/// the request holds them), retrying on another worker only when the connection was refused
+/// (nothing reached the worker), and returns the streaming response.
 pub async fn forward(
     up: &Upstreams,
+    pool: &[Arc<Worker>],
     arm: &Arm,
     route: Route,
     parts: &http::request::Parts,
     body: Bytes,
     info: RequestInfo,
 ) -> Result<Response, ApiError> {
-    let snapshot = up.pool.snapshot();
-    let workers = eligible(&snapshot, info.model.as_deref())?;
+    let workers = eligible(pool, info.model.as_deref())?;
     send_among(up, arm, route, parts, body, info, &workers, true).await
 }
 
