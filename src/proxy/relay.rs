@@ -382,51 +382,63 @@ impl UsageRead {
     }
 }
 
-/// Each of a usage's counts that `data` holds whole.
+/// Each of a usage's counts that `data` holds whole: the number after the first occurrence of
+/// each name.
 fn counts_in(data: &[u8], names: UsageNames) -> Counts {
     // Built once: every frame of every answer is searched, and building a searcher costs more
     // than running it over a small frame.
-    static ANY: LazyLock<memmem::Finder<'static>> =
-        LazyLock::new(|| memmem::Finder::new(b"_tokens\""));
-    static PROMPT: LazyLock<memmem::Finder<'static>> =
-        LazyLock::new(|| memmem::Finder::new(b"\"prompt_tokens\""));
-    static CACHED: LazyLock<memmem::Finder<'static>> =
-        LazyLock::new(|| memmem::Finder::new(b"\"cached_tokens\""));
-    static COMPLETION: LazyLock<memmem::Finder<'static>> =
-        LazyLock::new(|| memmem::Finder::new(b"\"completion_tokens\""));
-    static INPUT: LazyLock<memmem::Finder<'static>> =
-        LazyLock::new(|| memmem::Finder::new(b"\"input_tokens\""));
-    static OUTPUT: LazyLock<memmem::Finder<'static>> =
-        LazyLock::new(|| memmem::Finder::new(b"\"output_tokens\""));
-    // Most frames of a stream are tokens without usage: one search tells them, as every name
-    // searched for ends the same way.
-    if ANY.find(data).is_none() {
-        return Counts::default();
-    }
-    let (prompt, completion) = match names {
-        UsageNames::Completions => (&*PROMPT, &*COMPLETION),
-        UsageNames::Responses => (&*INPUT, &*OUTPUT),
+    static ANY: LazyLock<memmem::Finder<'static>> = LazyLock::new(|| memmem::Finder::new(TOKENS));
+    const TOKENS: &[u8] = b"_tokens\"";
+    // Every name searched for ends the same way: one pass finds each ending, and what comes
+    // before it tells which name it ends. Most frames of a stream hold none.
+    let (prompt, completion): (&[u8], &[u8]) = match names {
+        UsageNames::Completions => (b"\"prompt", b"\"completion"),
+        UsageNames::Responses => (b"\"input", b"\"output"),
     };
-    Counts {
-        prompt: number_after(data, prompt),
-        cached: number_after(data, &CACHED),
-        completion: number_after(data, completion),
+    let mut counts = Counts::default();
+    // Which names were met: the first occurrence of each decides, found or not.
+    let mut met = [false; 3];
+    for at in ANY.find_iter(data) {
+        let before = &data[..at];
+        let which = if before.ends_with(prompt) {
+            0
+        } else if before.ends_with(b"\"cached") {
+            1
+        } else if before.ends_with(completion) {
+            2
+        } else {
+            continue;
+        };
+        if std::mem::replace(&mut met[which], true) {
+            continue;
+        }
+        let n = number_at(&data[at + TOKENS.len()..]);
+        match which {
+            0 => counts.prompt = n,
+            1 => counts.cached = n,
+            _ => counts.completion = n,
+        }
+        if met == [true; 3] {
+            break;
+        }
     }
+    counts
 }
 
-/// The number after `key` and a colon; none where the digits run to the end of `data`, which
-/// may have cut them.
-fn number_after(data: &[u8], key: &memmem::Finder<'_>) -> Option<u64> {
-    let at = key.find(data)? + key.needle().len();
-    let rest = data[at..]
+/// The number after a colon at the start of `rest`; none where the digits run to the end of
+/// `rest`, which may have cut them.
+fn number_at(rest: &[u8]) -> Option<u64> {
+    let rest = rest
         .trim_ascii_start()
         .strip_prefix(b":")?
         .trim_ascii_start();
     let digits = rest.iter().take_while(|b| b.is_ascii_digit()).count();
-    if digits == rest.len() {
+    if digits == 0 || digits == rest.len() {
         return None;
     }
-    std::str::from_utf8(&rest[..digits]).ok()?.parse().ok()
+    rest[..digits].iter().try_fold(0u64, |n, &d| {
+        n.checked_mul(10)?.checked_add(u64::from(d - b'0'))
+    })
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -669,6 +681,55 @@ mod tests {
             ..UsageRead::default()
         }
         .usage()
+    }
+
+    /// What [`counts_in`] must find, searched name by name: the number after the first
+    /// occurrence of each quoted name, then a colon; none where the digits reach the end.
+    fn counts_by_name(data: &[u8], names: UsageNames) -> Counts {
+        let after = |name: &str| -> Option<u64> {
+            let needle = format!("\"{name}_tokens\"");
+            let at = data
+                .windows(needle.len())
+                .position(|w| w == needle.as_bytes())?;
+            let rest = std::str::from_utf8(&data[at + needle.len()..]).ok()?;
+            let rest = rest.trim_start().strip_prefix(':')?.trim_start();
+            let digits = rest.len() - rest.trim_start_matches(|c: char| c.is_ascii_digit()).len();
+            if digits == rest.len() {
+                return None;
+            }
+            rest[..digits].parse().ok()
+        };
+        let (prompt, completion) = match names {
+            UsageNames::Completions => ("prompt", "completion"),
+            UsageNames::Responses => ("input", "output"),
+        };
+        Counts {
+            prompt: after(prompt),
+            cached: after("cached"),
+            completion: after(completion),
+        }
+    }
+
+    proptest::proptest! {
+        /// The one pass over a frame finds what a search for each name would: first occurrences,
+        /// names that only end like one, counts cut at the end, numbers too large, any spacing.
+        #[test]
+        fn one_pass_finds_each_count_as_a_search_by_name_would(
+            pieces in proptest::collection::vec(proptest::sample::select(vec![
+                "\"prompt_tokens\"", "\"cached_tokens\"", "\"completion_tokens\"",
+                "\"input_tokens\"", "\"output_tokens\"", "\"total_tokens\"", "_tokens\"",
+                "\"prompt", "prompt_tokens\"", ":", " ", "12", "0", "99999999999999999999",
+                ",", "{", "}", "null", "x",
+            ]), 0..24),
+            responses: bool,
+        ) {
+            let data = pieces.concat();
+            let names = if responses { UsageNames::Responses } else { UsageNames::Completions };
+            proptest::prop_assert_eq!(
+                counts_in(data.as_bytes(), names),
+                counts_by_name(data.as_bytes(), names)
+            );
+        }
     }
 
     /// The usage read from these frames in order.
