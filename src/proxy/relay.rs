@@ -391,22 +391,11 @@ fn counts_in(data: &[u8], names: UsageNames) -> Counts {
     const TOKENS: &[u8] = b"_tokens\"";
     // Every name searched for ends the same way: one pass finds each ending, and what comes
     // before it tells which name it ends. Most frames of a stream hold none.
-    let (prompt, completion): (&[u8], &[u8]) = match names {
-        UsageNames::Completions => (b"\"prompt", b"\"completion"),
-        UsageNames::Responses => (b"\"input", b"\"output"),
-    };
     let mut counts = Counts::default();
     // Which names were met: the first occurrence of each decides, found or not.
     let mut met = [false; 3];
     for at in ANY.find_iter(data) {
-        let before = &data[..at];
-        let which = if before.ends_with(prompt) {
-            0
-        } else if before.ends_with(b"\"cached") {
-            1
-        } else if before.ends_with(completion) {
-            2
-        } else {
+        let Some(which) = name_ending_at(&data[..at], names) else {
             continue;
         };
         if std::mem::replace(&mut met[which], true) {
@@ -423,6 +412,21 @@ fn counts_in(data: &[u8], names: UsageNames) -> Counts {
         }
     }
     counts
+}
+
+/// Which count's name `before` ends with (its opening quote included): 0 for the prompt's, 1 for
+/// the cached tokens', 2 for the completion's. Literal names, so that each comparison is a few
+/// loads rather than a call.
+fn name_ending_at(before: &[u8], names: UsageNames) -> Option<usize> {
+    let is = |name: &[u8]| before.ends_with(name);
+    match names {
+        UsageNames::Completions if is(b"\"prompt") => Some(0),
+        UsageNames::Completions if is(b"\"completion") => Some(2),
+        UsageNames::Responses if is(b"\"input") => Some(0),
+        UsageNames::Responses if is(b"\"output") => Some(2),
+        _ if is(b"\"cached") => Some(1),
+        _ => None,
+    }
 }
 
 /// The number after a colon at the start of `rest`; none where the digits run to the end of
