@@ -46,6 +46,11 @@ impl Drop for Setup {
 }
 
 async fn setup(tag: &str) -> Setup {
+    setup_on(tag, 1).await
+}
+
+/// [`setup`] with the gateway on `loops` event loops.
+async fn setup_on(tag: &str, loops: usize) -> Setup {
     let cancel = CancellationToken::new();
     let mut tasks = JoinSet::new();
     let sim_cfg = SimConfig {
@@ -69,7 +74,7 @@ async fn setup(tag: &str) -> Setup {
     tokio::spawn(kvroute::server::serve_reloading(
         listener,
         None,
-        1,
+        loops,
         config,
         Some(source),
         None,
@@ -179,4 +184,48 @@ async fn after_reloading_to_prefix_the_same_prompt_sticks_to_one_worker() {
         m.contains("kvroute_routing_decisions_total{arm=\"prefix\",outcome=\"preferred\",policy=\"prefix\"} 6"),
         "{m}"
     );
+}
+
+/// Each event loop holds the worker set through a handle of its own (`loop_copy`), which must not
+/// keep a worker that left the list: its series leave `/metrics` once its last request ended,
+/// though the loops serve no request after the reload to let go of the old set.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_taken_out_leaves_metrics_though_no_request_follows() {
+    let s = setup_on("reload3", 2).await;
+    let (gw, urls, path) = (s.gw, &s.urls, &s.path);
+    // Each request comes on a connection of its own, and the two loops are handed connections in
+    // turn: both loops route to both workers.
+    let mut seen = std::collections::HashSet::new();
+    for i in 0..8 {
+        seen.insert(worker_of(gw, &format!("prompt {i}")).await);
+    }
+    assert_eq!(seen.len(), 2, "round-robin used both workers: {seen:?}");
+    let first = worker_of(gw, "one more").await;
+    let second = seen.iter().find(|w| **w != first).unwrap().clone();
+    let gone = format!("worker=\"{second}\"");
+    assert!(common::metrics_text(gw).await.contains(&gone));
+
+    // Keep only the worker that served the last request.
+    let keep = urls
+        .iter()
+        .find(|u| u.ends_with(first.as_str()))
+        .expect("a worker without a name is named by its address");
+    std::fs::write(path, yaml("round_robin", std::slice::from_ref(keep))).unwrap();
+    let applied = "kvroute_config_reloads_total{result=\"applied\"}";
+    let limit = Duration::from_secs(5);
+    assert_eq!(wait_metric(gw, applied, 1.0, limit).await, Some(1.0));
+    // Scrapes go through the router, not the routing path: nothing here refreshes a loop's handle.
+    let deadline = tokio::time::Instant::now() + limit;
+    loop {
+        let m = common::metrics_text(gw).await;
+        if !m.contains(&gone) {
+            assert!(m.contains(&format!("worker=\"{first}\"")), "{m}");
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{second}'s series stayed after it left the list:\n{m}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }
