@@ -155,14 +155,14 @@ def start_upstream(d, port):
 """, 1)
 
 
-def start_kvroute(binary, up_port, admin=True, wrap=()):
-    """kvroute (its default policy) in front of the upstream on `up_port`, under `wrap` if given
-    (benches/instructions.py: valgrind): the process, its port, and its admin listener's port
-    (None without `admin`, or for a build without one)."""
+def start_kvroute(binary, up_port, admin=True, wrap=(), args=()):
+    """kvroute (its default policy, or what `args` to `serve` say) in front of the upstream on
+    `up_port`, under `wrap` if given (benches/instructions.py: valgrind): the process, its port,
+    and its admin listener's port (None without `admin`, or for a build without one)."""
     admin = admin and "--admin-listen" in subprocess.run(
         [binary, "serve", "--help"], capture_output=True, text=True).stdout
     p = subprocess.Popen(
-        [*wrap, binary, "serve", "--listen", "127.0.0.1:0", "--worker", f"http://127.0.0.1:{up_port}"]
+        [*wrap, binary, "serve", *args, "--listen", "127.0.0.1:0", "--worker", f"http://127.0.0.1:{up_port}"]
         + (["--admin-listen", "127.0.0.1:0"] if admin else []),
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env={**os.environ, "RUST_LOG": "error"},
     )
