@@ -387,17 +387,21 @@ def main():
             print(f"holding {a.streams} streams through {name}...", file=sys.stderr, flush=True)
             asyncio.run(_hold(port, a.streams, health, pids, before, name, a.health_probes, a.health_every))
     finally:
-        # SIGTERM: nginx's master stops its workers (SIGKILL would orphan them).
-        procs = [p for p in (kv, base, proxy, upstream) if p]
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-        subprocess.run(["pkill", "-f", d], stderr=subprocess.DEVNULL)
-        shutil.rmtree(d, ignore_errors=True)
+        stop_all([p for p in (kv, base, proxy, upstream) if p], d)
+
+
+def stop_all(procs, d):
+    """Stops the processes and anything left running from directory `d`, and removes `d`."""
+    # SIGTERM: nginx's master stops its workers (SIGKILL would orphan them).
+    for p in procs:
+        p.terminate()
+    for p in procs:
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+    subprocess.run(["pkill", "-f", d], stderr=subprocess.DEVNULL)
+    shutil.rmtree(d, ignore_errors=True)
 
 
 async def _hold(port, n, health, pids, before, name, probes, every):

@@ -15,9 +15,7 @@ per round.
 """
 import argparse
 import os
-import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 
@@ -82,16 +80,7 @@ def main():
                   f"{' '.join('%.2f' % x['user'] for x in rs)} | {' '.join('%.0f' % x['rps'] for x in rs)} | "
                   f"{sum(x['non2xx'] for x in rs)} |")
     finally:
-        for p, _, _ in procs.values():
-            p.terminate()
-        upstream.terminate()
-        for p in [p for p, _, _ in procs.values()] + [upstream]:
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-        subprocess.run(["pkill", "-f", d], stderr=subprocess.DEVNULL)
-        shutil.rmtree(d, ignore_errors=True)
+        o.stop_all([p for p, _, _ in procs.values()] + [upstream], d)
 
 
 if __name__ == "__main__":
