@@ -26,7 +26,11 @@ use http_body_util::{BodyExt, Full, Limited};
 use tokio::time::MissedTickBehavior;
 use tokio_util::sync::CancellationToken;
 
-use crate::{index::Restarts, proxy::Upstreams, workers::Worker};
+use crate::{
+    index::Restarts,
+    proxy::Upstreams,
+    workers::{HeldWorker, Worker},
+};
 
 /// Largest `/metrics` answer read; vLLM's is tens of kilobytes.
 const METRICS_LIMIT: usize = 4 << 20;
@@ -162,20 +166,21 @@ impl Load {
 /// worker's in-flight context until dropped.
 #[derive(Debug)]
 pub struct RequestLoad {
-    worker: Arc<Worker>,
+    worker: HeldWorker,
     tokens: u64,
     context: u64,
 }
 
 impl RequestLoad {
-    pub fn new(worker: &Arc<Worker>, tokens: u64, context: u64) -> Self {
+    pub fn new(worker: impl Into<HeldWorker>, tokens: u64, context: u64) -> Self {
+        let worker = worker.into();
         let load = &worker.load;
         if load.pending_prefill.fetch_add(tokens, Ordering::Relaxed) == 0 && tokens > 0 {
             worker.steps.sent(now_us());
         }
         load.context_tokens.fetch_add(context, Ordering::Relaxed);
         Self {
-            worker: Arc::clone(worker),
+            worker,
             tokens,
             context,
         }

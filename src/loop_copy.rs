@@ -22,6 +22,10 @@ use std::sync::{Arc, Weak};
 use arc_swap::ArcSwap;
 use parking_lot::Mutex;
 
+/// A snapshot as one event loop's requests hold it: an `Arc` of that loop's own around the
+/// shared one (see the module docs).
+pub type Handle<T> = Arc<Arc<T>>;
+
 /// One event loop's handle on the current snapshot of an `ArcSwap<T>` (see the module docs).
 pub struct LoopCopy<T> {
     /// The handle the loop's requests hold now, while any does.
@@ -39,7 +43,7 @@ impl<T> Default for LoopCopy<T> {
 impl<T> LoopCopy<T> {
     /// The current snapshot of `source`, through this loop's handle: the one its requests hold
     /// while it is still current, or a new one.
-    pub fn get(&self, source: &ArcSwap<T>) -> Arc<Arc<T>> {
+    pub fn get(&self, source: &ArcSwap<T>) -> Handle<T> {
         let now = source.load();
         let mut held = self.held.lock();
         if let Some(handle) = held.upgrade() {

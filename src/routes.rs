@@ -15,8 +15,8 @@ use http_body_util::{BodyExt, LengthLimitError, Limited};
 use crate::{
     config::RoutingConfig,
     error::{error_response, ApiError},
-    loop_copy::LoopCopy,
-    policy::arms::{Arm, Arms},
+    loop_copy::{Handle, LoopCopy},
+    policy::arms::{Arms, HeldArm},
     proxy::{forward, forward_to, Route, Upstreams, WORKER_HEADER},
     responses,
     routing_key::{self, PromptField, RequestInfo},
@@ -40,7 +40,7 @@ impl AppState {
             upstreams: Arc::clone(&self.upstreams),
             arms: Arc::clone(&self.arms),
             routing_config: Arc::clone(&self.routing_config),
-            passthrough: Arc::clone(&self.passthrough),
+            passthrough: self.passthrough.for_loop(),
             resolver: Arc::clone(&self.resolver),
             responses: Arc::clone(&self.responses),
             here: Here::default(),
@@ -64,7 +64,7 @@ pub struct Shared {
     /// The config the current arms were built from (what a reload compares against).
     pub routing_config: Arc<arc_swap::ArcSwap<RoutingConfig>>,
     /// Picks the worker for paths that carry no prompt.
-    pub passthrough: Arc<Arm>,
+    pub passthrough: HeldArm,
     /// Name resolution for `dns` discovery (replaceable in tests).
     pub resolver: Arc<dyn crate::discovery::Resolve>,
     /// Which worker holds each stored Responses API response this gateway has seen.
@@ -82,12 +82,12 @@ pub struct Here {
 
 impl Shared {
     /// The current arms, held for a request.
-    pub fn arms_now(&self) -> Arc<Arc<Arms>> {
+    pub fn arms_now(&self) -> Handle<Arms> {
         self.here.arms.get(&self.arms)
     }
 
     /// The current workers, held for a request.
-    pub fn workers_now(&self) -> Arc<Arc<WorkerSet>> {
+    pub fn workers_now(&self) -> Handle<WorkerSet> {
         self.upstreams.pool.snapshot_in(&self.here.workers)
     }
 }
@@ -139,8 +139,8 @@ async fn routed(s: AppState, route: Route, field: PromptField, req: Request) -> 
         Ok(x) => x,
         Err(e) => return respond(&s, route, arms.unpicked_labels(), Err(e)),
     };
-    let arm = arms.pick(&parts.headers, &info);
-    let result = forward(up, &s.workers_now(), arm, route, &parts, body, info).await;
+    let arm = Arms::pick_held(&arms, &parts.headers, &info);
+    let result = forward(up, &s.workers_now(), &arm, route, &parts, body, info).await;
     respond(&s, route, (arm.policy.name(), &arm.name), result)
 }
 
@@ -156,6 +156,8 @@ pub async fn responses_create(State(s): State<AppState>, req: Request) -> Respon
         Ok(b) => b,
         Err(e) => return respond(&s, Route::Responses, arms.unpicked_labels(), Err(e)),
     };
+    // Outside the match: the labels borrow from it.
+    let arm: HeldArm;
     let (labels, result) = match responses::previous_response_id(&body) {
         Some(id) => {
             let info = RequestInfo {
@@ -167,9 +169,10 @@ pub async fn responses_create(State(s): State<AppState>, req: Request) -> Respon
         }
         None => match key(up, &body, PromptField::Input).await {
             Ok(info) => {
-                let arm = arms.pick(&parts.headers, &info);
+                arm = Arms::pick_held(&arms, &parts.headers, &info);
                 let workers = s.workers_now();
-                let result = forward(up, &workers, arm, Route::Responses, &parts, body, info).await;
+                let result =
+                    forward(up, &workers, &arm, Route::Responses, &parts, body, info).await;
                 ((arm.policy.name(), &*arm.name), result)
             }
             Err(e) => (arms.unpicked_labels(), Err(e)),
@@ -231,7 +234,19 @@ async fn follow(
         .with_label_values(&[how])
         .inc();
     match home {
-        Some(home) => forward_to(up, &s.passthrough, route, parts, body, info, home).await,
+        Some(home) => {
+            forward_to(
+                up,
+                &s.passthrough,
+                route,
+                parts,
+                body,
+                info,
+                &snapshot,
+                home,
+            )
+            .await
+        }
         None => forward(up, &snapshot, &s.passthrough, route, parts, body, info).await,
     }
 }

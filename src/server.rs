@@ -14,7 +14,7 @@ use crate::{
     config::Config,
     metrics::Metrics,
     policy::{
-        arms::{Arm, Arms},
+        arms::{Arm, Arms, HeldArm},
         LeastConn,
     },
     proxy::{http_client, Upstreams},
@@ -43,7 +43,7 @@ impl AppState {
                 config.ab.as_ref(),
             ))),
             routing_config: Arc::new(arc_swap::ArcSwap::from_pointee(config.routing())),
-            passthrough: Arc::new(Arm::new("passthrough", Arc::new(LeastConn::default()))),
+            passthrough: HeldArm::only(Arm::new("passthrough", Arc::new(LeastConn::default()))),
             responses: Arc::new(crate::responses::Homes::new(crate::responses::REMEMBERED)),
             here: crate::routes::Here::default(),
             upstreams: Arc::new(Upstreams {

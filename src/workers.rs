@@ -19,7 +19,7 @@ use crate::{
     admission::SlotFreed,
     config::{worker_name, WorkerConfig},
     error::ApiError,
-    loop_copy::LoopCopy,
+    loop_copy::{Handle, LoopCopy},
     metrics::Metrics,
 };
 
@@ -184,8 +184,16 @@ impl Worker {
     }
 
     /// The series this worker's requests update under the arm `arm` of policy `policy`.
-    pub fn series(&self, policy: &'static str, arm: &str) -> Arc<crate::metrics::WorkerSeries> {
-        self.series.get(&self.metrics, policy, arm, &self.name)
+    /// Its series under `arm`, as a request holds them ([`Worker::series_at`] reads them).
+    pub fn series(&self, policy: &'static str, arm: &str) -> crate::metrics::SeriesRef {
+        self.series.pick(&self.metrics, policy, arm, &self.name)
+    }
+
+    pub fn series_at<'a>(
+        &'a self,
+        r: &'a crate::metrics::SeriesRef,
+    ) -> &'a crate::metrics::WorkerSeries {
+        self.series.at(r)
     }
 
     pub fn inflight(&self) -> usize {
@@ -265,6 +273,47 @@ impl Worker {
 
     /// Like [`Worker::acquire`], unless `cap` (0: none) requests are already in flight.
     pub fn try_acquire(self: &Arc<Self>, cap: usize) -> Option<InflightGuard> {
+        HeldWorker::Alone(Arc::clone(self)).try_acquire(cap)
+    }
+
+    /// Counts one request in flight on `self` until the guard drops.
+    pub fn acquire(self: &Arc<Self>) -> InflightGuard {
+        HeldWorker::Alone(Arc::clone(self)).acquire()
+    }
+}
+
+/// A worker that a request holds until it ends.
+///
+/// Holding a worker through its own `Arc` writes the worker's reference count twice a request,
+/// and with an event loop per core that count's cache line moves between cores on most requests
+/// ([`crate::loop_copy`]). A worker of the set the request was routed among is held instead
+/// through the event loop's handle on that set, a count only that loop writes.
+#[derive(Clone, Debug)]
+pub enum HeldWorker {
+    /// `set[index]`, the set through its event loop's handle.
+    InSet(Handle<WorkerSet>, usize),
+    /// A worker held on its own (one no longer in the set, or outside any request's set).
+    Alone(Arc<Worker>),
+}
+
+impl HeldWorker {
+    /// Holds `worker` through `set` when it is in it, on its own otherwise.
+    pub fn of(set: &Handle<WorkerSet>, worker: &Arc<Worker>) -> Self {
+        match set.iter().position(|w| Arc::ptr_eq(w, worker)) {
+            Some(i) => HeldWorker::InSet(Arc::clone(set), i),
+            None => HeldWorker::Alone(Arc::clone(worker)),
+        }
+    }
+
+    pub fn arc(&self) -> &Arc<Worker> {
+        match self {
+            HeldWorker::InSet(set, i) => &set[*i],
+            HeldWorker::Alone(w) => w,
+        }
+    }
+
+    /// Like [`HeldWorker::acquire`], unless `cap` (0: none) requests are already in flight.
+    pub fn try_acquire(self, cap: usize) -> Option<InflightGuard> {
         if cap > 0 {
             self.inflight
                 .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| {
@@ -275,29 +324,44 @@ impl Worker {
             self.inflight.fetch_add(1, Ordering::Relaxed);
         }
         self.inflight_gauge.inc();
-        Some(InflightGuard {
-            worker: Arc::clone(self),
-        })
+        Some(InflightGuard { worker: self })
     }
 
-    /// Counts one request in flight on `self` until the guard drops.
-    pub fn acquire(self: &Arc<Self>) -> InflightGuard {
+    /// Counts one request in flight on the worker until the guard drops.
+    pub fn acquire(self) -> InflightGuard {
         self.inflight.fetch_add(1, Ordering::Relaxed);
         self.inflight_gauge.inc();
-        InflightGuard {
-            worker: Arc::clone(self),
-        }
+        InflightGuard { worker: self }
+    }
+}
+
+impl std::ops::Deref for HeldWorker {
+    type Target = Worker;
+
+    fn deref(&self) -> &Worker {
+        self.arc()
+    }
+}
+
+impl From<&Arc<Worker>> for HeldWorker {
+    fn from(w: &Arc<Worker>) -> Self {
+        HeldWorker::Alone(Arc::clone(w))
     }
 }
 
 /// Holds one in-flight slot on a worker; releasing happens exactly once, on drop.
 #[derive(Debug)]
 pub struct InflightGuard {
-    worker: Arc<Worker>,
+    worker: HeldWorker,
 }
 
 impl InflightGuard {
     pub fn worker(&self) -> &Arc<Worker> {
+        self.worker.arc()
+    }
+
+    /// The worker, as the request holds it.
+    pub fn held(&self) -> &HeldWorker {
         &self.worker
     }
 }
@@ -473,7 +537,7 @@ impl Pool {
 
     /// The current workers through an event loop's handle on them ([`crate::loop_copy`]): what
     /// a request holds while it is routed and answered.
-    pub fn snapshot_in(&self, copy: &LoopCopy<WorkerSet>) -> Arc<Arc<WorkerSet>> {
+    pub fn snapshot_in(&self, copy: &LoopCopy<WorkerSet>) -> Handle<WorkerSet> {
         copy.get(&self.set)
     }
 
@@ -534,6 +598,41 @@ mod tests {
         drop(g2);
         assert_eq!(w.inflight(), 0);
         assert_eq!(w.inflight_gauge.get(), 0);
+    }
+
+    #[test]
+    fn a_worker_of_the_set_is_held_through_the_set_and_kept_after_it_is_replaced() {
+        let pool = Pool::new(test_workers(2));
+        let copy = LoopCopy::default();
+        let set = pool.snapshot_in(&copy);
+        let second = Arc::clone(&set[1]);
+        let counted = Arc::strong_count(&second);
+        let slots: Vec<_> = (0..3)
+            .map(|_| HeldWorker::of(&set, &second).acquire())
+            .collect();
+        assert!(matches!(slots[0].held(), HeldWorker::InSet(_, 1)));
+        assert_eq!(
+            Arc::strong_count(&second),
+            counted,
+            "the worker's own count is not written"
+        );
+        assert_eq!(second.inflight(), 3);
+        // The set is replaced and the loop's handle dropped: the slots still hold the worker.
+        pool.replace(test_workers(1));
+        drop(set);
+        let weak = Arc::downgrade(&second);
+        drop(second);
+        assert!(weak.upgrade().is_some(), "held by the requests' slots");
+        assert_eq!(slots[2].worker().inflight(), 3);
+        drop(slots);
+        assert!(weak.upgrade().is_none(), "released with the last slot");
+
+        // A worker outside the set is held on its own.
+        let set = pool.snapshot_in(&copy);
+        let outside = test_workers(1).remove(0);
+        let slot = HeldWorker::of(&set, &outside).acquire();
+        assert!(Arc::ptr_eq(slot.worker(), &outside));
+        assert_eq!(Arc::strong_count(&outside), 2);
     }
 
     #[tokio::test(start_paused = true)]
@@ -723,5 +822,26 @@ mod series_tests {
         let text = metrics.render();
         assert!(!text.contains(r#"worker="b:1""#), "{text}");
         assert!(text.contains(r#"worker="a:1""#));
+    }
+
+    #[test]
+    fn each_arm_has_its_series_and_the_first_arms_are_read_through_the_worker() {
+        use crate::metrics::SeriesRef;
+        let w = test_workers(1).remove(0);
+        let first = w.series("prefix", "a");
+        let other = w.series("round_robin", "b");
+        assert!(matches!(first, SeriesRef::First));
+        let SeriesRef::Other(b) = &other else {
+            panic!("a second arm's series is held by its own count");
+        };
+        assert_eq!(&*b.arm, "b");
+        assert_eq!(&*w.series_at(&first).arm, "a");
+        assert_eq!(w.series_at(&first).policy, "prefix");
+        // The same arm again is the same series.
+        assert!(matches!(w.series("prefix", "a"), SeriesRef::First));
+        let SeriesRef::Other(again) = w.series("round_robin", "b") else {
+            panic!("the second arm's series again");
+        };
+        assert!(Arc::ptr_eq(b, &again));
     }
 }

@@ -699,7 +699,41 @@ impl std::fmt::Debug for SeriesByArm {
     }
 }
 
+/// Which of a worker's [`WorkerSeries`] a request counts in. The first arm's is read through the
+/// worker, which holds it: a request that held it by its own `Arc` would write the count that
+/// every event loop's requests write ([`crate::loop_copy`]).
+pub enum SeriesRef {
+    First,
+    Other(Arc<WorkerSeries>),
+}
+
 impl SeriesByArm {
+    /// The series of `(policy, arm)`, made on first use, as a request holds it.
+    pub fn pick(
+        &self,
+        metrics: &Metrics,
+        policy: &'static str,
+        arm: &str,
+        worker: &str,
+    ) -> SeriesRef {
+        let series = self.get(metrics, policy, arm, worker);
+        match self.first.get() {
+            Some(first) if Arc::ptr_eq(first, &series) => SeriesRef::First,
+            _ => SeriesRef::Other(series),
+        }
+    }
+
+    /// The series `r` names, which [`SeriesByArm::pick`] gave.
+    pub fn at<'a>(&'a self, r: &'a SeriesRef) -> &'a WorkerSeries {
+        match r {
+            SeriesRef::Other(s) => s,
+            SeriesRef::First => self
+                .first
+                .get()
+                .expect("a SeriesRef::First comes from a set first series, which stays set"),
+        }
+    }
+
     pub fn get(
         &self,
         metrics: &Metrics,

@@ -14,6 +14,7 @@ use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 use super::{build, Policy};
 use crate::config::{AbConfig, PolicyConfig};
+use crate::loop_copy::Handle;
 use crate::routing_key::RequestInfo;
 
 /// Response header naming the arm that routed the request.
@@ -91,22 +92,44 @@ impl Arms {
         }
     }
 
+    /// Arms of one arm, `arm`.
+    pub fn single(arm: Arm) -> Self {
+        Self {
+            arms: vec![arm],
+            total: 1.0,
+            header: None,
+        }
+    }
+
     pub fn pick(&self, headers: &HeaderMap, info: &RequestInfo) -> &Arm {
+        &self.arms[self.pick_index(headers, info)]
+    }
+
+    /// The arm a request holds until it ends, picked as [`Arms::pick`] does, held through `arms`
+    /// (an event loop's handle on the arms).
+    pub fn pick_held(arms: &Handle<Arms>, headers: &HeaderMap, info: &RequestInfo) -> HeldArm {
+        HeldArm {
+            index: arms.pick_index(headers, info),
+            arms: Arc::clone(arms),
+        }
+    }
+
+    fn pick_index(&self, headers: &HeaderMap, info: &RequestInfo) -> usize {
         if self.arms.len() == 1 {
-            return &self.arms[0];
+            return 0;
         }
         let key = match self.header.as_ref().and_then(|h| headers.get(h)) {
             Some(v) => xxh3_64_with_seed(v.as_bytes(), ARM_SEED),
             None => xxh3_64_with_seed(&info.key_at_depth(1).unwrap_or(0).to_le_bytes(), ARM_SEED),
         };
         let mut x = (key >> 11) as f64 / (1u64 << 53) as f64 * self.total;
-        for arm in &self.arms {
+        for (i, arm) in self.arms.iter().enumerate() {
             x -= arm.weight;
             if x < 0.0 {
-                return arm;
+                return i;
             }
         }
-        &self.arms[self.arms.len() - 1]
+        self.arms.len() - 1
     }
 
     pub fn iter(&self) -> impl Iterator<Item = &Arm> {
@@ -131,6 +154,43 @@ impl Arms {
             .map(|a| format!("{}={}:{}", a.name, a.policy.name(), a.weight))
             .collect::<Vec<_>>()
             .join(", ")
+    }
+}
+
+/// An arm that a request holds until its answer ends (what its policy learns from is told then).
+///
+/// Held through an event loop's handle on the arms, whose count only that loop writes: a clone
+/// of the policy's own `Arc` would write a count that every loop's requests write
+/// ([`crate::loop_copy`]).
+#[derive(Clone)]
+pub struct HeldArm {
+    arms: Handle<Arms>,
+    index: usize,
+}
+
+impl HeldArm {
+    /// The only arm of `arms`, held through a handle of its own.
+    pub fn only(arm: Arm) -> Self {
+        Self {
+            arms: Arc::new(Arc::new(Arms::single(arm))),
+            index: 0,
+        }
+    }
+
+    /// The same arm through a handle for one more event loop.
+    pub fn for_loop(&self) -> Self {
+        Self {
+            arms: Arc::new(Arc::clone(&*self.arms)),
+            index: self.index,
+        }
+    }
+}
+
+impl std::ops::Deref for HeldArm {
+    type Target = Arm;
+
+    fn deref(&self) -> &Arm {
+        &self.arms.arms[self.index]
     }
 }
 

@@ -33,11 +33,12 @@ use crate::{
     config::Config,
     error::ApiError,
     load::RequestLoad,
+    loop_copy::Handle,
     metrics::Metrics,
-    policy::arms::Arm,
+    policy::arms::{Arm, HeldArm},
     policy::Selection,
     routing_key::RequestInfo,
-    workers::{eligible, InflightGuard, Pool, Worker},
+    workers::{eligible, HeldWorker, InflightGuard, Pool, Worker, WorkerSet},
 };
 
 /// Response header naming the worker that served the request.
@@ -130,48 +131,50 @@ impl Route {
 }
 
 /// Sends one request to the worker `arm`'s policy picks among `pool` (the pool's workers, as
-/// the request holds them), retrying on another worker only when the connection was refused
-/// (nothing reached the worker), and returns the streaming response.
+/// the request's event loop holds them), retrying on another worker only when the connection
+/// was refused (nothing reached the worker), and returns the streaming response.
 pub async fn forward(
     up: &Upstreams,
-    pool: &[Arc<Worker>],
-    arm: &Arm,
+    pool: &Handle<WorkerSet>,
+    arm: &HeldArm,
     route: Route,
     parts: &http::request::Parts,
     body: Bytes,
     info: RequestInfo,
 ) -> Result<Response, ApiError> {
     let workers = eligible(pool, info.model.as_deref())?;
-    send_among(up, arm, route, parts, body, info, &workers, true).await
+    send_among(up, arm, route, parts, body, info, (pool, &workers), true).await
 }
 
 /// [`forward`] to `worker` alone (where a stored response lives), with the same admission,
 /// accounting and health as any request; `arm`'s decision is not counted, since nothing was
 /// chosen. 503 when that worker is known down, 502 when it does not answer: never another.
+#[allow(clippy::too_many_arguments)]
 pub async fn forward_to(
     up: &Upstreams,
-    arm: &Arm,
+    arm: &HeldArm,
     route: Route,
     parts: &http::request::Parts,
     body: Bytes,
     info: RequestInfo,
+    pool: &Handle<WorkerSet>,
     worker: &Arc<Worker>,
 ) -> Result<Response, ApiError> {
     let only = std::slice::from_ref(worker);
-    send_among(up, arm, route, parts, body, info, only, false).await
+    send_among(up, arm, route, parts, body, info, (pool, only), false).await
 }
 
-/// Sends the request to the worker `arm`'s policy picks among `workers` (counting its decision
-/// when `decided`), as [`forward`] describes.
+/// Sends the request to the worker `arm`'s policy picks among `workers`, some of `pool`
+/// (counting its decision when `decided`), as [`forward`] describes.
 #[allow(clippy::too_many_arguments)]
 async fn send_among(
     up: &Upstreams,
-    arm: &Arm,
+    arm: &HeldArm,
     route: Route,
     parts: &http::request::Parts,
     body: Bytes,
     info: RequestInfo,
-    workers: &[Arc<Worker>],
+    (pool, workers): (&Handle<WorkerSet>, &[Arc<Worker>]),
     decided: bool,
 ) -> Result<Response, ApiError> {
     let started = Instant::now();
@@ -185,7 +188,7 @@ async fn send_among(
             open,
             selection,
             slot,
-        }) = choose(up, arm, workers, &info, &mut lost).await?
+        }) = choose(up, arm, (pool, workers), &info, &mut lost).await?
         else {
             return Err(last_error);
         };
@@ -193,7 +196,7 @@ async fn send_among(
             arm.count_decision(&up.metrics, selection.outcome);
         }
         let worker = &open[selection.index];
-        let tracker = tracker(arm, route, worker, slot, selection, &info, started);
+        let tracker = tracker(arm, route, slot, selection, &info, started);
         let request = Outgoing {
             parts,
             body: body.clone(),
@@ -232,7 +235,7 @@ struct Choice<'w> {
 async fn choose<'w>(
     up: &Upstreams,
     arm: &Arm,
-    workers: &'w [Arc<Worker>],
+    (pool, workers): (&Handle<WorkerSet>, &'w [Arc<Worker>]),
     info: &RequestInfo,
     lost: &mut usize,
 ) -> Result<Option<Choice<'w>>, ApiError> {
@@ -257,7 +260,8 @@ async fn choose<'w>(
             return Ok(None);
         };
         // Taken before anything else is counted, so the cap holds under concurrent choices.
-        if let Some(slot) = open[selection.index].try_acquire(cap) {
+        let held = HeldWorker::of(pool, &open[selection.index]);
+        if let Some(slot) = held.try_acquire(cap) {
             return Ok(Some(Choice {
                 open,
                 selection,
@@ -278,21 +282,21 @@ async fn choose<'w>(
 /// The request's accounting on the chosen worker, with what the policy learns from when the
 /// request ends.
 fn tracker(
-    arm: &Arm,
+    arm: &HeldArm,
     route: Route,
-    worker: &Arc<Worker>,
     slot: InflightGuard,
     selection: Selection,
     info: &Arc<RequestInfo>,
     started: Instant,
 ) -> Tracker {
     let policy = arm.policy.as_ref();
+    let worker = slot.worker();
     let feedback = policy.learns().then(|| Feedback {
-        policy: Arc::clone(&arm.policy),
+        arm: arm.clone(),
         info: Arc::clone(info),
         selection,
         load: RequestLoad::new(
-            worker,
+            slot.held().clone(),
             selection.prediction.map_or(0, |p| u64::from(p.uncached())),
             selection
                 .prediction

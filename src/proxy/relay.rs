@@ -23,8 +23,11 @@ use tokio::time::{Instant, Sleep};
 use super::{http1::UpstreamBody, strip_hop_by_hop, Route, WORKER_HEADER};
 use crate::{
     load::RequestLoad,
-    metrics::{Metrics, WorkerSeries},
-    policy::{arms::ARM_HEADER, Observed, Policy, Selection, Usage},
+    metrics::{Metrics, SeriesRef, WorkerSeries},
+    policy::{
+        arms::{HeldArm, ARM_HEADER},
+        Observed, Selection, Usage,
+    },
     routing_key::RequestInfo,
     workers::InflightGuard,
 };
@@ -38,7 +41,8 @@ pub(super) enum Phase {
 
 /// What a learning policy needs back from one request.
 pub(super) struct Feedback {
-    pub policy: Arc<dyn Policy>,
+    /// The request's arm, whose policy learns from how it ended.
+    pub arm: HeldArm,
     pub info: Arc<RequestInfo>,
     pub selection: Selection,
     /// This request's share of the worker's load: its uncached prompt tokens in the pending
@@ -58,7 +62,7 @@ pub(super) struct Feedback {
 pub(super) struct Tracker {
     pub slot: InflightGuard,
     /// The worker's series under this request's arm (with the `policy` and `arm` labels).
-    pub series: Arc<WorkerSeries>,
+    pub series: SeriesRef,
     pub started: Instant,
     pub phase: Phase,
     pub feedback: Option<Feedback>,
@@ -67,6 +71,10 @@ pub(super) struct Tracker {
 impl Tracker {
     fn worker(&self) -> &str {
         &self.slot.worker().name
+    }
+
+    fn series(&self) -> &WorkerSeries {
+        self.slot.worker().series_at(&self.series)
     }
 
     /// The gateway's metrics, reached through the worker rather than a clone of their `Arc` of
@@ -100,7 +108,7 @@ impl Tracker {
         let (mut parts, incoming) = resp.into_parts();
         // Borrowed, not cloned: their reference counts are shared by every event loop.
         let worker = self.slot.worker();
-        let series = &self.series;
+        let series = worker.series_at(&self.series);
         series.ttfb.observe(self.started.elapsed().as_secs_f64());
         series.count_request(&worker.metrics, route, parts.status);
         if let Some(f) = &mut self.feedback {
@@ -180,7 +188,7 @@ impl Tracker {
             (false, _) => Observed::Answered(None),
         };
         let worker = self.slot.worker();
-        f.policy.observe(worker, &f.info, &f.selection, result);
+        f.arm.policy.observe(worker, &f.info, &f.selection, result);
         let (
             Some(p),
             Observed::Answered(Some(Usage {
@@ -192,7 +200,8 @@ impl Tracker {
             return;
         };
         let predicted = u64::from(p.cached_tokens);
-        self.series.count_cached(self.metrics(), predicted, cached);
+        self.series()
+            .count_cached(self.metrics(), predicted, cached);
         // Within a tenth of the prompt (the gateway's blocks and the worker's differ) is right.
         let slack = u64::from(p.prompt_tokens / 10).max(16);
         let verdict = if predicted > cached + slack {
@@ -202,7 +211,7 @@ impl Tracker {
         } else {
             "close"
         };
-        self.series.count_verdict(self.metrics(), verdict);
+        self.series().count_verdict(self.metrics(), verdict);
     }
 }
 
@@ -225,7 +234,7 @@ impl Drop for Tracker {
             tracing::debug!(worker = %self.worker(), phase, "client went away; upstream request dropped");
         }
         self.settle_feedback();
-        self.series
+        self.series()
             .duration
             .observe(self.started.elapsed().as_secs_f64());
     }
@@ -640,14 +649,17 @@ mod tests {
             matched_blocks: 0,
             fresh: false,
         };
-        let policy: Arc<dyn Policy> = Arc::new(crate::policy::CacheAware::new(Default::default()));
+        let arm = HeldArm::only(crate::policy::arms::Arm::new(
+            "default",
+            Arc::new(crate::policy::CacheAware::new(Default::default())),
+        ));
         let mut tracker = Tracker {
             slot: worker.acquire(),
-            series: worker.series(policy.name(), "default"),
+            series: worker.series(arm.policy.name(), "default"),
             started: Instant::now(),
             phase: Phase::Streaming,
             feedback: Some(Feedback {
-                policy,
+                arm,
                 info: Arc::new(RequestInfo::unkeyed()),
                 selection: Selection {
                     prediction: Some(prediction),
