@@ -16,8 +16,16 @@
 //! copy holds its handle weakly: once the loop's last request with it ends, the snapshot is
 //! released as it was before, so a worker taken out of the pool is dropped (its series removed
 //! from `/metrics`) when its last request ends, whether or not that loop sees another.
+//!
+//! What a request holds until its answer ends goes the same way: its arm, through the loop's
+//! handle on the arms (`HeldArm`), and its worker, through the loop's handle on that worker, kept
+//! beside the worker set (`LoopSet`). A request holds its own worker and not the set, so a worker
+//! taken out of the pool is not kept by the streams that other workers serve.
 
-use std::sync::{Arc, Weak};
+use std::{
+    marker::PhantomData,
+    sync::{Arc, Weak},
+};
 
 use arc_swap::ArcSwap;
 use parking_lot::Mutex;
@@ -26,32 +34,46 @@ use parking_lot::Mutex;
 /// shared one (see the module docs).
 pub type Handle<T> = Arc<Arc<T>>;
 
-/// One event loop's handle on the current snapshot of an `ArcSwap<T>` (see the module docs).
-pub struct LoopCopy<T> {
-    /// The handle the loop's requests hold now, while any does.
-    held: Mutex<Weak<Arc<T>>>,
+/// What a loop's handle holds: the shared snapshot, and whatever the loop keeps beside it.
+pub trait Local<T>: From<Arc<T>> {
+    fn shared(&self) -> &Arc<T>;
 }
 
-impl<T> Default for LoopCopy<T> {
+impl<T> Local<T> for Arc<T> {
+    fn shared(&self) -> &Arc<T> {
+        self
+    }
+}
+
+/// One event loop's handle on the current snapshot of an `ArcSwap<T>` (see the module docs),
+/// held as an `L` (by default the snapshot's `Arc` alone).
+pub struct LoopCopy<T, L = Arc<T>> {
+    /// The handle the loop's requests hold now, while any does.
+    held: Mutex<Weak<L>>,
+    _of: PhantomData<fn() -> T>,
+}
+
+impl<T, L> Default for LoopCopy<T, L> {
     fn default() -> Self {
         Self {
             held: Mutex::new(Weak::new()),
+            _of: PhantomData,
         }
     }
 }
 
-impl<T> LoopCopy<T> {
+impl<T, L: Local<T>> LoopCopy<T, L> {
     /// The current snapshot of `source`, through this loop's handle: the one its requests hold
     /// while it is still current, or a new one.
-    pub fn get(&self, source: &ArcSwap<T>) -> Handle<T> {
+    pub fn get(&self, source: &ArcSwap<T>) -> Arc<L> {
         let now = source.load();
         let mut held = self.held.lock();
         if let Some(handle) = held.upgrade() {
-            if Arc::ptr_eq(&*handle, &*now) {
+            if Arc::ptr_eq(L::shared(&handle), &now) {
                 return handle;
             }
         }
-        let handle = Arc::new(arc_swap::Guard::into_inner(now));
+        let handle = Arc::new(L::from(arc_swap::Guard::into_inner(now)));
         *held = Arc::downgrade(&handle);
         handle
     }
@@ -64,7 +86,7 @@ mod tests {
     #[test]
     fn hands_out_one_handle_while_held_and_the_new_snapshot_after_a_swap() {
         let source = ArcSwap::from_pointee(1u32);
-        let copy = LoopCopy::default();
+        let copy: LoopCopy<u32> = LoopCopy::default();
         let a = copy.get(&source);
         let b = copy.get(&source);
         assert!(
@@ -85,7 +107,7 @@ mod tests {
     fn releases_the_snapshot_when_its_last_request_ends() {
         let first = Arc::new(1u32);
         let source = ArcSwap::new(Arc::clone(&first));
-        let copy = LoopCopy::default();
+        let copy: LoopCopy<u32> = LoopCopy::default();
         let held = copy.get(&source);
         source.store(Arc::new(2));
         assert_eq!(Arc::strong_count(&first), 2, "held by the request");

@@ -20,7 +20,7 @@ use crate::{
     proxy::{forward, forward_to, Route, Upstreams, WORKER_HEADER},
     responses,
     routing_key::{self, PromptField, RequestInfo},
-    workers::WorkerSet,
+    workers::{LoopSet, WorkerSet},
 };
 
 /// Shared state of the handlers; every request clones it, so it is one reference count.
@@ -77,7 +77,7 @@ pub struct Shared {
 #[derive(Default)]
 pub struct Here {
     arms: LoopCopy<Arms>,
-    workers: LoopCopy<WorkerSet>,
+    workers: LoopCopy<WorkerSet, LoopSet>,
 }
 
 impl Shared {
@@ -87,7 +87,7 @@ impl Shared {
     }
 
     /// The current workers, held for a request.
-    pub fn workers_now(&self) -> Handle<WorkerSet> {
+    pub fn workers_now(&self) -> Arc<LoopSet> {
         self.upstreams.pool.snapshot_in(&self.here.workers)
     }
 }

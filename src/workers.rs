@@ -5,7 +5,7 @@ use std::{
     borrow::Cow,
     sync::{
         atomic::{AtomicU32, AtomicU64, AtomicU8, AtomicUsize, Ordering},
-        Arc,
+        Arc, Weak,
     },
     time::Duration,
 };
@@ -19,7 +19,7 @@ use crate::{
     admission::SlotFreed,
     config::{worker_name, WorkerConfig},
     error::ApiError,
-    loop_copy::{Handle, LoopCopy},
+    loop_copy::{Handle, Local, LoopCopy},
     metrics::Metrics,
 };
 
@@ -273,12 +273,12 @@ impl Worker {
 
     /// Like [`Worker::acquire`], unless `cap` (0: none) requests are already in flight.
     pub fn try_acquire(self: &Arc<Self>, cap: usize) -> Option<InflightGuard> {
-        HeldWorker::Alone(Arc::clone(self)).try_acquire(cap)
+        HeldWorker::from(self).try_acquire(cap)
     }
 
     /// Counts one request in flight on `self` until the guard drops.
     pub fn acquire(self: &Arc<Self>) -> InflightGuard {
-        HeldWorker::Alone(Arc::clone(self)).acquire()
+        HeldWorker::from(self).acquire()
     }
 }
 
@@ -286,30 +286,22 @@ impl Worker {
 ///
 /// Holding a worker through its own `Arc` writes the worker's reference count twice a request,
 /// and with an event loop per core that count's cache line moves between cores on most requests
-/// ([`crate::loop_copy`]). A worker of the set the request was routed among is held instead
-/// through the event loop's handle on that set, a count only that loop writes.
+/// ([`crate::loop_copy`]). A worker of the set a request was routed among is held instead through
+/// its event loop's handle on that worker ([`LoopSet::hold`]), a count only that loop writes.
 #[derive(Clone, Debug)]
-pub enum HeldWorker {
-    /// `set[index]`, the set through its event loop's handle.
-    InSet(Handle<WorkerSet>, usize),
-    /// A worker held on its own (one no longer in the set, or outside any request's set).
-    Alone(Arc<Worker>),
-}
+pub struct HeldWorker(Handle<Worker>);
 
 impl HeldWorker {
-    /// Holds `worker` through `set` when it is in it, on its own otherwise.
-    pub fn of(set: &Handle<WorkerSet>, worker: &Arc<Worker>) -> Self {
-        match set.iter().position(|w| Arc::ptr_eq(w, worker)) {
-            Some(i) => HeldWorker::InSet(Arc::clone(set), i),
-            None => HeldWorker::Alone(Arc::clone(worker)),
+    /// Holds `worker` through `set`'s handle on it when it is in `set`, on its own otherwise.
+    pub fn of(set: &LoopSet, worker: &Arc<Worker>) -> Self {
+        match set.set.iter().position(|w| Arc::ptr_eq(w, worker)) {
+            Some(i) => set.hold(i),
+            None => Self::from(worker),
         }
     }
 
     pub fn arc(&self) -> &Arc<Worker> {
-        match self {
-            HeldWorker::InSet(set, i) => &set[*i],
-            HeldWorker::Alone(w) => w,
-        }
+        &self.0
     }
 
     /// Like [`HeldWorker::acquire`], unless `cap` (0: none) requests are already in flight.
@@ -339,13 +331,57 @@ impl std::ops::Deref for HeldWorker {
     type Target = Worker;
 
     fn deref(&self) -> &Worker {
-        self.arc()
+        &self.0
     }
 }
 
+/// A handle of its own (outside any event loop's), for a worker held outside a routed set.
 impl From<&Arc<Worker>> for HeldWorker {
     fn from(w: &Arc<Worker>) -> Self {
-        HeldWorker::Alone(Arc::clone(w))
+        HeldWorker(Arc::new(Arc::clone(w)))
+    }
+}
+
+/// A worker set as one event loop's requests hold it ([`crate::loop_copy`]), with that loop's
+/// handle on each of its workers, held weakly as the set is: a request holds its worker alone,
+/// so a worker taken out of the set is released when its own last request ends, however long
+/// the requests to the others that were routed among the same set last.
+pub struct LoopSet {
+    set: Arc<WorkerSet>,
+    each: Box<[parking_lot::Mutex<Weak<Arc<Worker>>>]>,
+}
+
+impl LoopSet {
+    /// `self[i]`, through this loop's handle on it.
+    pub fn hold(&self, i: usize) -> HeldWorker {
+        let mut held = self.each[i].lock();
+        if let Some(handle) = held.upgrade() {
+            return HeldWorker(handle);
+        }
+        let handle = Arc::new(Arc::clone(&self.set[i]));
+        *held = Arc::downgrade(&handle);
+        HeldWorker(handle)
+    }
+}
+
+impl From<Arc<WorkerSet>> for LoopSet {
+    fn from(set: Arc<WorkerSet>) -> Self {
+        let each = set.iter().map(|_| Default::default()).collect();
+        Self { set, each }
+    }
+}
+
+impl Local<WorkerSet> for LoopSet {
+    fn shared(&self) -> &Arc<WorkerSet> {
+        &self.set
+    }
+}
+
+impl std::ops::Deref for LoopSet {
+    type Target = [Arc<Worker>];
+
+    fn deref(&self) -> &[Arc<Worker>] {
+        &self.set
     }
 }
 
@@ -537,7 +573,7 @@ impl Pool {
 
     /// The current workers through an event loop's handle on them ([`crate::loop_copy`]): what
     /// a request holds while it is routed and answered.
-    pub fn snapshot_in(&self, copy: &LoopCopy<WorkerSet>) -> Handle<WorkerSet> {
+    pub fn snapshot_in(&self, copy: &LoopCopy<WorkerSet, LoopSet>) -> Arc<LoopSet> {
         copy.get(&self.set)
     }
 
@@ -601,31 +637,32 @@ mod tests {
     }
 
     #[test]
-    fn a_worker_of_the_set_is_held_through_the_set_and_kept_after_it_is_replaced() {
+    fn a_request_holds_its_worker_through_its_loops_handle_and_that_worker_alone() {
         let pool = Pool::new(test_workers(2));
         let copy = LoopCopy::default();
         let set = pool.snapshot_in(&copy);
-        let second = Arc::clone(&set[1]);
-        let counted = Arc::strong_count(&second);
+        let (first, second) = (Arc::downgrade(&set[0]), Arc::clone(&set[1]));
         let slots: Vec<_> = (0..3)
             .map(|_| HeldWorker::of(&set, &second).acquire())
             .collect();
-        assert!(matches!(slots[0].held(), HeldWorker::InSet(_, 1)));
-        assert_eq!(
-            Arc::strong_count(&second),
-            counted,
-            "the worker's own count is not written"
-        );
+        // The pool's set, the loop's handle and this test: three requests added one count.
+        assert_eq!(Arc::strong_count(&second), 3);
+        assert!(Arc::ptr_eq(&slots[0].held().0, &slots[2].held().0));
         assert_eq!(second.inflight(), 3);
-        // The set is replaced and the loop's handle dropped: the slots still hold the worker.
+
+        // Both workers leave the pool; the loop is done routing among the old set.
         pool.replace(test_workers(1));
         drop(set);
+        assert!(
+            first.upgrade().is_none(),
+            "a departed worker goes though requests routed among its set still run"
+        );
         let weak = Arc::downgrade(&second);
         drop(second);
-        assert!(weak.upgrade().is_some(), "held by the requests' slots");
+        assert!(weak.upgrade().is_some(), "held by its requests' slots");
         assert_eq!(slots[2].worker().inflight(), 3);
         drop(slots);
-        assert!(weak.upgrade().is_none(), "released with the last slot");
+        assert!(weak.upgrade().is_none(), "released with its last slot");
 
         // A worker outside the set is held on its own.
         let set = pool.snapshot_in(&copy);

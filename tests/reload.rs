@@ -66,11 +66,29 @@ async fn setup_on(tag: &str, loops: usize) -> Setup {
     let dir = common::TempDir::new(tag);
     let path = dir.join("kvroute.yaml");
     std::fs::write(&path, yaml("round_robin", &urls)).unwrap();
-    let config = Config::load(Some(&path), Overrides::default()).unwrap();
+    let gw = serve_file(&path, loops, &cancel).await;
+    Setup {
+        gw,
+        addrs,
+        urls,
+        path,
+        _dir: dir,
+        cancel,
+        _tasks: tasks,
+    }
+}
+
+/// A gateway on `loops` event loops that follows the config file at `path` until `cancel`.
+async fn serve_file(
+    path: &std::path::Path,
+    loops: usize,
+    cancel: &CancellationToken,
+) -> std::net::SocketAddr {
+    let config = Config::load(Some(path), Overrides::default()).unwrap();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let gw = listener.local_addr().unwrap();
     let poll = Duration::from_millis(20);
-    let source = kvroute::reload::Source::new(path.clone(), Overrides::default(), poll);
+    let source = kvroute::reload::Source::new(path.to_owned(), Overrides::default(), poll);
     tokio::spawn(kvroute::server::serve_reloading(
         listener,
         None,
@@ -80,14 +98,23 @@ async fn setup_on(tag: &str, loops: usize) -> Setup {
         None,
         cancel.clone(),
     ));
-    Setup {
-        gw,
-        addrs,
-        urls,
-        path,
-        _dir: dir,
-        cancel,
-        _tasks: tasks,
+    gw
+}
+
+/// Waits until `/metrics` no longer shows `worker`, failing after five seconds.
+async fn until_metrics_drop(gw: std::net::SocketAddr, worker: &str) -> String {
+    let gone = format!("worker=\"{worker}\"");
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    loop {
+        let m = common::metrics_text(gw).await;
+        if !m.contains(&gone) {
+            return m;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{worker}'s series stayed after it left the list:\n{m}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
 
@@ -215,17 +242,52 @@ async fn a_worker_taken_out_leaves_metrics_though_no_request_follows() {
     let limit = Duration::from_secs(5);
     assert_eq!(wait_metric(gw, applied, 1.0, limit).await, Some(1.0));
     // Scrapes go through the router, not the routing path: nothing here refreshes a loop's handle.
-    let deadline = tokio::time::Instant::now() + limit;
-    loop {
-        let m = common::metrics_text(gw).await;
-        if !m.contains(&gone) {
-            assert!(m.contains(&format!("worker=\"{first}\"")), "{m}");
-            break;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "{second}'s series stayed after it left the list:\n{m}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let m = until_metrics_drop(gw, &second).await;
+    assert!(m.contains(&format!("worker=\"{first}\"")), "{m}");
+}
+
+/// A request holds its own worker, not the set it was routed among: a worker taken out of the
+/// list leaves `/metrics` while a stream to another, routed among the old list, still runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_taken_out_leaves_metrics_while_a_stream_to_another_runs() {
+    let ups = [
+        common::upstream("a", &[]).await,
+        common::upstream("b", &[]).await,
+    ];
+    let urls: Vec<String> = ups.iter().map(|u| u.url()).collect();
+    let dir = common::TempDir::new("reload4");
+    let path = dir.join("kvroute.yaml");
+    std::fs::write(&path, yaml("round_robin", &urls)).unwrap();
+    let cancel = CancellationToken::new();
+    let _stop = cancel.clone().drop_guard();
+    let gw = serve_file(&path, 2, &cancel).await;
+    let stream = br#"{"prompt": "held", "stream": true, "max_tokens": 2, "gate": true}"#;
+    let mut held = common::send(gw, "POST", "/v1/completions", stream).await;
+    let head = common::read_until(&mut held, b"tok0", Duration::from_secs(5)).await;
+    let head = common::parse_response(&head);
+    assert_eq!(head.status, 200);
+    let kept = head.header("x-kvroute-worker").unwrap().to_string();
+    // Round-robin sends the next request to the other worker.
+    let other = worker_of(gw, "the other").await;
+    assert_ne!(other, kept);
+
+    let keep = urls.iter().find(|u| u.ends_with(kept.as_str())).unwrap();
+    std::fs::write(&path, yaml("round_robin", std::slice::from_ref(keep))).unwrap();
+    let applied = "kvroute_config_reloads_total{result=\"applied\"}";
+    assert_eq!(
+        wait_metric(gw, applied, 1.0, Duration::from_secs(5)).await,
+        Some(1.0)
+    );
+    let m = until_metrics_drop(gw, &other).await;
+    let inflight = format!("kvroute_worker_inflight{{worker=\"{kept}\"}}");
+    assert_eq!(
+        common::metric(&m, &inflight),
+        Some(1.0),
+        "the stream still runs"
+    );
+
+    ups.iter().for_each(|u| u.gate.notify_waiters());
+    let rest = common::read_until(&mut held, b"[DONE]", Duration::from_secs(5)).await;
+    let text = String::from_utf8_lossy(&rest);
+    assert!(text.contains("data: [DONE]"), "{text}");
 }

@@ -33,12 +33,11 @@ use crate::{
     config::Config,
     error::ApiError,
     load::RequestLoad,
-    loop_copy::Handle,
     metrics::Metrics,
     policy::arms::{Arm, HeldArm},
     policy::Selection,
     routing_key::RequestInfo,
-    workers::{eligible, HeldWorker, InflightGuard, Pool, Worker, WorkerSet},
+    workers::{eligible, HeldWorker, InflightGuard, LoopSet, Pool, Worker},
 };
 
 /// Response header naming the worker that served the request.
@@ -135,7 +134,7 @@ impl Route {
 /// was refused (nothing reached the worker), and returns the streaming response.
 pub async fn forward(
     up: &Upstreams,
-    pool: &Handle<WorkerSet>,
+    pool: &LoopSet,
     arm: &HeldArm,
     route: Route,
     parts: &http::request::Parts,
@@ -157,7 +156,7 @@ pub async fn forward_to(
     parts: &http::request::Parts,
     body: Bytes,
     info: RequestInfo,
-    pool: &Handle<WorkerSet>,
+    pool: &LoopSet,
     worker: &Arc<Worker>,
 ) -> Result<Response, ApiError> {
     let only = std::slice::from_ref(worker);
@@ -174,7 +173,7 @@ async fn send_among(
     parts: &http::request::Parts,
     body: Bytes,
     info: RequestInfo,
-    (pool, workers): (&Handle<WorkerSet>, &[Arc<Worker>]),
+    (pool, workers): (&LoopSet, &[Arc<Worker>]),
     decided: bool,
 ) -> Result<Response, ApiError> {
     let started = Instant::now();
@@ -235,7 +234,7 @@ struct Choice<'w> {
 async fn choose<'w>(
     up: &Upstreams,
     arm: &Arm,
-    (pool, workers): (&Handle<WorkerSet>, &'w [Arc<Worker>]),
+    (pool, workers): (&LoopSet, &'w [Arc<Worker>]),
     info: &RequestInfo,
     lost: &mut usize,
 ) -> Result<Option<Choice<'w>>, ApiError> {
