@@ -215,13 +215,15 @@ impl Drop for RequestLoad {
 /// The step clocks' time base: microseconds since the first call in this process, plus an hour,
 /// so that 0 can mean "never" and a time shortly before the first call is still a time.
 pub fn now_us() -> u64 {
+    us_at(std::time::Instant::now())
+}
+
+/// `at` on the step clocks' time base ([`now_us`]), for a caller that has read the clock already.
+pub fn us_at(at: std::time::Instant) -> u64 {
     static EPOCH: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
     const START_US: u64 = 3_600_000_000;
-    START_US
-        + EPOCH
-            .get_or_init(std::time::Instant::now)
-            .elapsed()
-            .as_micros() as u64
+    let epoch = *EPOCH.get_or_init(std::time::Instant::now);
+    START_US + at.saturating_duration_since(epoch).as_micros() as u64
 }
 
 /// When the worker's engine steps end, as this gateway sees them, and how long a step takes.

@@ -205,7 +205,16 @@ async fn send_among(
         let timeout = up.times.first_byte;
         let own = OWN_CONNECTIONS.with(|own| own.get().cloned());
         let connections = own.as_deref().unwrap_or(&up.connections);
-        let sent = tokio::time::timeout(timeout, connections.send(worker, &request)).await;
+        // A first try that no admission queue held starts when the request did, a few µs ago:
+        // the clock is not read again for it.
+        let queued = up.config.max_inflight_per_worker > 0;
+        let sending = if refused == 0 && !queued {
+            started
+        } else {
+            Instant::now()
+        };
+        let sent = tokio::time::timeout_at(sending + timeout, connections.send(worker, &request));
+        let sent = sent.await;
         match settle(up, worker, tracker, sent, route, timeout) {
             Settled::Answered(resp) => return Ok(resp),
             Settled::Failed(e) => return Err(e),

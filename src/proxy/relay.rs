@@ -109,7 +109,11 @@ impl Tracker {
         // Borrowed, not cloned: their reference counts are shared by every event loop.
         let worker = self.slot.worker();
         let series = worker.series_at(&self.series);
-        series.ttfb.observe(self.started.elapsed().as_secs_f64());
+        // One read of the clock for the first byte's time and the idle timer's start.
+        let now = Instant::now();
+        series
+            .ttfb
+            .observe(now.duration_since(self.started).as_secs_f64());
         series.count_request(&worker.metrics, route, parts.status);
         if let Some(f) = &mut self.feedback {
             f.failed = !parts.status.is_success();
@@ -138,7 +142,7 @@ impl Tracker {
         }
         let body = RelayBody {
             inner: incoming,
-            idle_timer: tokio::time::sleep(idle),
+            idle_timer: tokio::time::sleep_until(now + idle),
             relay: Relay {
                 idle,
                 sse,
@@ -153,7 +157,9 @@ impl Tracker {
     /// a stream (`sse`) also marks the end of one of the worker's steps. Not while a Responses
     /// stream is still in its opening (`response.created`, `response.in_progress`), which vLLM
     /// sends before the prefill has begun, in as many frames as its size takes.
-    fn saw(&mut self, data: &[u8], sse: bool) {
+    ///
+    /// `now` is when the frame came (read once for the frame, here and for the idle timer).
+    fn saw(&mut self, data: &[u8], sse: bool, now: impl FnOnce() -> Instant) {
         if let Some(f) = &mut self.feedback {
             if sse {
                 if let Some(opening) = &mut f.opening {
@@ -165,7 +171,7 @@ impl Tracker {
             }
             // The time first: a prompt sent once this one's first token has cleared the pending
             // prefill is sent after it, and cannot have been part of the step that ended now.
-            let now = sse.then(crate::load::now_us);
+            let now = sse.then(|| crate::load::us_at(now().into_std()));
             let cleared = f.load.done();
             if let Some(now) = now {
                 let w = self.slot.worker();
@@ -542,15 +548,17 @@ impl HttpBody for RelayBody {
         }
         match Pin::new(&mut *this.inner).poll_frame(cx) {
             Poll::Ready(Some(Ok(frame))) => {
+                // The clock is read once a frame, when the step clock or the idle timer needs it.
+                let mut now = None;
+                let mut now = || *now.get_or_insert_with(Instant::now);
                 if let (Some(t), Some(data)) = (&mut relay.tracker, frame.data_ref()) {
-                    t.saw(data, relay.sse);
+                    t.saw(data, relay.sse, &mut now);
                 }
                 if this.inner.is_end_stream() {
                     // hyper may not poll again once the body says it is complete.
                     relay.finish(None);
                 } else {
-                    let deadline = Instant::now() + relay.idle;
-                    this.idle_timer.as_mut().reset(deadline);
+                    this.idle_timer.as_mut().reset(now() + relay.idle);
                 }
                 Poll::Ready(Some(Ok(frame)))
             }
@@ -680,10 +688,14 @@ mod tests {
             "event: response.created\ndata: {response}\n\nevent: response.in_progress\ndata: {response}\n\n"
         );
         for piece in opening.as_bytes().chunks(8192) {
-            tracker.saw(piece, true);
+            tracker.saw(piece, true, Instant::now);
             assert_eq!(worker.load.pending_prefill(), 3000);
         }
-        tracker.saw(b"event: response.output_item.added\ndata: {}\n\n", true);
+        tracker.saw(
+            b"event: response.output_item.added\ndata: {}\n\n",
+            true,
+            Instant::now,
+        );
         assert_eq!(worker.load.pending_prefill(), 0);
         tracker.phase = Phase::Finished;
     }
