@@ -631,6 +631,11 @@ pub struct WorkerSeries {
 }
 
 impl WorkerSeries {
+    /// Whether these are the series of `arm`, under `policy`.
+    fn is_of(&self, policy: &str, arm: &str) -> bool {
+        self.policy == policy && &*self.arm == arm
+    }
+
     /// Counts a request answered with `status` on `route`.
     pub fn count_request(
         &self,
@@ -716,6 +721,11 @@ impl SeriesByArm {
         arm: &str,
         worker: &str,
     ) -> SeriesRef {
+        // The first arm's is found without a clone of its `Arc`, whose count every loop writes.
+        let first = self.first.get();
+        if first.is_some_and(|s| s.is_of(policy, arm)) {
+            return SeriesRef::First;
+        }
         let series = self.get(metrics, policy, arm, worker);
         match self.first.get() {
             Some(first) if Arc::ptr_eq(first, &series) => SeriesRef::First,
@@ -741,7 +751,7 @@ impl SeriesByArm {
         arm: &str,
         worker: &str,
     ) -> Arc<WorkerSeries> {
-        let of_arm = |s: &Arc<WorkerSeries>| s.policy == policy && &*s.arm == arm;
+        let of_arm = |s: &Arc<WorkerSeries>| s.is_of(policy, arm);
         if let Some(s) = self.first.get().filter(|s| of_arm(s)) {
             return Arc::clone(s);
         }
