@@ -839,18 +839,24 @@ fn shape(v: &Value) -> Value {
     }
 }
 
-/// Shapes of the JSON events of an SSE body, in order, and whether it ended with `[DONE]`.
+/// Shapes of the JSON events of an SSE body, in order, a run of one shape counted once, and
+/// whether it ended with `[DONE]`. A run is counted once because vLLM may send several tokens in
+/// one delta: its API server merges the outputs that came while it was still sending the last
+/// (more often on a loaded machine), and its detokenizer holds back a token that ends inside a
+/// UTF-8 character. One CI run of 2026-12-06 got three tokens in two deltas, where the simulator
+/// sends one delta a token.
 fn event_shapes(body: &[u8]) -> (Vec<Value>, bool) {
     let text = String::from_utf8_lossy(body);
     let events: Vec<&str> = text
         .split("\n\n")
         .filter_map(|e| e.strip_prefix("data: "))
         .collect();
-    let shapes = events
+    let mut shapes: Vec<Value> = events
         .iter()
         .filter(|e| **e != "[DONE]")
         .map(|e| shape(&serde_json::from_str(e).unwrap()))
         .collect();
+    shapes.dedup();
     (shapes, events.last() == Some(&"[DONE]"))
 }
 
