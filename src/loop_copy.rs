@@ -5,10 +5,11 @@
 //! A request keeps the arms and the worker set it was routed with until its response ends, which
 //! an `Arc` clone of the shared snapshot does by writing the snapshot's reference count twice.
 //! With an event loop per core, every loop does that on every request, and the count's cache line
-//! moves between cores each time (about 55 ns a move on the 2-vCPU machines here). Measured with
-//! the per-request writes of this kind removed, two loops spent the same user time per request
-//! as one (5.25 against 5.23 µs), where they had spent 7% more (docs/measurements.md, "Writes
-//! that both event loops share").
+//! moves between cores each time (about 55 ns a move on the 2-vCPU machines here). These handles
+//! took away about half of what a second loop added to a request's user time; most of the rest is
+//! the worker's in-flight and load counters, which every loop writes and routing reads
+//! (docs/measurements.md, "Writes that both event loops share" and "What a request holds, and
+//! the clock").
 //!
 //! A [`LoopCopy`] belongs to one loop. It hands out a handle of its own, an `Arc` around a clone
 //! of the shared snapshot, so a request's clone writes a count that only its loop touches; the

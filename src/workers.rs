@@ -183,8 +183,8 @@ impl Worker {
         })
     }
 
-    /// The series this worker's requests update under the arm `arm` of policy `policy`.
-    /// Its series under `arm`, as a request holds them ([`Worker::series_at`] reads them).
+    /// The series this worker's requests update under the arm `arm` of policy `policy`, as a
+    /// request holds them ([`Worker::series_at`] reads them).
     pub fn series(&self, policy: &'static str, arm: &str) -> crate::metrics::SeriesRef {
         self.series.pick(&self.metrics, policy, arm, &self.name)
     }
@@ -415,7 +415,7 @@ pub type WorkerSet = Vec<Arc<Worker>>;
 
 /// The current worker set, replaced as a whole.
 pub struct Pool {
-    set: ArcSwap<Vec<Arc<Worker>>>,
+    set: ArcSwap<WorkerSet>,
     /// Signalled by every worker of the pool when it releases a slot (admission control).
     pub freed: Arc<SlotFreed>,
     /// Where workers that join publish their KV cache events.

@@ -721,15 +721,26 @@ impl SeriesByArm {
         arm: &str,
         worker: &str,
     ) -> SeriesRef {
-        // The first arm's is found without a clone of its `Arc`, whose count every loop writes.
-        let first = self.first.get();
-        if first.is_some_and(|s| s.is_of(policy, arm)) {
+        // The first arm's is found with no lock, and held with no clone of its `Arc`, whose count
+        // every loop would write.
+        let first = || self.first.get().is_some_and(|s| s.is_of(policy, arm));
+        if first() {
             return SeriesRef::First;
         }
-        let series = self.get(metrics, policy, arm, worker);
-        match self.first.get() {
-            Some(first) if Arc::ptr_eq(first, &series) => SeriesRef::First,
-            _ => SeriesRef::Other(series),
+        let mut others = self.others.lock();
+        if first() {
+            return SeriesRef::First;
+        }
+        if let Some(s) = others.iter().find(|s| s.is_of(policy, arm)) {
+            return SeriesRef::Other(Arc::clone(s));
+        }
+        let made = Arc::new(metrics.worker_series(policy, arm, worker));
+        match self.first.set(made) {
+            Ok(()) => SeriesRef::First,
+            Err(made) => {
+                others.push(Arc::clone(&made));
+                SeriesRef::Other(made)
+            }
         }
     }
 
@@ -742,30 +753,5 @@ impl SeriesByArm {
                 .get()
                 .expect("a SeriesRef::First comes from a set first series, which stays set"),
         }
-    }
-
-    pub fn get(
-        &self,
-        metrics: &Metrics,
-        policy: &'static str,
-        arm: &str,
-        worker: &str,
-    ) -> Arc<WorkerSeries> {
-        let of_arm = |s: &Arc<WorkerSeries>| s.is_of(policy, arm);
-        if let Some(s) = self.first.get().filter(|s| of_arm(s)) {
-            return Arc::clone(s);
-        }
-        let mut others = self.others.lock();
-        if let Some(s) = self.first.get().filter(|s| of_arm(s)) {
-            return Arc::clone(s);
-        }
-        if let Some(s) = others.iter().find(|s| of_arm(s)) {
-            return Arc::clone(s);
-        }
-        let made = Arc::new(metrics.worker_series(policy, arm, worker));
-        if let Err(made) = self.first.set(Arc::clone(&made)) {
-            others.push(made);
-        }
-        made
     }
 }
