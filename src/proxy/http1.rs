@@ -27,6 +27,8 @@ use super::{end_to_end, upstream::Home, Outgoing};
 const READ_SIZE: usize = 8 * 1024;
 /// Reads that fill their buffer double the next one's, up to this (a long answer in a burst).
 const MAX_READ_SIZE: usize = 64 * 1024;
+/// Read buffers of ended answers that each thread keeps for the next ones, at most.
+const SPARES: usize = 4;
 /// A response head longer than this is refused (vLLM's are a few hundred bytes).
 const MAX_HEAD: usize = 64 * 1024;
 /// Header fields in a response head, at most.
@@ -180,7 +182,7 @@ pub(super) async fn read_head(
         // The buffer is taken only once the answer starts: a request waiting for its worker
         // (a whole generation, when not streamed) holds none.
         io.readable().await?;
-        buf.reserve(READ_SIZE);
+        make_room(buf, READ_SIZE);
         let n = match std::future::poll_fn(|cx| Poll::Ready(read_some(io, cx, buf))).await {
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
                 *drained_at = DrainedAt::now();
@@ -198,6 +200,66 @@ pub(super) async fn read_head(
                 ))
             };
         }
+    }
+}
+
+/// Gives `buf` room for `n` more bytes: an empty one from this thread's spares if it has none.
+fn make_room(buf: &mut BytesMut, n: usize) {
+    if buf.is_empty() && buf.capacity() < n {
+        *buf = spare::take(n);
+    } else {
+        buf.reserve(n);
+    }
+}
+
+/// The read buffers of answers that have ended, kept by the thread (an event loop) that read
+/// them for its next answers.
+///
+/// An answer is read into a buffer taken when its first bytes arrive, and its frames are cut
+/// from that buffer and written to the client from it, so the buffer cannot be written again
+/// until they are. A connection or stream waiting for its worker keeps none (8 KiB each
+/// otherwise). So without these, every answer (and every burst of a stream) allocated a new
+/// buffer, through the allocator's slow path for its size. Here an emptied buffer is kept, and
+/// taken again once its frames are gone, that is once nothing else holds it. A thread keeps
+/// [`SPARES`] at most, the oldest dropped first, so what they hold is bounded per thread
+/// whatever the number of streams.
+mod spare {
+    use std::{cell::RefCell, collections::VecDeque};
+
+    use bytes::BytesMut;
+
+    thread_local! {
+        static SPARE: RefCell<VecDeque<BytesMut>> = const { RefCell::new(VecDeque::new()) };
+    }
+
+    /// An empty buffer with room for `n` bytes: a spare that nothing else holds any more, or a
+    /// new one.
+    pub(super) fn take(n: usize) -> BytesMut {
+        SPARE.with_borrow_mut(|spares| {
+            let found = spares.iter_mut().position(|b| b.try_reclaim(n));
+            found
+                .and_then(|i| spares.remove(i))
+                .unwrap_or_else(|| BytesMut::with_capacity(n))
+        })
+    }
+
+    /// Keeps `buf`, emptied, for a later [`take`]. One with no room left is dropped: it may
+    /// never have held anything, and the public API cannot tell.
+    pub(super) fn put(buf: BytesMut) {
+        if !buf.is_empty() || buf.capacity() == 0 {
+            return;
+        }
+        SPARE.with_borrow_mut(|spares| {
+            if spares.len() == super::SPARES {
+                spares.pop_front();
+            }
+            spares.push_back(buf);
+        });
+    }
+
+    #[cfg(test)]
+    pub(super) fn count() -> usize {
+        SPARE.with_borrow(|spares| spares.len())
     }
 }
 
@@ -492,8 +554,9 @@ impl UpstreamBody {
         if self.framing != Framing::Done || !self.buf.is_empty() {
             return;
         }
-        // What is left of the last read's buffer goes with the frames that share it.
-        self.buf = BytesMut::new();
+        // What is left of the last read's buffer goes with the frames that share it, and back
+        // to this thread's spares once they are written.
+        spare::put(std::mem::take(&mut self.buf));
         if let (true, Some(io), Some(home)) = (self.keep_alive, self.io.take(), self.home.take()) {
             home.reuse(io, self.drained_at);
         }
@@ -515,7 +578,7 @@ impl Body for UpstreamBody {
                     this.settle_if_done();
                     if this.buf.is_empty() {
                         // Nothing held while the stream waits for the worker's next event.
-                        this.buf = BytesMut::new();
+                        spare::put(std::mem::take(&mut this.buf));
                     }
                     return Poll::Ready(Some(Ok(Frame::data(data))));
                 }
@@ -543,11 +606,11 @@ impl Body for UpstreamBody {
                 this.framing = Framing::Done;
                 return Poll::Ready(Some(Err(e)));
             }
-            this.buf.reserve(this.read_size);
+            make_room(&mut this.buf, this.read_size);
             let room = this.buf.capacity() - this.buf.len();
             let read = read_some(io, cx, &mut this.buf);
             if this.buf.is_empty() && this.buf.capacity() > 0 && read.is_err() {
-                this.buf = BytesMut::new();
+                spare::put(std::mem::take(&mut this.buf));
             }
             match read {
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
@@ -593,6 +656,49 @@ mod tests {
     use proptest::prelude::*;
 
     use super::*;
+
+    #[test]
+    fn an_answers_buffer_is_read_into_again_once_its_frames_are_written() {
+        let mut buf = spare::take(READ_SIZE);
+        let start = buf.as_ptr();
+        buf.extend_from_slice(b"HTTP/1.1 200 OK\r\n\r\nhello");
+        let frame = buf.split().freeze();
+        spare::put(buf);
+        assert_eq!(spare::count(), 1);
+
+        // The frame still holds the buffer: the next answer gets another.
+        let other = spare::take(READ_SIZE);
+        assert_ne!(other.as_ptr(), start);
+        assert!(other.capacity() >= READ_SIZE);
+        assert_eq!(spare::count(), 1, "kept for later");
+
+        drop(frame);
+        let again = spare::take(READ_SIZE);
+        assert_eq!(again.as_ptr(), start, "the first buffer, from its start");
+        assert!(again.is_empty() && again.capacity() >= READ_SIZE);
+        assert_eq!(spare::count(), 0);
+    }
+
+    #[test]
+    fn a_thread_keeps_a_few_spare_buffers_and_not_an_empty_one() {
+        spare::put(BytesMut::new());
+        assert_eq!(spare::count(), 0, "one that never held anything");
+        let held: Vec<Bytes> = (0..SPARES + 3)
+            .map(|_| {
+                let mut buf = spare::take(READ_SIZE);
+                buf.extend_from_slice(b"x");
+                let frame = buf.split().freeze();
+                spare::put(buf);
+                frame
+            })
+            .collect();
+        assert_eq!(spare::count(), SPARES);
+        drop(held);
+        for _ in 0..SPARES {
+            spare::take(READ_SIZE);
+        }
+        assert_eq!(spare::count(), 0);
+    }
 
     fn head(text: &str) -> io::Result<Option<Head>> {
         parse_head(&mut BytesMut::from(text), &Method::POST)
