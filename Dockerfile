@@ -16,12 +16,13 @@ WORKDIR /src
 COPY Cargo.toml Cargo.lock ./
 COPY benches ./benches
 COPY src ./src
-# The training's non-streaming clients are Python; llvm-profdata comes from rustup (llvm-tools).
+# jemalloc (the binary's allocator) is built from C with `make`; the training's non-streaming
+# clients are Python; llvm-profdata comes from rustup (llvm-tools).
 # hadolint ignore=DL3008
-RUN if [ "$PGO" = 1 ]; then \
-        apt-get update && apt-get install -y --no-install-recommends python3 \
-        && rm -rf /var/lib/apt/lists/* \
-        && benches/pgo_build.sh /src/kvroute; \
+RUN apt-get update && apt-get install -y --no-install-recommends make python3 \
+    && rm -rf /var/lib/apt/lists/* \
+    && if [ "$PGO" = 1 ]; then \
+        benches/pgo_build.sh /src/kvroute; \
     else \
         cargo build --release --locked --bin kvroute && cp target/release/kvroute /src/kvroute; \
     fi
