@@ -17,6 +17,7 @@ use axum::{
     response::{IntoResponse, Response},
     Router,
 };
+use futures_util::FutureExt;
 use http::Request;
 use hyper::body::Incoming;
 use tower::ServiceExt;
@@ -60,7 +61,7 @@ impl hyper::service::Service<Request<Incoming>> for Gateway {
         let req = req.map(Body::new);
         if let Some(state) = &self.direct {
             if let Some(route) = routes::Completion::of(req.method(), req.uri().path()) {
-                return Box::pin(direct(state.clone(), route, req));
+                return direct(state.clone(), route, req);
             }
         }
         let router = self.router.clone();
@@ -68,13 +69,11 @@ impl hyper::service::Service<Request<Incoming>> for Gateway {
     }
 }
 
-async fn direct(
-    state: AppState,
-    route: routes::Completion,
-    req: Request<Body>,
-) -> Result<Response, Infallible> {
+/// The completion's future, boxed. A plain function rather than an `async` one, whose future
+/// would hold the request beside the handler's future that holds it too.
+fn direct(state: AppState, route: routes::Completion, req: Request<Body>) -> Answer {
     if let Err(refused) = routes::check_head(&req) {
-        return Ok(refused.into_response());
+        return Box::pin(std::future::ready(Ok(refused.into_response())));
     }
     // As the router's trace layer does: a debug span per request, and a line when it is answered.
     let span = tracing::debug_span!(
@@ -83,10 +82,10 @@ async fn direct(
         uri = %req.uri(),
         version = ?req.version(),
     );
-    async move {
-        // The clock is read for the line alone, so only when it is written.
-        let started = tracing::enabled!(tracing::Level::DEBUG).then(tokio::time::Instant::now);
-        let resp = routes::completion(state, route, req).await;
+    // The clock is read for the line alone, so only when it is written.
+    let started = tracing::enabled!(tracing::Level::DEBUG).then(tokio::time::Instant::now);
+    // `map`, not an `async` block, which would keep the handler's future twice.
+    let handled = routes::completion(state, route, req).map(move |resp| {
         if let Some(started) = started {
             tracing::debug!(
                 latency = ?started.elapsed(),
@@ -95,7 +94,25 @@ async fn direct(
             );
         }
         Ok(resp)
+    });
+    Box::pin(handled.instrument(span))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every proxied completion moves this future into a box, byte for byte: it was 3,376 bytes
+    /// (in a test build) while each `async fn` layer kept the request beside the layer it awaited.
+    #[tokio::test]
+    async fn a_completions_boxed_future_stays_small() {
+        let state = AppState::new(crate::config::Config::default()).unwrap();
+        let req = Request::post("/v1/completions")
+            .header(http::header::HOST, "kvroute")
+            .body(Body::empty())
+            .unwrap();
+        let answer = direct(state, routes::Completion::Text, req);
+        let size = std::mem::size_of_val(&*answer);
+        assert!(size <= 2_560, "the boxed completion future is {size} bytes");
     }
-    .instrument(span)
-    .await
 }
