@@ -124,39 +124,24 @@ impl Completion {
 }
 
 /// The handler of both completion routes.
-///
-/// It and [`routed`] are plain functions that return the request's future rather than `async`
-/// ones: an `async fn` keeps its arguments in its future beside the future it awaits, so each
-/// layer would carry the request (240 bytes) again in the future that every request boxes.
-pub fn completion(
-    s: AppState,
-    route: Completion,
-    req: Request,
-) -> impl Future<Output = Response> + Send {
+pub async fn completion(s: AppState, route: Completion, req: Request) -> Response {
     match route {
-        Completion::Text => routed(s, Route::Completions, PromptField::Prompt, req),
-        Completion::Chat => routed(s, Route::ChatCompletions, PromptField::Messages, req),
+        Completion::Text => routed(s, Route::Completions, PromptField::Prompt, req).await,
+        Completion::Chat => routed(s, Route::ChatCompletions, PromptField::Messages, req).await,
     }
 }
 
-fn routed(
-    s: AppState,
-    route: Route,
-    field: PromptField,
-    req: Request,
-) -> impl Future<Output = Response> + Send {
+async fn routed(s: AppState, route: Route, field: PromptField, req: Request) -> Response {
+    let up = &s.upstreams;
+    let arms = s.arms_now();
     let (parts, body) = req.into_parts();
-    async move {
-        let up = &s.upstreams;
-        let arms = s.arms_now();
-        let (body, info) = match keyed(up, &parts, body, field).await {
-            Ok(x) => x,
-            Err(e) => return respond(&s, route, arms.unpicked_labels(), Err(e)),
-        };
-        let arm = Arms::pick_held(&arms, &parts.headers, &info);
-        let result = forward(up, &s.workers_now(), &arm, route, &parts, body, info).await;
-        respond(&s, route, (arm.policy.name(), &arm.name), result)
-    }
+    let (body, info) = match keyed(up, &parts, body, field).await {
+        Ok(x) => x,
+        Err(e) => return respond(&s, route, arms.unpicked_labels(), Err(e)),
+    };
+    let arm = Arms::pick_held(&arms, &parts.headers, &info);
+    let result = forward(up, &s.workers_now(), &arm, route, &parts, body, info).await;
+    respond(&s, route, (arm.policy.name(), &arm.name), result)
 }
 
 /// `POST /v1/responses`: keyed on its instructions and input and routed as a chat is; one that
