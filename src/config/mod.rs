@@ -478,38 +478,58 @@ impl Config {
 
     /// Checks what serde cannot: ranges, URLs, duplicate names.
     pub fn validate(&self) -> Result<(), ConfigError> {
-        let bad = |m: String| Err(ConfigError::Invalid(m));
         if self.admin_listen == Some(self.listen) && self.listen.port() != 0 {
-            return bad(format!(
+            return Err(ConfigError::Invalid(format!(
                 "admin_listen must be another address than listen ({})",
                 self.listen
+            )));
+        }
+        self.validate_workers().map_err(ConfigError::Invalid)?;
+        if self.routing_key.block_bytes == 0 || self.routing_key.max_blocks == 0 {
+            return Err(ConfigError::Invalid(
+                "routing_key.block_bytes and routing_key.max_blocks must be at least 1".into(),
             ));
         }
+        self.validate_policy(&self.policy)
+            .map_err(ConfigError::Invalid)?;
+        self.validate_times().map_err(ConfigError::Invalid)?;
+        crate::auth::Auth::from_config(&self.auth).map_err(ConfigError::Invalid)?;
+        self.validate_operations().map_err(ConfigError::Invalid)?;
+        if let Some(ab) = &self.ab {
+            self.validate_ab(ab).map_err(ConfigError::Invalid)?;
+        }
+        self.discovery.validate().map_err(ConfigError::Invalid)?;
+        Ok(())
+    }
+
+    /// The worker list: some worker unless discovery finds them, data-parallel ranks that fit
+    /// their sizes, `http://host:port` URLs, and unique names once ranks are expanded.
+    fn validate_workers(&self) -> Result<(), String> {
         if self.workers.is_empty() && self.discovery == DiscoveryConfig::Static {
-            return bad(
+            return Err(
                 "at least one worker is required (workers: [{url: ...}] or --worker URL)".into(),
             );
         }
         let mut names = std::collections::HashSet::new();
         for w in &self.workers {
             if let Some(Err(e)) = w.data_parallel_size.map(DataParallelSize::check) {
-                return bad(format!("worker {:?}: {e}", w.url));
+                return Err(format!("worker {:?}: {e}", w.url));
             }
             match (w.data_parallel_size, w.data_parallel_rank) {
                 (Some(DataParallelSize::Auto), Some(_)) => {
-                    return bad(format!(
+                    return Err(format!(
                         "worker {:?}: data_parallel_rank needs a data_parallel_size in numbers, not auto",
                         w.url
                     ))
                 }
                 (Some(DataParallelSize::Fixed(n)), Some(r)) if r >= n => {
-                    return bad(format!(
+                    return Err(format!(
                         "worker {:?}: data_parallel_rank {r} is not below data_parallel_size {n}",
                         w.url
                     ))
                 }
                 (None, Some(r)) if r >= MAX_DATA_PARALLEL_SIZE => {
-                    return bad(format!(
+                    return Err(format!(
                         "worker {:?}: data_parallel_rank must be below {MAX_DATA_PARALLEL_SIZE}",
                         w.url
                     ))
@@ -520,28 +540,26 @@ impl Config {
         for w in expand_ranks(&self.workers, &DetectedRanks::new()).iter() {
             let uri: http::Uri = match w.url.parse() {
                 Ok(u) => u,
-                Err(e) => return bad(format!("worker url {:?}: {e}", w.url)),
+                Err(e) => return Err(format!("worker url {:?}: {e}", w.url)),
             };
             if uri.scheme_str() != Some("http") || uri.authority().is_none() {
-                return bad(format!(
+                return Err(format!(
                     "worker url {:?} must be http://host:port (https is not supported yet)",
                     w.url
                 ));
             }
             let name = worker_name(w);
             if !names.insert(name.clone()) {
-                return bad(format!(
+                return Err(format!(
                     "two workers are named {name:?}; names must be unique"
                 ));
             }
         }
-        if self.routing_key.block_bytes == 0 || self.routing_key.max_blocks == 0 {
-            return bad(
-                "routing_key.block_bytes and routing_key.max_blocks must be at least 1".into(),
-            );
-        }
-        self.validate_policy(&self.policy)
-            .map_err(ConfigError::Invalid)?;
+        Ok(())
+    }
+
+    /// Every timeout and time span a positive number of seconds, and the event loops' count.
+    fn validate_times(&self) -> Result<(), String> {
         let t = &self.timeouts;
         for (name, v) in [
             ("timeouts.connect_seconds", t.connect_seconds),
@@ -552,22 +570,26 @@ impl Config {
             ("drain_seconds", self.drain_seconds),
         ] {
             if !(v.is_finite() && v > 0.0 && v < 1e7) {
-                return bad(format!("{name} must be a positive number of seconds"));
+                return Err(format!("{name} must be a positive number of seconds"));
             }
         }
         if self.threads > 1024 {
-            return bad("threads must be at most 1024 (0: one per core)".into());
+            return Err("threads must be at most 1024 (0: one per core)".into());
         }
         let adm = &self.admission;
         if !(adm.max_wait_seconds.is_finite()
             && adm.max_wait_seconds > 0.0
             && adm.max_wait_seconds < 1e6)
         {
-            return bad("admission.max_wait_seconds must be a positive number of seconds".into());
+            return Err("admission.max_wait_seconds must be a positive number of seconds".into());
         }
-        crate::auth::Auth::from_config(&self.auth).map_err(ConfigError::Invalid)?;
+        Ok(())
+    }
+
+    /// The request body limit, health checks, connection limits and the load poll.
+    fn validate_operations(&self) -> Result<(), String> {
         if self.body_limit_bytes == 0 {
-            return bad("body_limit_bytes must be at least 1".into());
+            return Err("body_limit_bytes must be at least 1".into());
         }
         let h = &self.health;
         let positive = |v: f64| v.is_finite() && v > 0.0;
@@ -578,7 +600,7 @@ impl Config {
             || h.passive_failures == 0
             || !h.path.starts_with('/')
         {
-            return bad("health: interval_seconds >= 0, timeout_seconds > 0, thresholds >= 1, path starting with /".into());
+            return Err("health: interval_seconds >= 0, timeout_seconds > 0, thresholds >= 1, path starting with /".into());
         }
         let lim = &self.limits;
         if lim.max_connections == 0
@@ -588,7 +610,7 @@ impl Config {
             || lim.header_read_timeout_seconds > 1e6
             || lim.body_read_timeout_seconds > 1e6
         {
-            return bad(
+            return Err(
                 "limits: max_connections and listen_backlog >= 1, read timeouts positive seconds"
                     .into(),
             );
@@ -598,7 +620,7 @@ impl Config {
             || !positive(l.timeout_seconds)
             || !l.path.starts_with('/')
         {
-            return bad(
+            return Err(
                 "load_signals: interval_seconds >= 0, timeout_seconds > 0, path starting with /"
                     .into(),
             );
@@ -606,12 +628,8 @@ impl Config {
         let auto = self.workers.iter().any(WorkerConfig::detects_ranks)
             || self.discovery.data_parallel_size() == Some(DataParallelSize::Auto);
         if auto && l.interval_seconds == 0.0 {
-            return bad("data_parallel_size: auto reads the engines from the load poll of /metrics: load_signals.interval_seconds must be above 0".into());
+            return Err("data_parallel_size: auto reads the engines from the load poll of /metrics: load_signals.interval_seconds must be above 0".into());
         }
-        if let Some(ab) = &self.ab {
-            self.validate_ab(ab).map_err(ConfigError::Invalid)?;
-        }
-        self.discovery.validate().map_err(ConfigError::Invalid)?;
         Ok(())
     }
 
