@@ -282,90 +282,7 @@ impl Engine {
         };
         let mut finished = Vec::new();
         for &(i, n) in &scheduled {
-            let max_len = self.params.max_model_len;
-            let s = &mut self.running[i];
-            s.computed += n;
-            // Register the blocks this step filled (earlier ones are registered already).
-            let block = self.kv.block_size();
-            let full_before = (s.computed - n) / block;
-            self.kv
-                .extend_hashes(&mut s.hashes, &s.tokens[..s.computed]);
-            let full_now = s.computed / block;
-            if full_now > full_before {
-                let parent = full_before.checked_sub(1).map(|p| s.hashes[p]);
-                self.kv.register(
-                    &s.blocks[full_before..full_now],
-                    &s.hashes[full_before..full_now],
-                    parent,
-                    &s.tokens[full_before * block..full_now * block],
-                );
-            }
-            if s.computed < s.tokens.len() {
-                continue; // a prompt chunk; more to prefill
-            }
-            let k = s.output_len();
-            let (token, piece) = self.tokenizer.output_token(s.req.seed, k);
-            s.tokens.push(token);
-            self.counters.generation_tokens += 1;
-            if s.client_gone {
-                self.counters.generated_after_disconnect += 1;
-            }
-            match s.first_token {
-                None => {
-                    s.first_token = Some(end);
-                    // vLLM counts a prompt's tokens when its prefill yields the first token, not
-                    // when it is scheduled: a request aborted before then is never counted.
-                    let (prompt, cached) = (s.req.prompt.len(), s.cached_tokens.unwrap_or(0));
-                    let c = &mut self.counters;
-                    c.prompt_tokens += prompt as u64;
-                    c.prompt_cached += cached as u64;
-                    c.prompt_recomputed += u64::from(cached + 1 == prompt);
-                }
-                Some(_) => out.inter_token.push(end - s.last_token),
-            }
-            s.last_token = end;
-            let before = s.text.len();
-            s.text.push_str(&piece);
-            let k = k + 1;
-            let hit_stop = s
-                .req
-                .stop
-                .iter()
-                .find_map(|p| s.text.find(p.as_str()).map(|at| (at, p.clone())));
-            let (delta, reason, stop) = if let Some((at, p)) = hit_stop {
-                s.text.truncate(at);
-                (
-                    s.text[before.min(at)..].to_string(),
-                    Some(FinishReason::Stop),
-                    Some(p),
-                )
-            } else if k >= s.req.max_tokens || s.tokens.len() >= max_len {
-                (piece, Some(FinishReason::Length), None)
-            } else if !s.req.ignore_eos && k >= s.natural_len.max(s.req.min_tokens) {
-                (piece, Some(FinishReason::Stop), None)
-            } else {
-                (piece, None, None)
-            };
-            if !delta.is_empty() {
-                out.events.push((s.id, Event::Token { text: delta }));
-            }
-            if let Some(reason) = reason {
-                let first_scheduled = s.first_scheduled.unwrap_or(s.arrival);
-                out.events.push((
-                    s.id,
-                    Event::Finished {
-                        reason,
-                        stop,
-                        prompt_tokens: s.req.prompt.len(),
-                        cached_tokens: s.cached_tokens.unwrap_or(0),
-                        completion_tokens: k,
-                        timings: Timings {
-                            queue: first_scheduled - s.arrival,
-                            ttft: s.first_token.unwrap_or(end) - s.received,
-                            e2e: end - s.received,
-                        },
-                    },
-                ));
+            if self.compute(i, n) && self.next_token(i, end, &mut out) {
                 finished.push(i);
             }
         }
@@ -375,6 +292,103 @@ impl Engine {
             self.kv.free(&s.blocks);
         }
         out
+    }
+
+    /// Computes `n` more tokens of running sequence `i` and registers the KV blocks they filled;
+    /// `true` once its prompt is all computed, so that this step yields a token for it.
+    fn compute(&mut self, i: usize, n: usize) -> bool {
+        let s = &mut self.running[i];
+        s.computed += n;
+        // Register the blocks this step filled (earlier ones are registered already).
+        let block = self.kv.block_size();
+        let full_before = (s.computed - n) / block;
+        self.kv
+            .extend_hashes(&mut s.hashes, &s.tokens[..s.computed]);
+        let full_now = s.computed / block;
+        if full_now > full_before {
+            let parent = full_before.checked_sub(1).map(|p| s.hashes[p]);
+            self.kv.register(
+                &s.blocks[full_before..full_now],
+                &s.hashes[full_before..full_now],
+                parent,
+                &s.tokens[full_before * block..full_now * block],
+            );
+        }
+        s.computed >= s.tokens.len()
+    }
+
+    /// Running sequence `i` yields its next token at `end`: counts it, adds its text (or its
+    /// finish) to `out`, and says whether the sequence is finished.
+    fn next_token(&mut self, i: usize, end: f64, out: &mut StepOutput) -> bool {
+        let max_len = self.params.max_model_len;
+        let s = &mut self.running[i];
+        let k = s.output_len();
+        let (token, piece) = self.tokenizer.output_token(s.req.seed, k);
+        s.tokens.push(token);
+        self.counters.generation_tokens += 1;
+        if s.client_gone {
+            self.counters.generated_after_disconnect += 1;
+        }
+        match s.first_token {
+            None => {
+                s.first_token = Some(end);
+                // vLLM counts a prompt's tokens when its prefill yields the first token, not
+                // when it is scheduled: a request aborted before then is never counted.
+                let (prompt, cached) = (s.req.prompt.len(), s.cached_tokens.unwrap_or(0));
+                let c = &mut self.counters;
+                c.prompt_tokens += prompt as u64;
+                c.prompt_cached += cached as u64;
+                c.prompt_recomputed += u64::from(cached + 1 == prompt);
+            }
+            Some(_) => out.inter_token.push(end - s.last_token),
+        }
+        s.last_token = end;
+        let before = s.text.len();
+        s.text.push_str(&piece);
+        let k = k + 1;
+        let hit_stop = s
+            .req
+            .stop
+            .iter()
+            .find_map(|p| s.text.find(p.as_str()).map(|at| (at, p.clone())));
+        let (delta, reason, stop) = if let Some((at, p)) = hit_stop {
+            s.text.truncate(at);
+            (
+                s.text[before.min(at)..].to_string(),
+                Some(FinishReason::Stop),
+                Some(p),
+            )
+        } else if k >= s.req.max_tokens || s.tokens.len() >= max_len {
+            (piece, Some(FinishReason::Length), None)
+        } else if !s.req.ignore_eos && k >= s.natural_len.max(s.req.min_tokens) {
+            (piece, Some(FinishReason::Stop), None)
+        } else {
+            (piece, None, None)
+        };
+        if !delta.is_empty() {
+            out.events.push((s.id, Event::Token { text: delta }));
+        }
+        if let Some(reason) = reason {
+            let first_scheduled = s.first_scheduled.unwrap_or(s.arrival);
+            out.events.push((
+                s.id,
+                Event::Finished {
+                    reason,
+                    stop,
+                    prompt_tokens: s.req.prompt.len(),
+                    cached_tokens: s.cached_tokens.unwrap_or(0),
+                    completion_tokens: k,
+                    timings: Timings {
+                        queue: first_scheduled - s.arrival,
+                        ttft: s.first_token.unwrap_or(end) - s.received,
+                        e2e: end - s.received,
+                    },
+                },
+            ));
+            true
+        } else {
+            false
+        }
     }
 
     /// Picks this step's work: `(index into running, tokens to compute)`.
