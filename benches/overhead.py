@@ -21,7 +21,9 @@ side, and holds its 5,000 streams too.
 
 Reports req/s and p50/p99 latency per target and shape (median over rounds, and each round),
 the proxies' CPU seconds per 10k requests and its user and system parts per request (from /proc),
-and each proxy's resident memory per
+how often per 1,000 requests the kernel preempted a proxy's threads (involuntary context
+switches: a preempted event loop's connections all wait until it runs again), and each proxy's
+resident memory per
 open stream with 5,000 streams held open, with /health latency meanwhile (by default 200 probes 50 ms apart,
 each on a new connection: kvroute's own route, and a `return 200` location in the nginx proxy).
 
@@ -31,6 +33,7 @@ and it may (root). Takes about 3 minutes with the defaults.
 
 import argparse
 import asyncio
+import glob
 import os
 import re
 import shutil
@@ -214,6 +217,21 @@ def cpu_seconds(pids):
     return user, system
 
 
+def preemptions(pids):
+    """Involuntary context switches of every thread of the processes so far."""
+    total = 0
+    for pid in pids:
+        for status in glob.glob(f"/proc/{pid}/task/*/status"):
+            try:
+                with open(status) as f:
+                    for line in f:
+                        if line.startswith("nonvoluntary_ctxt_switches:"):
+                            total += int(line.split()[1])
+            except OSError:
+                pass
+    return total
+
+
 def rss_bytes(pids):
     total = 0
     for pid in pids:
@@ -337,11 +355,13 @@ def main():
                 for name in names[r % len(names):] + names[:r % len(names)]:
                     port, pids = targets[name]
                     u0, s0 = cpu_seconds(pids) if pids else (0, 0)
+                    n0 = preemptions(pids) if pids else 0
                     res = wrk(f"http://127.0.0.1:{port}/v1/completions{query}", a.seconds, lua)
                     if pids:
                         u1, s1 = cpu_seconds(pids)
                         res["user_us"] = (u1 - u0) / res["requests"] * 1e6
                         res["sys_us"] = (s1 - s0) / res["requests"] * 1e6
+                        res["preempted_k"] = (preemptions(pids) - n0) / res["requests"] * 1000
                         res["cpu10k"] = (res["user_us"] + res["sys_us"]) / 100
                     else:
                         res["cpu10k"] = None
@@ -350,15 +370,16 @@ def main():
             results = {}
         print(f"wrk -t1 -c32 -d{a.seconds}s, POST /v1/completions; {rounds} interleaved rounds; {cores} cores; medians (each round)")
         print()
-        print("| shape | target | req/s | p50 ms | p99 ms | proxy CPU s / 10k req | user / system µs per req | non-2xx |")
-        print("|---|---|---|---|---|---|---|---|")
+        print("| shape | target | req/s | p50 ms | p99 ms | proxy CPU s / 10k req | user / system µs per req | preempted per 1k req | non-2xx |")
+        print("|---|---|---|---|---|---|---|---|---|")
         for (shape, name), rs in results.items():
             med = lambda k: statistics.median(x[k] for x in rs)
             each = lambda k, fmt: " ".join(fmt % x[k] for x in rs)
             proxied = rs[0]["cpu10k"] is not None
             cpu = "%.2f (%s)" % (med("cpu10k"), each("cpu10k", "%.2f")) if proxied else "-"
             split = "%.1f / %.1f" % (med("user_us"), med("sys_us")) if proxied else "-"
-            print(f"| {shape} | {name} | {med('rps'):,.0f} ({each('rps', '%.0f')}) | {med('p50'):.2f} | {med('p99'):.2f} ({each('p99', '%.2f')}) | {cpu} | {split} | {sum(x['non2xx'] for x in rs)} |")
+            preempted = "%.0f" % med("preempted_k") if proxied else "-"
+            print(f"| {shape} | {name} | {med('rps'):,.0f} ({each('rps', '%.0f')}) | {med('p50'):.2f} | {med('p99'):.2f} ({each('p99', '%.2f')}) | {cpu} | {split} | {preempted} | {sum(x['non2xx'] for x in rs)} |")
         print()
         for shape in ("json", "sse-100") if results else ():
             k = statistics.median(x["rps"] for x in results[(shape, "kvroute")])
@@ -366,7 +387,9 @@ def main():
             kp = statistics.median(x["p99"] for x in results[(shape, "kvroute")])
             np_ = statistics.median(x["p99"] for x in results[(shape, "nginx")])
             ratio = lambda key: statistics.median(x[key] for x in results[(shape, "kvroute")]) / statistics.median(x[key] for x in results[(shape, "nginx")])
-            print(f"{shape}: kvroute / nginx req/s {k / n:.2f}x, p99 {kp / np_:.2f}x, CPU per request: user {ratio('user_us'):.2f}x, system {ratio('sys_us'):.2f}x")
+            nginx_preempted = statistics.median(x["preempted_k"] for x in results[(shape, "nginx")])
+            preempted_ratio = f"{ratio('preempted_k'):.2f}x" if nginx_preempted > 0 else "- (nginx: none)"
+            print(f"{shape}: kvroute / nginx req/s {k / n:.2f}x, p99 {kp / np_:.2f}x, CPU per request: user {ratio('user_us'):.2f}x, system {ratio('sys_us'):.2f}x; preempted per request {preempted_ratio}")
             if base:
                 b = statistics.median(x["rps"] for x in results[(shape, "kvroute-baseline")])
                 bp = statistics.median(x["p99"] for x in results[(shape, "kvroute-baseline")])

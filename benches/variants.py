@@ -9,8 +9,9 @@ what a second event loop costs per request, or what a routing policy costs again
         nginx1=nginx:1 nginx2=nginx:2
 
 Each variant is NAME=BINARY, NAME=BINARY:CONFIG (passed as `--config`), or NAME=nginx:WORKERS.
-Prints, per variant, the medians over the rounds of req/s, p99 and user and system CPU µs per
-request (from /proc), and each round's user µs and req/s. Loopback only; about 5 s per variant
+Prints, per variant, the medians over the rounds of req/s, p99, user and system CPU µs per
+request (from /proc) and the times per 1,000 requests the kernel preempted its threads, and each
+round's user µs, req/s and p99. Loopback only; about 5 s per variant
 per round.
 """
 import argparse
@@ -64,21 +65,24 @@ def main():
             for n in names[r % len(names):] + names[:r % len(names)]:
                 _, port, pids = procs[n]
                 u0, s0 = o.cpu_seconds(pids)
+                n0 = o.preemptions(pids)
                 w = o.wrk(f"http://127.0.0.1:{port}/v1/completions", a.seconds, lua)
                 u1, s1 = o.cpu_seconds(pids)
                 w["user"] = (u1 - u0) / w["requests"] * 1e6
                 w["sys"] = (s1 - s0) / w["requests"] * 1e6
+                w["preempted_k"] = (o.preemptions(pids) - n0) / w["requests"] * 1000
                 results.setdefault(n, []).append(w)
         print(f"wrk -t1 -c32 -d{a.seconds}s, POST /v1/completions; {a.rounds} interleaved rounds; medians")
         print()
-        print("| variant | req/s | p99 ms | user / system µs per req | user µs each round | req/s each round | non-2xx |")
-        print("|---|---:|---:|---:|---|---|---:|")
+        print("| variant | req/s | p99 ms | user / system µs per req | preempted per 1k req | user µs each round | req/s each round | p99 ms each round | non-2xx |")
+        print("|---|---:|---:|---:|---:|---|---|---|---:|")
         for n, _ in variants:
             rs = results[n]
             med = lambda k: statistics.median(x[k] for x in rs)
             print(f"| {n} | {med('rps'):,.0f} | {med('p99'):.2f} | {med('user'):.2f} / {med('sys'):.2f} | "
+                  f"{med('preempted_k'):.0f} | "
                   f"{' '.join('%.2f' % x['user'] for x in rs)} | {' '.join('%.0f' % x['rps'] for x in rs)} | "
-                  f"{sum(x['non2xx'] for x in rs)} |")
+                  f"{' '.join('%.2f' % x['p99'] for x in rs)} | {sum(x['non2xx'] for x in rs)} |")
     finally:
         o.stop_all([p for p, _, _ in procs.values()] + [upstream], d)
 
