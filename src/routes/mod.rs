@@ -1,6 +1,15 @@
 //! Thin HTTP handlers: read the body within its limit, compute the routing key, hand over to the proxy.
+//!
+//! Here: the handlers' shared state and the routed request path (completions and chats, the
+//! passthrough, the debug route); beside it the Responses API's handlers (`responses_api`), what
+//! the gateway answers itself (`gateway`: models, health, readiness, metrics) and the checks
+//! every request passes first (`guard`).
 
-use std::{future::Future, sync::Arc, task::Poll, time::Duration};
+mod gateway;
+mod guard;
+mod responses_api;
+
+use std::{future::Future, sync::Arc, task::Poll};
 
 use axum::{
     body::Body,
@@ -17,12 +26,14 @@ use crate::{
     error::{error_response, ApiError},
     loop_copy::{Handle, LoopCopy},
     policy::arms::{Arms, HeldArm},
-    proxy::{forward, forward_to, Route, Upstreams, WORKER_HEADER},
-    responses,
+    proxy::{forward, Route, Upstreams},
     routing_key::{self, PromptField, RequestInfo},
     workers::{LoopSet, WorkerSet},
 };
 
+pub use gateway::{health, metrics, models, ready};
+pub use guard::{authenticate, check_head, guard, method_not_allowed, not_found};
+pub use responses_api::{responses_create, stored_response};
 /// Shared state of the handlers; every request clones it, so it is one reference count.
 #[derive(Clone)]
 pub struct AppState(Arc<Shared>);
@@ -142,143 +153,6 @@ async fn routed(s: AppState, route: Route, field: PromptField, req: Request) -> 
     let arm = Arms::pick_held(&arms, &parts.headers, &info);
     let result = forward(up, &s.workers_now(), &arm, route, &parts, body, info).await;
     respond(&s, route, (arm.policy.name(), &arm.name), result)
-}
-
-/// `POST /v1/responses`: keyed on its instructions and input and routed as a chat is; one that
-/// continues a stored response (`previous_response_id`) goes to the worker that holds it
-/// ([`crate::responses`]), and is left for that worker to judge. The worker that makes a
-/// response is remembered as its home.
-pub async fn responses_create(State(s): State<AppState>, req: Request) -> Response {
-    let up = &s.upstreams;
-    let arms = s.arms_now();
-    let (parts, body) = req.into_parts();
-    let body = match read_body(&parts.headers, body, up).await {
-        Ok(b) => b,
-        Err(e) => return respond(&s, Route::Responses, arms.unpicked_labels(), Err(e)),
-    };
-    // Outside the match: the labels borrow from it.
-    let arm: HeldArm;
-    let (labels, result) = match responses::previous_response_id(&body) {
-        Some(id) => {
-            let info = RequestInfo {
-                model: named_model(&parts.headers, &body),
-                ..RequestInfo::unkeyed()
-            };
-            let result = follow(&s, &id, Route::Responses, &parts, body, info).await;
-            ((s.passthrough.policy.name(), &*s.passthrough.name), result)
-        }
-        None => match key(up, &body, PromptField::Input).await {
-            Ok(info) => {
-                arm = Arms::pick_held(&arms, &parts.headers, &info);
-                let workers = s.workers_now();
-                let result =
-                    forward(up, &workers, &arm, Route::Responses, &parts, body, info).await;
-                ((arm.policy.name(), &*arm.name), result)
-            }
-            Err(e) => (arms.unpicked_labels(), Err(e)),
-        },
-    };
-    respond(
-        &s,
-        Route::Responses,
-        labels,
-        result.map(|r| learn_home(&s, r)),
-    )
-}
-
-/// `/v1/responses/{id}` and the routes under it (`cancel`, `input_items`), any method: to the
-/// worker that holds that response.
-pub async fn stored_response(State(s): State<AppState>, req: Request) -> Response {
-    let up = &s.upstreams;
-    let (parts, body) = req.into_parts();
-    let result = async {
-        let body = read_body(&parts.headers, body, up).await?;
-        let path = parts.uri.path();
-        let id =
-            responses::id_in_path(path).ok_or_else(|| ApiError::RouteNotFound(path.to_owned()))?;
-        let info = RequestInfo::unkeyed();
-        follow(&s, id, Route::Passthrough, &parts, body, info).await
-    }
-    .await;
-    let labels = (s.passthrough.policy.name(), &*s.passthrough.name);
-    respond(&s, Route::Passthrough, labels, result)
-}
-
-/// Sends a request for stored response `id` to the worker remembered for it, or found holding
-/// it; where none is, to the least-loaded worker, whose answer (vLLM's 404) is the client's.
-async fn follow(
-    s: &AppState,
-    id: &str,
-    route: Route,
-    parts: &http::request::Parts,
-    body: Bytes,
-    info: RequestInfo,
-) -> Result<Response, ApiError> {
-    let up = &s.upstreams;
-    let snapshot = s.workers_now();
-    let workers = crate::workers::eligible(&snapshot, info.model.as_deref())?;
-    let named = |name: &str| workers.iter().find(|w| w.name == name);
-    let remembered = s.responses.home(id).and_then(|home| named(&home));
-    let (home, how) = match remembered {
-        Some(home) => (Some(home), "remembered"),
-        None => match responses::locate(up, &workers, id).await {
-            Some(found) => {
-                s.responses.remember(id, &found);
-                (named(&found), "found")
-            }
-            None => (None, "unknown"),
-        },
-    };
-    up.metrics
-        .responses_followed
-        .with_label_values(&[how])
-        .inc();
-    match home {
-        Some(home) => {
-            forward_to(
-                up,
-                &s.passthrough,
-                route,
-                parts,
-                body,
-                info,
-                &snapshot,
-                home,
-            )
-            .await
-        }
-        None => forward(up, &snapshot, &s.passthrough, route, parts, body, info).await,
-    }
-}
-
-/// Remembers the worker that answered a Responses request as the home of the response it made,
-/// whose id is in the answer's first bytes (its JSON, or its stream's `response.created` event).
-fn learn_home(s: &AppState, resp: Response) -> Response {
-    let worker = resp
-        .headers()
-        .get(WORKER_HEADER)
-        .and_then(|v| v.to_str().ok());
-    let Some(worker) = worker.filter(|_| resp.status().is_success()) else {
-        return resp;
-    };
-    let worker: Arc<str> = worker.into();
-    let homes = Arc::clone(&s.responses);
-    // The id comes in the first frame or two; later frames are not searched.
-    let mut frames_left = 2u8;
-    resp.map(|body| {
-        Body::new(body.map_frame(move |frame| {
-            if frames_left > 0 {
-                if let Some(data) = frame.data_ref() {
-                    frames_left -= 1;
-                    if let Some(id) = responses::response_id_in(data) {
-                        homes.remember(id, &worker);
-                        frames_left = 0;
-                    }
-                }
-            }
-            frame
-        }))
-    })
 }
 
 /// `POST /debug/route/v1/completions` (and `.../chat/completions`): where the request would be
@@ -509,214 +383,4 @@ async fn read_body(
             "could not read the request body: {e}"
         ))),
     }
-}
-
-/// `GET /v1/models`: the union of every usable worker's models, without duplicates.
-pub async fn models(State(s): State<AppState>) -> Response {
-    let up = &s.upstreams;
-    let snapshot = up.pool.snapshot();
-    let asks = snapshot
-        .iter()
-        .filter(|w| w.is_usable())
-        .map(|w| async move {
-            let uri = format!("{}://{}/v1/models", w.scheme, w.authority);
-            let req = http::Request::get(uri)
-                .body(http_body_util::Full::new(Bytes::new()))
-                .ok()?;
-            let resp = tokio::time::timeout(Duration::from_secs(10), up.client.request(req))
-                .await
-                .ok()?
-                .ok()?;
-            if !resp.status().is_success() {
-                return None;
-            }
-            let bytes = tokio::time::timeout(Duration::from_secs(10), resp.into_body().collect())
-                .await
-                .ok()?
-                .ok()?
-                .to_bytes();
-            serde_json::from_slice::<serde_json::Value>(&bytes).ok()
-        });
-    let answers: Vec<_> = futures_util::future::join_all(asks)
-        .await
-        .into_iter()
-        .flatten()
-        .collect();
-    if answers.is_empty() {
-        return ApiError::NoWorker.into_response();
-    }
-    let mut seen = std::collections::HashSet::new();
-    let data: Vec<serde_json::Value> = answers
-        .iter()
-        .filter_map(|a| a.get("data").and_then(|d| d.as_array()))
-        .flatten()
-        .filter(|m| {
-            m.get("id")
-                .and_then(|id| id.as_str())
-                .is_some_and(|id| seen.insert(id.to_owned()))
-        })
-        .cloned()
-        .collect();
-    Json(serde_json::json!({"object": "list", "data": data})).into_response()
-}
-
-/// `GET /health`: the process is alive.
-pub async fn health() -> Response {
-    Json(serde_json::json!({"status": "ok"})).into_response()
-}
-
-/// `GET /ready`: at least one worker is usable.
-pub async fn ready(State(s): State<AppState>) -> Response {
-    if s.upstreams.pool.any_usable() {
-        Json(serde_json::json!({"status": "ready"})).into_response()
-    } else {
-        ApiError::NoWorker.into_response()
-    }
-}
-
-/// `GET /metrics`: the Prometheus text exposition.
-pub async fn metrics(State(s): State<AppState>) -> Response {
-    let metrics = &s.upstreams.metrics;
-    metrics
-        .queue_depth
-        .set(s.upstreams.pool.freed.waiting() as i64);
-    metrics
-        .responses_remembered
-        .set(i64::try_from(s.responses.len()).unwrap_or(i64::MAX));
-    for arm in s.arms.load().iter() {
-        if let Some(stats) = arm.policy.index_stats() {
-            metrics.publish_index(arm.policy.name(), &arm.name, stats);
-        }
-        if let Some(share) = arm.policy.reuse_share() {
-            metrics
-                .reuse_share
-                .with_label_values(&[arm.policy.name(), &arm.name])
-                .set(share);
-        }
-        if let Some(share) = arm.policy.continuing_share() {
-            metrics
-                .continuing_share
-                .with_label_values(&[arm.policy.name(), &arm.name])
-                .set(share);
-        }
-        if let Some(share) = arm.policy.unseen_reuse_share() {
-            metrics
-                .unseen_reuse_share
-                .with_label_values(&[arm.policy.name(), &arm.name])
-                .set(share);
-        }
-    }
-    for w in s.upstreams.pool.snapshot().iter() {
-        if let Some(feed) = &w.events {
-            metrics.publish_feed(&w.name, feed);
-        }
-        metrics.publish_steps(&w.name, w.steps.fit(), w.steps.slowness());
-        let pending = w.load.pending_prefill();
-        let done = w.steps.prefill_done(crate::load::now_us(), pending);
-        metrics.publish_prefill(&w.name, pending, done);
-    }
-    (
-        [(
-            header::CONTENT_TYPE,
-            "text/plain; version=0.0.4; charset=utf-8",
-        )],
-        s.upstreams.metrics.render(),
-    )
-        .into_response()
-}
-
-/// Refuses what no route should see: an HTTP/1.1 request without exactly one `Host` header
-/// (RFC 9112 §3.2) and a path with dot segments (`.`/`..`, also percent-encoded), which a worker
-/// or a proxy behind it might resolve to another path than the one routed.
-pub async fn guard(req: Request, next: axum::middleware::Next) -> Response {
-    if let Err(refused) = check_head(&req) {
-        return refused.into_response();
-    }
-    // Only a segment with a `.` or `%` can be one; the rest cost no allocation.
-    let dotted = req.uri().path().split('/').any(|seg| {
-        seg.contains(['.', '%']) && {
-            let seg = seg.to_ascii_lowercase().replace("%2e", ".");
-            seg == "." || seg == ".."
-        }
-    });
-    if dotted {
-        return ApiError::InvalidRequest(
-            "dot segments (`.` or `..`) are not allowed in the path".into(),
-        )
-        .into_response();
-    }
-    next.run(req).await
-}
-
-/// An HTTP/1.1 request names exactly one `Host` (RFC 9112 §3.2); a 400 otherwise.
-pub fn check_head<B>(req: &http::Request<B>) -> Result<(), ApiError> {
-    let hosts = req.headers().get_all(header::HOST).iter().count();
-    if req.version() == http::Version::HTTP_11 && hosts != 1 {
-        let msg = if hosts == 0 {
-            "missing Host header"
-        } else {
-            "more than one Host header"
-        };
-        return Err(ApiError::InvalidRequest(msg.into()));
-    }
-    Ok(())
-}
-
-/// With client keys configured, a request the gateway proxies ([`needs_client_key`]) needs a
-/// valid one (401) and room in its client's quota (429); the client's place is held until its
-/// response body has ended.
-pub async fn authenticate(
-    State(s): State<AppState>,
-    req: Request,
-    next: axum::middleware::Next,
-) -> Response {
-    let auth = &s.upstreams.auth;
-    let path = req.uri().path();
-    if !auth.enabled() || !needs_client_key(path) {
-        return next.run(req).await;
-    }
-    let permit = match auth.admit(req.headers()) {
-        Ok(p) => p,
-        Err(e) => {
-            if matches!(e, ApiError::QuotaExceeded { .. }) {
-                s.upstreams
-                    .metrics
-                    .shed
-                    .with_label_values(&["client_quota"])
-                    .inc();
-            }
-            return e.into_response();
-        }
-    };
-    s.upstreams
-        .metrics
-        .client_requests
-        .with_label_values(&[permit.client()])
-        .inc();
-    let resp = next.run(req).await;
-    // The permit lives in the body's frame mapper: dropped when the body is done or dropped.
-    resp.map(|body| {
-        Body::new(body.map_frame(move |frame| {
-            let _held = &permit;
-            frame
-        }))
-    })
-}
-
-pub async fn not_found(req: Request) -> Response {
-    ApiError::RouteNotFound(req.uri().path().to_owned()).into_response()
-}
-
-pub async fn method_not_allowed(req: Request) -> Response {
-    let msg = format!(
-        "method {} is not allowed on {}",
-        req.method(),
-        req.uri().path()
-    );
-    error_response(
-        StatusCode::METHOD_NOT_ALLOWED,
-        "MethodNotAllowedError",
-        &msg,
-        None,
-    )
 }
