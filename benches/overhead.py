@@ -2,7 +2,7 @@
 """Proxy overhead: the same load direct to a fast upstream, through kvroute and through nginx.
 
     python3 benches/overhead.py [--bin target/release/kvroute] [--rounds N] [--seconds 5]
-                                [--baseline OTHER_KVROUTE_BINARY]
+                                [--baseline OTHER_KVROUTE_BINARY] [--threads N]
 
 Everything runs on loopback, each in its own process:
 - the upstream: an nginx that answers `POST /v1/completions` at once with a small JSON
@@ -14,6 +14,9 @@ Everything runs on loopback, each in its own process:
 - the load: `wrk -t1 -c32` POSTing a small completion request, direct / kvroute / nginx
   interleaved in each round, the order rotated by one place each round; by default as many
   rounds as there are targets, so every target runs once in every place.
+
+With `--threads N`, kvroute runs N event loops and nginx N worker processes instead of one per
+core.
 
 With `--baseline`, a second kvroute (another build, e.g. the commit before a change) joins the
 interleaved rounds as `kvroute-baseline`, so a change is measured against its parent side by
@@ -323,16 +326,26 @@ def main():
     ap.add_argument("--health-probes", type=int, default=200, help="/health probes per port while streams are held")
     ap.add_argument("--health-every", type=float, default=0.05, help="seconds between /health probes")
     ap.add_argument("--baseline", help="another kvroute binary, measured beside --bin")
+    ap.add_argument("--threads", type=int,
+                    help="kvroute's event loops (a config file with `threads: N`) and nginx's worker "
+                         "processes; default one per core")
     a = ap.parse_args()
     ensure_tools()
-    cores = os.cpu_count()
+    loops = a.threads or os.cpu_count()
     d = tempfile.mkdtemp(prefix="kvroute-overhead-")
     os.chmod(d, 0o755)  # nginx's workers run as an unprivileged user and read the static files
+    kv_args = ()
+    if a.threads:
+        with open(f"{d}/kvroute.yaml", "w") as f:
+            f.write(f"threads: {a.threads}\n")
+        kv_args = ("--config", f"{d}/kvroute.yaml")
     up_port, ngx_port = free_port(), free_port()
     upstream = start_upstream(d, up_port)
-    proxy = start_nginx(d, "proxy", nginx_proxy(ngx_port, up_port), cores)
-    kv, kv_port, kv_admin = start_kvroute(a.bin, up_port)
-    base, base_port, base_admin = start_kvroute(a.baseline, up_port) if a.baseline else (None, None, None)
+    proxy = start_nginx(d, "proxy", nginx_proxy(ngx_port, up_port), loops)
+    kv, kv_port, kv_admin = start_kvroute(a.bin, up_port, args=kv_args)
+    base, base_port, base_admin = (
+        start_kvroute(a.baseline, up_port, args=kv_args) if a.baseline else (None, None, None)
+    )
     for p in (up_port, ngx_port, kv_port, base_port):
         if p:
             wait_port(p)
@@ -368,7 +381,7 @@ def main():
                     results.setdefault((shape, name), []).append(res)
         if a.memory_only:
             results = {}
-        print(f"wrk -t1 -c32 -d{a.seconds}s, POST /v1/completions; {rounds} interleaved rounds; {cores} cores; medians (each round)")
+        print(f"wrk -t1 -c32 -d{a.seconds}s, POST /v1/completions; {rounds} interleaved rounds; {os.cpu_count()} cores, {loops} event loops and nginx workers; medians (each round)")
         print()
         print("| shape | target | req/s | p50 ms | p99 ms | proxy CPU s / 10k req | user / system µs per req | preempted per 1k req | non-2xx |")
         print("|---|---|---|---|---|---|---|---|---|")
