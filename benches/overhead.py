@@ -235,6 +235,22 @@ def preemptions(pids):
     return total
 
 
+def measured_wrk(url, seconds, lua, pids):
+    """`wrk`'s result for `url`, with the CPU the processes `pids` spent on it per request
+    (`user_us`, `sys_us`, `cpu10k`: seconds per 10k requests) and the times per 1,000 requests
+    the kernel preempted their threads (`preempted_k`); those are None without `pids`."""
+    u0, s0 = cpu_seconds(pids)
+    n0 = preemptions(pids)
+    res = wrk(url, seconds, lua)
+    u1, s1 = cpu_seconds(pids)
+    per_req = lambda v: v / res["requests"] if pids else None
+    res["user_us"] = per_req((u1 - u0) * 1e6)
+    res["sys_us"] = per_req((s1 - s0) * 1e6)
+    res["preempted_k"] = per_req((preemptions(pids) - n0) * 1000)
+    res["cpu10k"] = (res["user_us"] + res["sys_us"]) / 100 if pids else None
+    return res
+
+
 def rss_bytes(pids):
     total = 0
     for pid in pids:
@@ -367,17 +383,8 @@ def main():
                 names = list(targets)
                 for name in names[r % len(names):] + names[:r % len(names)]:
                     port, pids = targets[name]
-                    u0, s0 = cpu_seconds(pids) if pids else (0, 0)
-                    n0 = preemptions(pids) if pids else 0
-                    res = wrk(f"http://127.0.0.1:{port}/v1/completions{query}", a.seconds, lua)
-                    if pids:
-                        u1, s1 = cpu_seconds(pids)
-                        res["user_us"] = (u1 - u0) / res["requests"] * 1e6
-                        res["sys_us"] = (s1 - s0) / res["requests"] * 1e6
-                        res["preempted_k"] = (preemptions(pids) - n0) / res["requests"] * 1000
-                        res["cpu10k"] = (res["user_us"] + res["sys_us"]) / 100
-                    else:
-                        res["cpu10k"] = None
+                    url = f"http://127.0.0.1:{port}/v1/completions{query}"
+                    res = measured_wrk(url, a.seconds, lua, pids or [])
                     results.setdefault((shape, name), []).append(res)
         if a.memory_only:
             results = {}

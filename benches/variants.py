@@ -64,13 +64,7 @@ def main():
             # Rotated each round, as in overhead.py: no variant always runs in one place.
             for n in names[r % len(names):] + names[:r % len(names)]:
                 _, port, pids = procs[n]
-                u0, s0 = o.cpu_seconds(pids)
-                n0 = o.preemptions(pids)
-                w = o.wrk(f"http://127.0.0.1:{port}/v1/completions", a.seconds, lua)
-                u1, s1 = o.cpu_seconds(pids)
-                w["user"] = (u1 - u0) / w["requests"] * 1e6
-                w["sys"] = (s1 - s0) / w["requests"] * 1e6
-                w["preempted_k"] = (o.preemptions(pids) - n0) / w["requests"] * 1000
+                w = o.measured_wrk(f"http://127.0.0.1:{port}/v1/completions", a.seconds, lua, pids)
                 results.setdefault(n, []).append(w)
         print(f"wrk -t1 -c32 -d{a.seconds}s, POST /v1/completions; {a.rounds} interleaved rounds; medians")
         print()
@@ -79,9 +73,9 @@ def main():
         for n, _ in variants:
             rs = results[n]
             med = lambda k: statistics.median(x[k] for x in rs)
-            print(f"| {n} | {med('rps'):,.0f} | {med('p99'):.2f} | {med('user'):.2f} / {med('sys'):.2f} | "
+            print(f"| {n} | {med('rps'):,.0f} | {med('p99'):.2f} | {med('user_us'):.2f} / {med('sys_us'):.2f} | "
                   f"{med('preempted_k'):.0f} | "
-                  f"{' '.join('%.2f' % x['user'] for x in rs)} | {' '.join('%.0f' % x['rps'] for x in rs)} | "
+                  f"{' '.join('%.2f' % x['user_us'] for x in rs)} | {' '.join('%.0f' % x['rps'] for x in rs)} | "
                   f"{' '.join('%.2f' % x['p99'] for x in rs)} | {sum(x['non2xx'] for x in rs)} |")
     finally:
         o.stop_all([p for p, _, _ in procs.values()] + [upstream], d)
