@@ -933,6 +933,55 @@ mod tests {
     }
 
     #[test]
+    fn each_check_of_workers_times_and_operations_refuses_with_its_message() {
+        let w = "workers: [{url: 'http://a:1'}]";
+        for (yaml, message) in [
+            ("workers: []".to_string(), "at least one worker is required"),
+            (
+                "workers: [{url: 'https://a:1'}]".into(),
+                "must be http://host:port",
+            ),
+            (
+                "workers: [{url: 'http://a:1', name: x}, {url: 'http://b:1', name: x}]".into(),
+                "two workers are named \"x\"",
+            ),
+            (
+                format!("{w}\ntimeouts: {{connect_seconds: 0}}"),
+                "timeouts.connect_seconds must be",
+            ),
+            (format!("{w}\ndrain_seconds: -1"), "drain_seconds must be"),
+            (
+                format!("{w}\nthreads: 1025"),
+                "threads must be at most 1024",
+            ),
+            (
+                format!("{w}\nadmission: {{max_wait_seconds: 0}}"),
+                "admission.max_wait_seconds",
+            ),
+            (
+                format!("{w}\nbody_limit_bytes: 0"),
+                "body_limit_bytes must be at least 1",
+            ),
+            (
+                format!("{w}\nhealth: {{unhealthy_threshold: 0}}"),
+                "health: interval_seconds",
+            ),
+            (
+                format!("{w}\nlimits: {{max_connections: 0}}"),
+                "limits: max_connections",
+            ),
+            (
+                format!("{w}\nload_signals: {{path: metrics}}"),
+                "load_signals: interval_seconds",
+            ),
+        ] {
+            let e = Config::from_yaml(&yaml).unwrap_err().to_string();
+            assert!(e.contains(message), "{yaml:?}: {e}");
+        }
+        Config::from_yaml(w).unwrap();
+    }
+
+    #[test]
     fn unknown_keys_are_rejected() {
         let e = Config::from_yaml("workers: [{url: 'http://a:1'}]\nlisten_port: 3").unwrap_err();
         assert!(e.to_string().contains("listen_port"), "{e}");
