@@ -7,9 +7,10 @@
 //!
 //! - `static`: the config's `workers` (re-applied on reload);
 //! - `dns`: a name (a headless Service) re-resolved every interval; every address becomes a worker;
-//! - `kubernetes`: list + watch of the Service's EndpointSlices; only Ready, non-terminating
-//!   endpoints; a dropped watch or a `410 Gone` re-lists, so deletions missed meanwhile are seen.
-//!   In a pod it talks HTTPS to the API server with the service account's CA and token.
+//! - `kubernetes`: list + watch of the Service's EndpointSlices (kube-rs's watcher); only Ready,
+//!   non-terminating endpoints; a dropped watch resumes from its last resourceVersion and a
+//!   `410 Gone` re-lists, so deletions missed meanwhile are seen. In a pod it talks HTTPS to the
+//!   API server with the service account's CA and token.
 
 use std::collections::BTreeMap;
 use std::future::Future;
@@ -19,12 +20,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
-use bytes::Bytes;
-use http_body_util::{BodyExt, Full};
-use hyper_rustls::HttpsConnector;
-use hyper_util::client::legacy::{connect::HttpConnector, Client};
-use hyper_util::rt::TokioExecutor;
-use serde_json::Value;
+use k8s_openapi::api::discovery::v1::EndpointSlice;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::{DataParallelSize, DiscoveryConfig, WorkerConfig};
@@ -131,132 +127,101 @@ pub async fn run(up: Arc<Upstreams>, resolver: Arc<dyn Resolve>, cancel: Cancell
             watch_timeout_seconds,
             data_parallel_size,
         } => {
-            let api = match KubeApi::new(api_url, &ca_file, token_file) {
-                Ok(api) => api,
+            let client = match kube_client(api_url, &ca_file, &token_file) {
+                Ok(client) => client,
                 Err(e) => {
                     tracing::error!(error = %e, "kubernetes discovery cannot start");
-                    up.metrics
-                        .discovery_updates
-                        .with_label_values(&["kubernetes", "error"])
-                        .inc();
+                    discovery_error(&up);
                     return;
                 }
             };
             let target = SliceTarget {
-                api: api.base.clone(),
                 namespace,
                 service,
                 port_name,
                 port,
                 data_parallel_size,
             };
-            let timeout = Duration::from_secs_f64(watch_timeout_seconds);
-            kubernetes(&up, &api, &target, &cancel, timeout).await;
+            // Validation keeps the timeout within [1 s, 1e6 s): it fits a u32 of seconds.
+            let timeout = watch_timeout_seconds.max(1.0) as u32;
+            kubernetes(&up, client, &target, &cancel, timeout).await;
         }
     }
 }
 
-type TlsClient = Client<HttpsConnector<HttpConnector>, Full<Bytes>>;
-
-/// The Kubernetes API: HTTPS with the configured CA (or plain HTTP to a `kubectl proxy`), with
-/// the service account's bearer token.
-pub struct KubeApi {
-    base: String,
-    client: TlsClient,
-    token_file: String,
-}
-
-impl KubeApi {
-    pub fn new(api_url: Option<String>, ca_file: &str, token_file: String) -> Result<Self, String> {
-        let base = api_url.unwrap_or_else(|| {
-            match (
-                std::env::var("KUBERNETES_SERVICE_HOST"),
-                std::env::var("KUBERNETES_SERVICE_PORT"),
-            ) {
-                (Ok(h), Ok(p)) if h.contains(':') => format!("https://[{h}]:{p}"),
-                (Ok(h), Ok(p)) => format!("https://{h}:{p}"),
-                _ => "http://127.0.0.1:8001".into(),
-            }
-        });
-        let mut roots = rustls::RootCertStore::empty();
-        if base.starts_with("https://") {
-            use rustls::pki_types::{pem::PemObject, CertificateDer};
-            let certs = CertificateDer::pem_file_iter(ca_file)
-                .map_err(|e| format!("CA bundle {ca_file}: {e}"))?;
-            for cert in certs {
-                let cert = cert.map_err(|e| format!("CA bundle {ca_file}: {e}"))?;
-                roots
-                    .add(cert)
-                    .map_err(|e| format!("CA bundle {ca_file}: {e}"))?;
-            }
+/// A client of the Kubernetes API at `api_url`: HTTPS verified against the CA bundle in
+/// `ca_file` (re-read by kube-rs when the file rotates), or plain HTTP to a `kubectl proxy`; with
+/// the bearer token in `token_file` when that file exists, re-read on every call.
+/// Unset `api_url`: the in-pod address from `KUBERNETES_SERVICE_HOST`/`_PORT`, else
+/// `http://127.0.0.1:8001`.
+pub fn kube_client(
+    api_url: Option<String>,
+    ca_file: &str,
+    token_file: &str,
+) -> Result<kube::Client, String> {
+    let base = api_url.unwrap_or_else(|| {
+        match (
+            std::env::var("KUBERNETES_SERVICE_HOST"),
+            std::env::var("KUBERNETES_SERVICE_PORT"),
+        ) {
+            (Ok(h), Ok(p)) if h.contains(':') => format!("https://[{h}]:{p}"),
+            (Ok(h), Ok(p)) => format!("https://{h}:{p}"),
+            _ => "http://127.0.0.1:8001".into(),
         }
-        let tls = rustls::ClientConfig::builder_with_provider(Arc::new(
-            rustls::crypto::ring::default_provider(),
+    });
+    let uri: http::Uri = base.parse().map_err(|e| format!("api_url {base}: {e}"))?;
+    let mut config = kube::Config::new(uri);
+    if base.starts_with("https://") {
+        use rustls::pki_types::{pem::PemObject, CertificateDer};
+        let certs = CertificateDer::pem_file_iter(ca_file)
+            .and_then(|certs| certs.collect::<Result<Vec<_>, _>>())
+            .map_err(|e| format!("CA bundle {ca_file}: {e}"))?;
+        if certs.is_empty() {
+            return Err(format!("CA bundle {ca_file}: no certificate in it"));
+        }
+        config.root_cert = Some(certs.into_iter().map(|c| c.to_vec()).collect());
+        config.root_cert_file = Some(ca_file.into());
+    }
+    let builder = kube::client::ClientBuilder::try_from(config).map_err(|e| error_chain(&e))?;
+    Ok(builder
+        .with_layer(&bearer_token(token_file.into()))
+        .with_layer(&tower::limit::RateLimitLayer::new(
+            API_CALLS_PER_SECOND,
+            Duration::from_secs(1),
         ))
-        .with_safe_default_protocol_versions()
-        .map_err(|e| e.to_string())?
-        .with_root_certificates(roots)
-        .with_no_client_auth();
-        let mut http = HttpConnector::new();
-        http.enforce_http(false);
-        http.set_connect_timeout(Some(Duration::from_secs(5)));
-        let connector = hyper_rustls::HttpsConnectorBuilder::new()
-            .with_tls_config(tls)
-            .https_or_http()
-            .enable_http1()
-            .wrap_connector(http);
-        Ok(Self {
-            base,
-            client: Client::builder(TokioExecutor::new()).build(connector),
-            token_file,
-        })
-    }
-
-    async fn get(&self, url: &str) -> Result<hyper::body::Incoming, GetError> {
-        let uri: http::Uri = url
-            .parse()
-            .map_err(|e| GetError::Other(format!("{url}: {e}")))?;
-        let mut req = http::Request::get(uri);
-        if let Ok(token) = tokio::fs::read_to_string(&self.token_file).await {
-            req = req.header(
-                http::header::AUTHORIZATION,
-                format!("Bearer {}", token.trim()),
-            );
-        }
-        let req = req
-            .body(Full::new(Bytes::new()))
-            .map_err(|e| GetError::Other(e.to_string()))?;
-        let resp = self
-            .client
-            .request(req)
-            .await
-            .map_err(|e| GetError::Other(error_chain(&e)))?;
-        if !resp.status().is_success() {
-            return Err(GetError::Status(resp.status().as_u16()));
-        }
-        Ok(resp.into_body())
-    }
+        .build())
 }
 
-/// A failed API call: an HTTP status (410 Gone matters to a watch) or anything else.
-#[derive(Debug)]
-enum GetError {
-    Status(u16),
-    Other(String),
-}
+/// At most this many API calls a second; more wait. Following one Service takes a list and a
+/// watch every `watch_timeout_seconds`, and failed calls back off, but kube-rs re-watches at once
+/// when a watch ends, even one the server closed before it carried anything; without this a
+/// server (or a proxy in front of it) that hangs up on every watch would be asked again in a
+/// tight loop.
+const API_CALLS_PER_SECOND: u64 = 5;
 
-impl std::fmt::Display for GetError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            GetError::Status(s) => write!(f, "HTTP {s}"),
-            GetError::Other(e) => f.write_str(e),
+/// Adds `Authorization: Bearer <token>` from `path`, read on every call (list and watch are a
+/// few per watch timeout; projected tokens rotate) and trimmed as client-go does; no header when
+/// the file cannot be read. kube-rs's own `token_file` sends the file's bytes untrimmed, so a
+/// token file ending in a newline (what `echo` writes) would be an invalid header value.
+fn bearer_token(
+    path: std::path::PathBuf,
+) -> tower::util::MapRequestLayer<
+    impl Fn(http::Request<kube::client::Body>) -> http::Request<kube::client::Body> + Clone,
+> {
+    tower::util::MapRequestLayer::new(move |mut req: http::Request<kube::client::Body>| {
+        let token = std::fs::read_to_string(&path).ok();
+        let value =
+            token.and_then(|t| http::HeaderValue::try_from(format!("Bearer {}", t.trim())).ok());
+        if let Some(mut value) = value {
+            value.set_sensitive(true);
+            req.headers_mut().insert(http::header::AUTHORIZATION, value);
         }
-    }
+        req
+    })
 }
 
 /// Which EndpointSlices to watch and which port to use.
 pub struct SliceTarget {
-    pub api: String,
     pub namespace: String,
     pub service: String,
     pub port_name: Option<String>,
@@ -266,54 +231,36 @@ pub struct SliceTarget {
 }
 
 impl SliceTarget {
-    fn url(&self) -> String {
-        format!(
-            "{}/apis/discovery.k8s.io/v1/namespaces/{}/endpointslices?labelSelector=kubernetes.io%2Fservice-name%3D{}",
-            self.api.trim_end_matches('/'),
-            self.namespace,
-            self.service
-        )
-    }
-
-    /// A watch from `rv` that the server ends after `timeout`, with bookmarks.
-    fn watch_url(&self, rv: &str, timeout: Duration) -> String {
-        format!(
-            "{}&watch=1&allowWatchBookmarks=true&timeoutSeconds={}&resourceVersion={rv}",
-            self.url(),
-            timeout.as_secs().max(1)
-        )
-    }
-
-    /// The usable endpoints of one EndpointSlice object.
-    pub fn endpoints(&self, slice: &Value) -> Vec<SocketAddr> {
-        let Some(port) = slice["ports"].as_array().and_then(|ports| {
-            ports.iter().find_map(|p| {
-                let by_name = self
-                    .port_name
-                    .as_deref()
-                    .is_some_and(|n| p["name"].as_str() == Some(n));
-                let by_number = self
-                    .port
-                    .is_some_and(|n| p["port"].as_u64() == Some(u64::from(n)));
-                (by_name || by_number).then(|| p["port"].as_u64()).flatten()
-            })
+    /// The usable endpoints of one EndpointSlice: Ready (a missing `ready` means ready, as the
+    /// Kubernetes API says) and not terminating, on the named (or numbered) port.
+    pub fn endpoints(&self, slice: &EndpointSlice) -> Vec<SocketAddr> {
+        let Some(port) = slice.ports.iter().flatten().find_map(|p| {
+            let by_name = self
+                .port_name
+                .as_deref()
+                .is_some_and(|n| p.name.as_deref() == Some(n));
+            let by_number = self.port.is_some_and(|n| p.port == Some(i32::from(n)));
+            (by_name || by_number)
+                .then_some(p.port)
+                .flatten()
+                .and_then(|p| u16::try_from(p).ok())
         }) else {
             return Vec::new();
         };
         let mut out = Vec::new();
-        for ep in slice["endpoints"].as_array().into_iter().flatten() {
-            let c = &ep["conditions"];
-            // A missing `ready` means ready (Kubernetes API semantics); terminating means leaving.
-            let ready = c["ready"].as_bool().unwrap_or(true);
-            let terminating = c["terminating"].as_bool().unwrap_or(false);
+        for ep in &slice.endpoints {
+            let c = ep.conditions.as_ref();
+            let ready = c.and_then(|c| c.ready).unwrap_or(true);
+            let terminating = c.and_then(|c| c.terminating).unwrap_or(false);
             if !ready || terminating {
                 continue;
             }
-            for a in ep["addresses"].as_array().into_iter().flatten() {
-                if let Some(ip) = a.as_str().and_then(|s| s.parse().ok()) {
-                    out.push(SocketAddr::new(ip, port as u16));
-                }
-            }
+            out.extend(
+                ep.addresses
+                    .iter()
+                    .filter_map(|a| a.parse().ok())
+                    .map(|ip| SocketAddr::new(ip, port)),
+            );
         }
         out
     }
@@ -329,7 +276,9 @@ fn workers_of(slices: &Slices, target: &SliceTarget) -> Vec<WorkerConfig> {
     )
 }
 
-/// Exponential backoff between failed API calls: 100 ms doubling to 10 s, reset by success.
+/// The pause after a failed API call: 100 ms doubling to 10 s, reset by the next success.
+/// (kube-rs's default starts at 800 ms, which leaves a gateway that just started without workers
+/// for longer than a transient error warrants.)
 struct Backoff(Duration);
 
 impl Backoff {
@@ -339,95 +288,80 @@ impl Backoff {
     fn new() -> Self {
         Self(Self::FIRST)
     }
+}
 
+impl Iterator for Backoff {
+    type Item = Duration;
+
+    /// The delay to wait now; the next one is twice as long. Never gives up.
+    fn next(&mut self) -> Option<Duration> {
+        let d = self.0;
+        self.0 = (self.0 * 2).min(Self::MAX);
+        Some(d)
+    }
+}
+
+impl kube::runtime::utils::Backoff for Backoff {
     fn reset(&mut self) {
         self.0 = Self::FIRST;
     }
-
-    /// The delay to wait now; the next one is twice as long.
-    fn next(&mut self) -> Duration {
-        let d = self.0;
-        self.0 = (self.0 * 2).min(Self::MAX);
-        d
-    }
 }
 
-/// How a watch ended.
-#[derive(Debug)]
-enum WatchEnd {
-    /// The server closed it (its `timeoutSeconds` ran out, or it went away): resume from the
-    /// last resourceVersion seen. `events` counts the events it carried.
-    Closed { events: usize },
-    /// Nothing ended it within `timeoutSeconds` and a grace period: a half-dead connection.
-    Silent,
-    /// 410 Gone: the resourceVersion is too old to resume from; list again.
-    Expired,
-    /// Refused (e.g. 403: RBAC allows list but not watch), or broken: retry after a backoff.
-    Failed(String),
-}
-
-/// List once, then watch from the list's resourceVersion; every watch event, bookmarks
-/// included, moves the resume point, so a watch that ends resumes where it stopped instead of
-/// listing again. Only 410 Gone re-lists. Failed calls back off (100 ms doubling to 10 s).
+/// Follows the Service's EndpointSlices with kube-rs's watcher: a list, then watches with
+/// bookmarks, each resumed from the last resourceVersion seen when it ends (the server's
+/// `timeoutSeconds`, a dropped connection, or nothing heard for `timeout` + 5 s); only 410 Gone
+/// lists again. Every change applies the whole set; a re-list replaces it once complete, so
+/// slices deleted while the watch was down go too. Failed calls keep the current workers, count
+/// as errors and back off.
 async fn kubernetes(
     up: &Upstreams,
-    api: &KubeApi,
+    client: kube::Client,
     target: &SliceTarget,
     cancel: &CancellationToken,
-    watch_timeout: Duration,
+    timeout_seconds: u32,
 ) {
-    let mut backoff = Backoff::new();
-    let mut listed: Option<(Slices, String)> = None;
+    use futures_util::StreamExt;
+    use kube::runtime::watcher::{self, Event};
+    use kube::ResourceExt;
+
+    let api: kube::Api<EndpointSlice> = kube::Api::namespaced(client, &target.namespace);
+    let config = watcher::Config::default()
+        .labels(&format!("kubernetes.io/service-name={}", target.service))
+        .timeout(timeout_seconds);
+    let events =
+        kube::runtime::utils::StreamBackoff::new(watcher::watcher(api, config), Backoff::new());
+    let mut events = std::pin::pin!(events);
+    let mut slices = Slices::new();
+    // The slices of a list in progress; they replace `slices` when it is complete.
+    let mut listing: Option<Slices> = None;
     loop {
-        let (slices, rv) = match &mut listed {
-            Some(x) => x,
-            None => {
-                let r = tokio::select! {
-                    _ = cancel.cancelled() => return,
-                    r = list(api, target) => r,
-                };
-                match r {
-                    Ok(x) => {
-                        apply(up, "kubernetes", &workers_of(&x.0, target));
-                        listed.insert(x)
-                    }
-                    Err(e) => {
-                        tracing::warn!(error = %e, "EndpointSlice list failed; keeping the current workers");
-                        discovery_error(up);
-                        if pause(cancel, backoff.next()).await {
-                            return;
-                        }
-                        continue;
-                    }
-                }
-            }
-        };
-        let end = tokio::select! {
+        let event = tokio::select! {
             _ = cancel.cancelled() => return,
-            end = watch(up, api, target, slices, rv, watch_timeout) => end,
+            event = events.next() => event,
         };
-        match end {
-            WatchEnd::Closed { events } if events > 0 => backoff.reset(),
-            WatchEnd::Closed { .. } => {
-                // Closed before it carried anything: do not spin on a server that hangs up.
-                if pause(cancel, backoff.next()).await {
-                    return;
-                }
+        match event {
+            // The backoff never gives up, so the stream never ends.
+            None => return,
+            Some(Ok(Event::Init)) => listing = Some(Slices::new()),
+            Some(Ok(Event::InitApply(slice))) => {
+                let listing = listing.get_or_insert_with(Slices::new);
+                listing.insert(slice.name_any(), target.endpoints(&slice));
             }
-            WatchEnd::Silent => {
-                tracing::info!("EndpointSlice watch went silent past its timeout; resuming");
+            Some(Ok(Event::InitDone)) => {
+                slices = listing.take().unwrap_or_default();
+                apply(up, "kubernetes", &workers_of(&slices, target));
             }
-            WatchEnd::Expired => {
-                tracing::info!("EndpointSlice watch expired (410 Gone); listing again");
-                listed = None;
+            Some(Ok(Event::Apply(slice))) => {
+                slices.insert(slice.name_any(), target.endpoints(&slice));
+                apply(up, "kubernetes", &workers_of(&slices, target));
             }
-            WatchEnd::Failed(e) => {
-                let wait = backoff.next();
-                tracing::warn!(error = %e, retry_in = ?wait, "EndpointSlice watch failed; keeping the current workers");
+            Some(Ok(Event::Delete(slice))) => {
+                slices.remove(&slice.name_any());
+                apply(up, "kubernetes", &workers_of(&slices, target));
+            }
+            Some(Err(e)) => {
+                tracing::warn!(error = %error_chain(&e), "EndpointSlice list or watch failed; keeping the current workers");
                 discovery_error(up);
-                if pause(cancel, wait).await {
-                    return;
-                }
             }
         }
     }
@@ -438,117 +372,4 @@ fn discovery_error(up: &Upstreams) {
         .discovery_updates
         .with_label_values(&["kubernetes", "error"])
         .inc();
-}
-
-/// Sleeps for `d`; true when cancelled meanwhile.
-async fn pause(cancel: &CancellationToken, d: Duration) -> bool {
-    tokio::select! {
-        _ = cancel.cancelled() => true,
-        _ = tokio::time::sleep(d) => false,
-    }
-}
-
-async fn list(api: &KubeApi, t: &SliceTarget) -> Result<(Slices, String), String> {
-    let body = api.get(&t.url()).await.map_err(|e| e.to_string())?;
-    let bytes = body.collect().await.map_err(|e| e.to_string())?.to_bytes();
-    let v: Value = serde_json::from_slice(&bytes).map_err(|e| e.to_string())?;
-    let rv = v["metadata"]["resourceVersion"]
-        .as_str()
-        .unwrap_or_default()
-        .to_string();
-    let slices = v["items"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .filter_map(|s| Some((s["metadata"]["name"].as_str()?.to_string(), t.endpoints(s))))
-        .collect();
-    Ok((slices, rv))
-}
-
-/// The grace a watch gets past its server-side `timeoutSeconds` before it counts as silent.
-fn watch_grace(timeout: Duration) -> Duration {
-    (timeout / 4).min(Duration::from_secs(15))
-}
-
-/// Follows one watch from `rv`, applying each event and moving `rv` with it.
-async fn watch(
-    up: &Upstreams,
-    api: &KubeApi,
-    t: &SliceTarget,
-    slices: &mut Slices,
-    rv: &mut String,
-    timeout: Duration,
-) -> WatchEnd {
-    let mut events = 0;
-    let followed = tokio::time::timeout(
-        timeout + watch_grace(timeout),
-        follow(up, api, t, slices, rv, timeout, &mut events),
-    )
-    .await;
-    match followed {
-        Err(_) => WatchEnd::Silent,
-        Ok(Ok(())) => WatchEnd::Closed { events },
-        Ok(Err(end)) => end,
-    }
-}
-
-async fn follow(
-    up: &Upstreams,
-    api: &KubeApi,
-    t: &SliceTarget,
-    slices: &mut Slices,
-    rv: &mut String,
-    timeout: Duration,
-    events: &mut usize,
-) -> Result<(), WatchEnd> {
-    let mut body = match api.get(&t.watch_url(rv, timeout)).await {
-        Ok(b) => b,
-        Err(GetError::Status(410)) => return Err(WatchEnd::Expired),
-        Err(e) => return Err(WatchEnd::Failed(e.to_string())),
-    };
-    let mut buf = Vec::new();
-    while let Some(frame) = body.frame().await {
-        let frame = frame.map_err(|e| WatchEnd::Failed(e.to_string()))?;
-        let Some(data) = frame.data_ref() else {
-            continue;
-        };
-        buf.extend_from_slice(data);
-        while let Some(nl) = buf.iter().position(|b| *b == b'\n') {
-            let line: Vec<u8> = buf.drain(..=nl).collect();
-            if line.iter().all(u8::is_ascii_whitespace) {
-                continue;
-            }
-            let ev: Value =
-                serde_json::from_slice(&line).map_err(|e| WatchEnd::Failed(e.to_string()))?;
-            let obj = &ev["object"];
-            let kind = ev["type"].as_str().unwrap_or_default();
-            if kind == "ERROR" {
-                return Err(if obj["code"].as_u64() == Some(410) {
-                    WatchEnd::Expired
-                } else {
-                    WatchEnd::Failed(format!("watch error event: {obj}"))
-                });
-            }
-            *events += 1;
-            if let Some(v) = obj["metadata"]["resourceVersion"].as_str() {
-                v.clone_into(rv);
-            }
-            let name = obj["metadata"]["name"]
-                .as_str()
-                .unwrap_or_default()
-                .to_string();
-            match kind {
-                "ADDED" | "MODIFIED" => {
-                    slices.insert(name, t.endpoints(obj));
-                }
-                "DELETED" => {
-                    slices.remove(&name);
-                }
-                "BOOKMARK" => continue,
-                other => return Err(WatchEnd::Failed(format!("unknown watch event {other:?}"))),
-            }
-            apply(up, "kubernetes", &workers_of(slices, t));
-        }
-    }
-    Ok(())
 }

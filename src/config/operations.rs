@@ -165,8 +165,8 @@ pub enum DiscoveryConfig {
         #[serde(default = "default_token_file")]
         token_file: String,
         /// Each watch asks the API server to end it after this long (`timeoutSeconds`) and is
-        /// resumed from its last resourceVersion; one that has not ended a grace period later
-        /// (a quarter of it, at most 15 s) counts as a half-dead connection and is resumed too.
+        /// resumed from its last resourceVersion; one that carries nothing for this long and
+        /// 5 s more (kube-rs's margin) counts as a half-dead connection and is resumed too.
         #[serde(default = "default_watch_timeout")]
         watch_timeout_seconds: f64,
         #[serde(default, skip_serializing_if = "Option::is_none")]
