@@ -27,64 +27,7 @@ pub enum BenchCommand {
     },
     /// One gateway per policy, each on fresh simulated workers (or on the running workers of
     /// --pool, their prefix caches emptied first); the same seeded load through each.
-    Compare {
-        /// Arms to compare, comma-separated: policy names or gateway config files (their worker
-        /// lists are replaced by the pool's); the first is the baseline of the ratios. `ARM@N`
-        /// runs that arm with N gateway replicas whatever --replicas says, so one run can put one
-        /// gateway beside several (e.g. `cache_aware,cache_aware@2`).
-        #[arg(long, default_value = "round_robin,prefix", value_delimiter = ',')]
-        policies: Vec<String>,
-        /// Another router as an arm, `NAME=COMMAND` (repeatable): started in front of each
-        /// fresh pool with `{port}`, `{workers}` (URLs as separate words) and `{workers_csv}`
-        /// filled in, and stopped after its run.
-        #[arg(long = "external")]
-        external: Vec<String>,
-        /// Simulated workers per pool.
-        #[arg(long, default_value_t = 2)]
-        workers: usize,
-        /// Simulator preset (`kvroute sim --list-presets`); a comma-separated list gives worker i
-        /// the (i mod n)-th, a pool of one model on unlike GPUs.
-        #[arg(long, default_value = crate::sim::presets::DEFAULT_PRESET)]
-        preset: String,
-        /// Tokens per KV block of the simulated workers (vLLM's --block-size).
-        #[arg(long)]
-        block_size: Option<usize>,
-        /// Run the arms on these running workers instead (base URLs, comma-separated; e.g. the
-        /// real vLLM pool of tests/vllm/pool.sh): no simulator is started, and each arm begins
-        /// with `POST /reset_prefix_cache` on every worker.
-        #[arg(long, value_delimiter = ',')]
-        pool: Vec<String>,
-        /// kvroute gateways per arm, sharing nothing, in front of the same workers; requests go
-        /// to them in turn, so a conversation's turns alternate between replicas.
-        #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=16))]
-        replicas: u16,
-        /// The served model's tokenizer.json: simulated workers tokenize with it (as vLLM
-        /// serving that model does), and `POLICY+events` arms tokenize requests with it to follow
-        /// the workers' KV cache events.
-        #[arg(long)]
-        tokenizer: Option<PathBuf>,
-        /// The model's tokenizer_config.json, for its chat template.
-        #[arg(long)]
-        tokenizer_config: Option<PathBuf>,
-        /// With --pool: each worker's KV event endpoints, in --pool order, comma-separated, as
-        /// `tcp://HOST:PUB` or `tcp://HOST:PUB|tcp://HOST:REPLAY`.
-        #[arg(long, value_delimiter = ',')]
-        pool_kv_events: Vec<String>,
-        /// With --pool: each worker runs this many vLLM data-parallel engines behind its API
-        /// server (`--data-parallel-size`); kvroute's arms route to each rank as a worker of its
-        /// own (`data_parallel_size`), other routers get the workers' URLs. --pool-kv-events then
-        /// names rank 0's endpoints. Without --pool, each simulated worker runs this many engines
-        /// (as `kvroute sim --data-parallel-size`), vLLM's balancer placing what names no rank.
-        #[arg(long, value_parser = clap::value_parser!(u32).range(1..=256))]
-        pool_data_parallel: Option<u32>,
-        /// Run the whole comparison once per seed, comma-separated (fresh pools each time, the
-        /// arms' order rotated by each seed), then print each arm's medians over the runs, every
-        /// run's figure and the spread of its TTFT p95; replaces --seed.
-        #[arg(long, value_delimiter = ',')]
-        seeds: Vec<u64>,
-        #[command(flatten)]
-        load: LoadArgs,
-    },
+    Compare(CompareArgs),
     /// The same load at several concurrencies (or open-loop rates), to find the knee.
     Sweep {
         #[arg(long)]
@@ -100,6 +43,67 @@ pub enum BenchCommand {
         #[command(flatten)]
         load: LoadArgs,
     },
+}
+
+/// `bench compare`'s arguments.
+#[derive(Args)]
+pub struct CompareArgs {
+    /// Arms to compare, comma-separated: policy names or gateway config files (their worker
+    /// lists are replaced by the pool's); the first is the baseline of the ratios. `ARM@N`
+    /// runs that arm with N gateway replicas whatever --replicas says, so one run can put one
+    /// gateway beside several (e.g. `cache_aware,cache_aware@2`).
+    #[arg(long, default_value = "round_robin,prefix", value_delimiter = ',')]
+    pub policies: Vec<String>,
+    /// Another router as an arm, `NAME=COMMAND` (repeatable): started in front of each
+    /// fresh pool with `{port}`, `{workers}` (URLs as separate words) and `{workers_csv}`
+    /// filled in, and stopped after its run.
+    #[arg(long = "external")]
+    pub external: Vec<String>,
+    /// Simulated workers per pool.
+    #[arg(long, default_value_t = 2)]
+    pub workers: usize,
+    /// Simulator preset (`kvroute sim --list-presets`); a comma-separated list gives worker i
+    /// the (i mod n)-th, a pool of one model on unlike GPUs.
+    #[arg(long, default_value = crate::sim::presets::DEFAULT_PRESET)]
+    pub preset: String,
+    /// Tokens per KV block of the simulated workers (vLLM's --block-size).
+    #[arg(long)]
+    pub block_size: Option<usize>,
+    /// Run the arms on these running workers instead (base URLs, comma-separated; e.g. the
+    /// real vLLM pool of tests/vllm/pool.sh): no simulator is started, and each arm begins
+    /// with `POST /reset_prefix_cache` on every worker.
+    #[arg(long, value_delimiter = ',')]
+    pub pool: Vec<String>,
+    /// kvroute gateways per arm, sharing nothing, in front of the same workers; requests go
+    /// to them in turn, so a conversation's turns alternate between replicas.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=16))]
+    pub replicas: u16,
+    /// The served model's tokenizer.json: simulated workers tokenize with it (as vLLM
+    /// serving that model does), and `POLICY+events` arms tokenize requests with it to follow
+    /// the workers' KV cache events.
+    #[arg(long)]
+    pub tokenizer: Option<PathBuf>,
+    /// The model's tokenizer_config.json, for its chat template.
+    #[arg(long)]
+    pub tokenizer_config: Option<PathBuf>,
+    /// With --pool: each worker's KV event endpoints, in --pool order, comma-separated, as
+    /// `tcp://HOST:PUB` or `tcp://HOST:PUB|tcp://HOST:REPLAY`.
+    #[arg(long, value_delimiter = ',')]
+    pub pool_kv_events: Vec<String>,
+    /// With --pool: each worker runs this many vLLM data-parallel engines behind its API
+    /// server (`--data-parallel-size`); kvroute's arms route to each rank as a worker of its
+    /// own (`data_parallel_size`), other routers get the workers' URLs. --pool-kv-events then
+    /// names rank 0's endpoints. Without --pool, each simulated worker runs this many engines
+    /// (as `kvroute sim --data-parallel-size`), vLLM's balancer placing what names no rank.
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=256))]
+    pub pool_data_parallel: Option<u32>,
+    /// Run the whole comparison once per seed, comma-separated (fresh pools each time, the
+    /// arms' order rotated by each seed), then print each arm's medians over the runs, every
+    /// run's figure and the spread of its TTFT p95; replaces --seed.
+    #[arg(long, value_delimiter = ',')]
+    pub seeds: Vec<u64>,
+    #[command(flatten)]
+    pub load: LoadArgs,
 }
 
 #[derive(Args, Clone)]
@@ -362,134 +366,7 @@ pub async fn run(cmd: BenchCommand) -> Result<(), BenchError> {
             load.write(&runs, || report::ttft_cdf_svg(&runs))
                 .map_err(io)
         }
-        BenchCommand::Compare {
-            mut policies,
-            external,
-            workers,
-            preset,
-            block_size,
-            pool,
-            replicas,
-            tokenizer,
-            tokenizer_config,
-            pool_kv_events,
-            pool_data_parallel,
-            seeds,
-            load,
-        } => {
-            let time_scale = load.time_scale;
-            let wants_events = super::wants_events(&policies);
-            if let Some(bad) = external
-                .iter()
-                .find(|e| super::external::parse(e).is_none())
-            {
-                return Err(BenchError::Setup(format!(
-                    "--external `{bad}`: expected NAME=COMMAND with arguments"
-                )));
-            }
-            policies.extend(external);
-            let mut spec = load.spec(String::new())?;
-            print!("{}", describe(&spec, &seeds));
-            let target = if pool.is_empty() {
-                let sim = SimConfig {
-                    workers,
-                    preset,
-                    block_size,
-                    time_scale,
-                    kv_events: wants_events,
-                    tokenizer: tokenizer.clone(),
-                    tokenizer_config: tokenizer_config.clone(),
-                    data_parallel_size: pool_data_parallel.map_or(1, |n| n as usize),
-                    ..SimConfig::default()
-                };
-                sim.validate()?;
-                println!(
-                    "pool: {workers} simulated worker(s), preset {}, time scale {time_scale}; fresh per policy\n",
-                    sim.preset
-                );
-                super::Target::Sim(Box::new(sim))
-            } else {
-                println!(
-                    "pool: {} running worker(s), prefix caches reset before each policy\n",
-                    pool.len()
-                );
-                if !pool_kv_events.is_empty() && pool_kv_events.len() != pool.len() {
-                    return Err(BenchError::Setup(format!(
-                        "--pool-kv-events names {} endpoint(s) for {} worker(s)",
-                        pool_kv_events.len(),
-                        pool.len()
-                    )));
-                }
-                super::Target::Existing {
-                    workers: pool,
-                    time_scale,
-                    kv_events: pool_kv_events
-                        .iter()
-                        .map(|e| {
-                            let (endpoint, replay) = match e.split_once('|') {
-                                Some((p, r)) => (p.to_owned(), Some(r.to_owned())),
-                                None => (e.clone(), None),
-                            };
-                            Some(crate::kv_events::EventSource { endpoint, replay })
-                        })
-                        .collect(),
-                    tokenizer: tokenizer.map(|tokenizer_json| super::TokenizerFiles {
-                        tokenizer_json,
-                        tokenizer_config,
-                    }),
-                    data_parallel_size: pool_data_parallel,
-                }
-            };
-            for arm in &policies {
-                super::arm_replicas(arm, 1)?;
-            }
-            if replicas > 1 {
-                println!("{replicas} gateway replicas per kvroute arm, requests sent in turn\n");
-            }
-            let seeds = match seeds.is_empty() {
-                true => vec![spec.seed],
-                false => seeds,
-            };
-            let mut all: Vec<Vec<Run>> = Vec::new();
-            for &seed in &seeds {
-                spec.seed = seed;
-                if seeds.len() > 1 {
-                    println!("== seed {seed}\n");
-                }
-                let order: Vec<&str> = super::arm_order(policies.len(), seed)
-                    .into_iter()
-                    .map(|i| policies[i].as_str())
-                    .collect();
-                println!(
-                    "arms run in the order {} (rotated by the seed, so that runs over \
-                     consecutive seeds give every arm every position)\n",
-                    order.join(", ")
-                );
-                let (runs, limit) = super::compare_replicated(
-                    &target,
-                    &policies,
-                    &spec,
-                    load.slo(),
-                    usize::from(replicas),
-                )
-                .await?;
-                println!("{}", report::table(&runs));
-                print!("{}", super::limit_line(limit, &runs));
-                all.push(runs);
-            }
-            if all.len() > 1 {
-                let seeds: Vec<String> = seeds.iter().map(u64::to_string).collect();
-                println!(
-                    "\n== medians over seeds {} [each run, in seed order]\n\n{}",
-                    seeds.join(", "),
-                    report::across_seeds(&all)
-                );
-            }
-            let runs: Vec<Run> = all.into_iter().flatten().collect();
-            let last: Vec<Run> = runs[runs.len().saturating_sub(policies.len())..].to_vec();
-            load.write(&runs, || report::ttft_cdf_svg(&last))
-                .map_err(io)
-        }
+        BenchCommand::Compare(args) => compare(args).await,
         BenchCommand::Sweep {
             url,
             points,
@@ -517,6 +394,134 @@ pub async fn run(cmd: BenchCommand) -> Result<(), BenchError> {
             load.write(&runs, || report::sweep_svg(&pts)).map_err(io)
         }
     }
+}
+
+/// `bench compare`: every arm on its own fresh pool (or the emptied running one), once per seed,
+/// then the medians over seeds when there are several.
+async fn compare(args: CompareArgs) -> Result<(), BenchError> {
+    let (load, replicas) = (&args.load, args.replicas);
+    if let Some(bad) = args
+        .external
+        .iter()
+        .find(|e| super::external::parse(e).is_none())
+    {
+        return Err(BenchError::Setup(format!(
+            "--external `{bad}`: expected NAME=COMMAND with arguments"
+        )));
+    }
+    let wants_events = super::wants_events(&args.policies);
+    let policies: Vec<String> = args
+        .policies
+        .iter()
+        .chain(&args.external)
+        .cloned()
+        .collect();
+    let mut spec = load.spec(String::new())?;
+    print!("{}", describe(&spec, &args.seeds));
+    let target = compare_target(&args, wants_events)?;
+    for arm in &policies {
+        super::arm_replicas(arm, 1)?;
+    }
+    if replicas > 1 {
+        println!("{replicas} gateway replicas per kvroute arm, requests sent in turn\n");
+    }
+    let seeds = match args.seeds.is_empty() {
+        true => vec![spec.seed],
+        false => args.seeds.clone(),
+    };
+    let mut all: Vec<Vec<Run>> = Vec::new();
+    for &seed in &seeds {
+        spec.seed = seed;
+        if seeds.len() > 1 {
+            println!("== seed {seed}\n");
+        }
+        let order: Vec<&str> = super::arm_order(policies.len(), seed)
+            .into_iter()
+            .map(|i| policies[i].as_str())
+            .collect();
+        println!(
+            "arms run in the order {} (rotated by the seed, so that runs over \
+             consecutive seeds give every arm every position)\n",
+            order.join(", ")
+        );
+        let (runs, limit) =
+            super::compare_replicated(&target, &policies, &spec, load.slo(), usize::from(replicas))
+                .await?;
+        println!("{}", report::table(&runs));
+        print!("{}", super::limit_line(limit, &runs));
+        all.push(runs);
+    }
+    if all.len() > 1 {
+        let seeds: Vec<String> = seeds.iter().map(u64::to_string).collect();
+        println!(
+            "\n== medians over seeds {} [each run, in seed order]\n\n{}",
+            seeds.join(", "),
+            report::across_seeds(&all)
+        );
+    }
+    let runs: Vec<Run> = all.into_iter().flatten().collect();
+    let last: Vec<Run> = runs[runs.len().saturating_sub(policies.len())..].to_vec();
+    load.write(&runs, || report::ttft_cdf_svg(&last))
+        .map_err(|e| BenchError::Setup(e.to_string()))
+}
+
+/// What `bench compare` runs its arms on: fresh simulated pools, or the running workers of
+/// `--pool` (with their event endpoints and tokenizer, if given).
+fn compare_target(args: &CompareArgs, wants_events: bool) -> Result<super::Target, BenchError> {
+    let time_scale = args.load.time_scale;
+    if args.pool.is_empty() {
+        let sim = SimConfig {
+            workers: args.workers,
+            preset: args.preset.clone(),
+            block_size: args.block_size,
+            time_scale,
+            kv_events: wants_events,
+            tokenizer: args.tokenizer.clone(),
+            tokenizer_config: args.tokenizer_config.clone(),
+            data_parallel_size: args.pool_data_parallel.map_or(1, |n| n as usize),
+            ..SimConfig::default()
+        };
+        sim.validate()?;
+        println!(
+            "pool: {} simulated worker(s), preset {}, time scale {time_scale}; fresh per policy\n",
+            args.workers, sim.preset
+        );
+        return Ok(super::Target::Sim(Box::new(sim)));
+    }
+    let (pool, events) = (&args.pool, &args.pool_kv_events);
+    println!(
+        "pool: {} running worker(s), prefix caches reset before each policy\n",
+        pool.len()
+    );
+    if !events.is_empty() && events.len() != pool.len() {
+        return Err(BenchError::Setup(format!(
+            "--pool-kv-events names {} endpoint(s) for {} worker(s)",
+            events.len(),
+            pool.len()
+        )));
+    }
+    Ok(super::Target::Existing {
+        workers: pool.clone(),
+        time_scale,
+        kv_events: events
+            .iter()
+            .map(|e| {
+                let (endpoint, replay) = match e.split_once('|') {
+                    Some((p, r)) => (p.to_owned(), Some(r.to_owned())),
+                    None => (e.clone(), None),
+                };
+                Some(crate::kv_events::EventSource { endpoint, replay })
+            })
+            .collect(),
+        tokenizer: args
+            .tokenizer
+            .clone()
+            .map(|tokenizer_json| super::TokenizerFiles {
+                tokenizer_json,
+                tokenizer_config: args.tokenizer_config.clone(),
+            }),
+        data_parallel_size: args.pool_data_parallel,
+    })
 }
 
 #[cfg(test)]
