@@ -107,21 +107,68 @@ fn gauge_cells(r: &Run, sep: &str, cell: &GaugeCell) -> Option<String> {
 /// The most workload classes the table gives a TTFT each (the JSON has them all).
 const MAX_CLASSES_SHOWN: usize = 8;
 
+/// A table under construction: one row per figure, one cell per run.
+struct Rows<'a> {
+    runs: &'a [Run],
+    rows: Vec<(String, Vec<String>)>,
+}
+
+impl Rows<'_> {
+    fn row(&mut self, name: &str, f: &dyn Fn(&Run) -> String) {
+        self.rows
+            .push((name.to_string(), self.runs.iter().map(f).collect()));
+    }
+}
+
 /// Runs side by side, one column each, with each run's ratio to the first on the rate and TTFT rows.
 pub fn table(runs: &[Run]) -> String {
-    let mut rows: Vec<(String, Vec<String>)> = Vec::new();
-    let mut row = |name: &str, f: &dyn Fn(&Run) -> String| {
-        rows.push((name.to_string(), runs.iter().map(f).collect()));
+    let mut t = Rows {
+        runs,
+        rows: Vec::new(),
     };
-    row("requests (window)", &|r| r.summary.requests.to_string());
-    row("errors / cancelled", &|r| {
+    client_rows(&mut t);
+    worker_rows(&mut t);
+    gateway_rows(&mut t);
+    lost_work_rows(&mut t);
+    if runs.len() > 1 {
+        let base = &runs[0].summary;
+        t.row(&format!("req/s vs {}", runs[0].label), &|r| {
+            ratio(r.summary.req_per_s, base.req_per_s)
+        });
+        t.row(&format!("TTFT p95 vs {}", runs[0].label), &|r| {
+            ratio(r.summary.ttft.p95, base.ttft.p95)
+        });
+    }
+    let head: Vec<String> = runs.iter().map(|r| r.label.clone()).collect();
+    render(&head, &t.rows)
+}
+
+/// Work the workers lost: preemptions, and tokens generated after their client had gone.
+fn lost_work_rows(t: &mut Rows) {
+    t.row("worker preemptions", &|r| {
+        r.workers
+            .as_ref()
+            .map_or("-".into(), |w| format!("{:.0}", w.preemptions))
+    });
+    t.row("tokens after disconnect", &|r| {
+        r.workers
+            .as_ref()
+            .map_or("-".into(), |w| format!("{:.0}", w.tokens_after_disconnect))
+    });
+}
+
+/// What the load generator measured: counts, rates, latencies and goodput.
+fn client_rows(t: &mut Rows) {
+    let runs = t.runs;
+    t.row("requests (window)", &|r| r.summary.requests.to_string());
+    t.row("errors / cancelled", &|r| {
         format!("{} / {}", r.summary.errors, r.summary.cancelled)
     });
-    row("req/s", &|r| format!("{:.2}", r.summary.req_per_s));
-    row("output tok/s", &|r| {
+    t.row("req/s", &|r| format!("{:.2}", r.summary.req_per_s));
+    t.row("output tok/s", &|r| {
         format!("{:.0}", r.summary.output_tok_per_s)
     });
-    row("TTFT p50 / p95 / p99 ms", &|r| {
+    t.row("TTFT p50 / p95 / p99 ms", &|r| {
         let t = &r.summary.ttft;
         format!("{} / {} / {}", ms(t.p50), ms(t.p95), ms(t.p99))
     });
@@ -130,7 +177,7 @@ pub fn table(runs: &[Run]) -> String {
     // table thousands of characters wide): those are left to the JSON.
     let classes = |r: &Run| r.summary.ttft_by_class.len();
     if runs.iter().any(|r| classes(r) > 1) && runs.iter().all(|r| classes(r) <= MAX_CLASSES_SHOWN) {
-        row("TTFT p50 / p95 ms by class", &|r| {
+        t.row("TTFT p50 / p95 ms by class", &|r| {
             r.summary
                 .ttft_by_class
                 .iter()
@@ -139,34 +186,39 @@ pub fn table(runs: &[Run]) -> String {
                 .join(", ")
         });
     }
-    row("ITL p50 / p99 ms", &|r| {
+    t.row("ITL p50 / p99 ms", &|r| {
         format!("{} / {}", ms(r.summary.itl.p50), ms(r.summary.itl.p99))
     });
-    row("TPOT p95 ms", &|r| ms(r.summary.tpot.p95));
-    row("e2e p50 / p99 ms", &|r| {
+    t.row("TPOT p95 ms", &|r| ms(r.summary.tpot.p95));
+    t.row("e2e p50 / p99 ms", &|r| {
         format!("{} / {}", ms(r.summary.e2e.p50), ms(r.summary.e2e.p99))
     });
-    row("goodput (SLO met)", &|r| {
+    t.row("goodput (SLO met)", &|r| {
         format!(
             "{:.0}%, {:.2} req/s",
             r.summary.goodput * 100.0,
             r.summary.goodput_per_s
         )
     });
-    row("worker prefix hit rate", &|r| {
+}
+
+/// What the workers' own metrics say: prefix hits, spread, TTFT and sampled gauges per worker.
+fn worker_rows(t: &mut Rows) {
+    let runs = t.runs;
+    t.row("worker prefix hit rate", &|r| {
         r.workers
             .as_ref()
             .map_or("-".into(), |w| format!("{:.1}%", w.hit_rate() * 100.0))
     });
-    row("requests per worker", &|r| {
+    t.row("requests per worker", &|r| {
         each_worker(r, " / ", &|w| format!("{:.0}", w.counters.requests))
     });
-    row("hit rate per worker", &|r| {
+    t.row("hit rate per worker", &|r| {
         each_worker(r, " / ", &|w| {
             format!("{:.0}%", w.counters.hit_rate() * 100.0)
         })
     });
-    row("TTFT mean per worker (its metrics), ms", &|r| {
+    t.row("TTFT mean per worker (its metrics), ms", &|r| {
         each_worker(r, " / ", &|w| {
             w.counters
                 .mean_ttft()
@@ -217,12 +269,18 @@ pub fn table(runs: &[Run]) -> String {
     ];
     for (name, sep, cell) in gauge_rows {
         if runs.iter().any(|r| gauge_cells(r, sep, cell).is_some()) {
-            row(name, &|r| {
+            t.row(name, &|r| {
                 gauge_cells(r, sep, cell).unwrap_or_else(|| "-".into())
             });
         }
     }
-    row("routing outcomes", &|r| {
+}
+
+/// What a kvroute target's own metrics say: routing outcomes, tokenizing, its predictions of
+/// cached tokens and whether its replicas agreed.
+fn gateway_rows(t: &mut Rows) {
+    let runs = t.runs;
+    t.row("routing outcomes", &|r| {
         let total: f64 = r.routing.values().sum();
         if total <= 0.0 {
             return "-".into();
@@ -237,7 +295,7 @@ pub fn table(runs: &[Run]) -> String {
     // A gateway exports the series from the start; only one with a tokenizer counts anything.
     let tokenized = |r: &Run| r.tokenized.values().any(|n| *n > 0.0);
     if runs.iter().any(tokenized) {
-        row("tokenized: whole / head", &|r| {
+        t.row("tokenized: whole / head", &|r| {
             let n = |how: &str| r.tokenized.get(how).copied().unwrap_or(0.0);
             match tokenized(r) {
                 false => "-".into(),
@@ -245,7 +303,7 @@ pub fn table(runs: &[Run]) -> String {
             }
         });
     }
-    row("predicted / reported cached", &|r| match r.cached_tokens {
+    t.row("predicted / reported cached", &|r| match r.cached_tokens {
         Some(c) if c.reported > 0.0 => format!(
             "{} / {} ({:.2}x)",
             si(c.predicted),
@@ -255,7 +313,7 @@ pub fn table(runs: &[Run]) -> String {
         _ => "-".into(),
     });
     if runs.iter().any(|r| r.replica_agreement.is_some()) {
-        row("replicas agree (cached)", &|r| match r.replica_agreement {
+        t.row("replicas agree (cached)", &|r| match r.replica_agreement {
             Some(a) if a.cached > 0 => format!(
                 "{:.1}% of {}",
                 a.agreed as f64 / a.cached as f64 * 100.0,
@@ -265,27 +323,6 @@ pub fn table(runs: &[Run]) -> String {
             None => "-".into(),
         });
     }
-    row("worker preemptions", &|r| {
-        r.workers
-            .as_ref()
-            .map_or("-".into(), |w| format!("{:.0}", w.preemptions))
-    });
-    row("tokens after disconnect", &|r| {
-        r.workers
-            .as_ref()
-            .map_or("-".into(), |w| format!("{:.0}", w.tokens_after_disconnect))
-    });
-    if runs.len() > 1 {
-        let base = &runs[0].summary;
-        row(&format!("req/s vs {}", runs[0].label), &|r| {
-            ratio(r.summary.req_per_s, base.req_per_s)
-        });
-        row(&format!("TTFT p95 vs {}", runs[0].label), &|r| {
-            ratio(r.summary.ttft.p95, base.ttft.p95)
-        });
-    }
-    let head: Vec<String> = runs.iter().map(|r| r.label.clone()).collect();
-    render(&head, &rows)
 }
 
 /// Each arm's figures over several runs of one comparison (one per seed, `runs[seed][arm]`, the
