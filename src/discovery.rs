@@ -373,3 +373,74 @@ fn discovery_error(up: &Upstreams) {
         .with_label_values(&["kubernetes", "error"])
         .inc();
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn target(port_name: Option<&str>, port: Option<u16>) -> SliceTarget {
+        SliceTarget {
+            namespace: "ml".into(),
+            service: "vllm".into(),
+            port_name: port_name.map(str::to_string),
+            port,
+            data_parallel_size: None,
+        }
+    }
+
+    /// A slice as the API server sends it, decoded as the watcher decodes it.
+    fn slice(v: serde_json::Value) -> EndpointSlice {
+        serde_json::from_value(v).expect("an EndpointSlice")
+    }
+
+    #[test]
+    fn endpoints_are_the_ready_addresses_on_the_named_or_numbered_port() {
+        let s = slice(serde_json::json!({
+            "apiVersion": "discovery.k8s.io/v1",
+            "kind": "EndpointSlice",
+            "metadata": {"name": "vllm-a"},
+            "addressType": "IPv6",
+            "ports": [{"name": "metrics", "port": 9090}, {"name": "http", "port": 8000}],
+            "endpoints": [
+                {"addresses": ["fd00::1"], "conditions": {"ready": true}},
+                {"addresses": ["fd00::2"]},
+                {"addresses": ["fd00::3"], "conditions": {"ready": false}},
+                {"addresses": ["fd00::4"], "conditions": {"ready": true, "terminating": true}},
+                {"addresses": ["not-an-ip"], "conditions": {"ready": true}},
+            ],
+        }));
+        let want: Vec<SocketAddr> = vec![
+            "[fd00::1]:8000".parse().unwrap(),
+            "[fd00::2]:8000".parse().unwrap(),
+        ];
+        assert_eq!(target(Some("http"), None).endpoints(&s), want);
+        assert_eq!(target(None, Some(8000)).endpoints(&s), want);
+        let metrics = target(None, Some(9090)).endpoints(&s);
+        assert_eq!(metrics[0], "[fd00::1]:9090".parse().unwrap());
+        assert!(
+            target(Some("grpc"), None).endpoints(&s).is_empty(),
+            "no such port"
+        );
+        assert!(
+            target(None, Some(8001)).endpoints(&s).is_empty(),
+            "no such port"
+        );
+    }
+
+    #[test]
+    fn a_slice_without_ports_or_with_a_port_out_of_range_gives_no_endpoints() {
+        let no_ports = slice(serde_json::json!({
+            "metadata": {"name": "a"},
+            "addressType": "IPv4",
+            "endpoints": [{"addresses": ["10.0.0.1"]}],
+        }));
+        assert!(target(Some("http"), None).endpoints(&no_ports).is_empty());
+        let bad_port = slice(serde_json::json!({
+            "metadata": {"name": "b"},
+            "addressType": "IPv4",
+            "ports": [{"name": "http", "port": 70000}],
+            "endpoints": [{"addresses": ["10.0.0.1"]}],
+        }));
+        assert!(target(Some("http"), None).endpoints(&bad_port).is_empty());
+    }
+}
