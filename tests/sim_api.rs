@@ -242,6 +242,30 @@ async fn bad_requests_get_vllm_statuses_and_error_bodies() {
             "temperature",
         ),
         (
+            "/v1/completions",
+            json!({"prompt": "x", "top_p": 0}),
+            400,
+            "top_p must be in (0, 1]",
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "x", "max_tokens": 4, "min_tokens": 5}),
+            400,
+            "min_tokens must be between 0 and max_tokens=4",
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "x", "stop": ["end", 7]}),
+            400,
+            "stop must be a string or a list of strings",
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "x", "stop": 7}),
+            400,
+            "stop must be a string or a list of strings",
+        ),
+        (
             "/v1/chat/completions",
             json!({"model": MODEL}),
             400,

@@ -220,6 +220,45 @@ pub fn validate(
     if prompt.is_empty() {
         return Err(Reject::BadRequest("Prompt cannot be empty".into()));
     }
+    check_sampling(&body)?;
+    let requested = if chat {
+        body.max_completion_tokens.or(body.max_tokens)
+    } else {
+        body.max_tokens
+    };
+    let max_tokens = output_budget(requested, prompt.len(), max_model_len, chat)?;
+    let min_tokens = body.min_tokens.unwrap_or(0);
+    if min_tokens < 0 || min_tokens as usize > max_tokens {
+        return Err(Reject::BadRequest(format!(
+            "min_tokens must be between 0 and max_tokens={max_tokens}, got {min_tokens}."
+        )));
+    }
+    let stop = stop_strings(body.stop)?;
+    let seed = match body.seed {
+        Some(s) => s as u64,
+        None => prompt
+            .iter()
+            .fold(0x243f_6a88_85a3_08d3, |h, t| splitmix(h ^ u64::from(*t))),
+    };
+    let opts = body.stream_options.unwrap_or_default();
+    Ok(Parsed {
+        engine: EngineRequest {
+            prompt,
+            max_tokens,
+            min_tokens: min_tokens as usize,
+            ignore_eos: body.ignore_eos,
+            stop,
+            seed,
+        },
+        stream: body.stream,
+        include_usage: opts.include_usage,
+        continuous_usage: opts.continuous_usage_stats,
+    })
+}
+
+/// The sampling parameters the simulator refuses, as vLLM's API server words it (or, for `n`,
+/// what it cannot do).
+fn check_sampling(body: &RequestBody) -> Result<(), Reject> {
     if body.n.unwrap_or(1) != 1 {
         return Err(Reject::BadRequest(
             "n must be 1: the simulator generates one choice per request".into(),
@@ -244,12 +283,19 @@ pub fn validate(
             "Stream options can only be defined when `stream=True`.".into(),
         ));
     }
-    let requested = if chat {
-        body.max_completion_tokens.or(body.max_tokens)
-    } else {
-        body.max_tokens
-    };
-    let room = max_model_len.saturating_sub(prompt.len());
+    Ok(())
+}
+
+/// The output tokens a request may have: what it asked for (`requested`), or all the room its
+/// prompt leaves; refused as vLLM refuses it when that is under 1, over the model's length, or
+/// does not fit beside the prompt.
+fn output_budget(
+    requested: Option<i64>,
+    prompt_len: usize,
+    max_model_len: usize,
+    chat: bool,
+) -> Result<usize, Reject> {
+    let room = max_model_len.saturating_sub(prompt_len);
     let max_tokens = match requested {
         Some(n) if n < 1 => {
             return Err(Reject::param(
@@ -271,23 +317,22 @@ pub fn validate(
         Some(n) => n as usize,
         None => room,
     };
-    if prompt.len() + max_tokens > max_model_len || room == 0 {
+    if prompt_len + max_tokens > max_model_len || room == 0 {
         let what = if chat { "messages" } else { "prompt" };
         return Err(Reject::BadRequest(format!(
             "This model's maximum context length is {max_model_len} tokens. However, you requested \
              {} tokens ({} in the {what}, {max_tokens} in the completion). Please reduce the length \
              of the {what} or completion.",
-            prompt.len() + max_tokens,
-            prompt.len()
+            prompt_len + max_tokens,
+            prompt_len
         )));
     }
-    let min_tokens = body.min_tokens.unwrap_or(0);
-    if min_tokens < 0 || min_tokens as usize > max_tokens {
-        return Err(Reject::BadRequest(format!(
-            "min_tokens must be between 0 and max_tokens={max_tokens}, got {min_tokens}."
-        )));
-    }
-    let stop = match body.stop {
+    Ok(max_tokens)
+}
+
+/// `stop`: none, one string, or a list of strings.
+fn stop_strings(stop: Option<Value>) -> Result<Vec<String>, Reject> {
+    Ok(match stop {
         None | Some(Value::Null) => Vec::new(),
         Some(Value::String(s)) => vec![s],
         Some(Value::Array(items)) => items
@@ -304,25 +349,5 @@ pub fn validate(
                 "stop must be a string or a list of strings".into(),
             ))
         }
-    };
-    let seed = match body.seed {
-        Some(s) => s as u64,
-        None => prompt
-            .iter()
-            .fold(0x243f_6a88_85a3_08d3, |h, t| splitmix(h ^ u64::from(*t))),
-    };
-    let opts = body.stream_options.unwrap_or_default();
-    Ok(Parsed {
-        engine: EngineRequest {
-            prompt,
-            max_tokens,
-            min_tokens: min_tokens as usize,
-            ignore_eos: body.ignore_eos,
-            stop,
-            seed,
-        },
-        stream: body.stream,
-        include_usage: opts.include_usage,
-        continuous_usage: opts.continuous_usage_stats,
     })
 }
