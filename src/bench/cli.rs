@@ -6,6 +6,7 @@ use std::time::Duration;
 use clap::{Args, Subcommand};
 
 use super::loadgen::{Cancel, LoadSpec};
+use super::plot;
 use super::report::{self, Run};
 use super::trace::Trace;
 use super::workload::Workload;
@@ -363,8 +364,7 @@ pub async fn run(cmd: BenchCommand) -> Result<(), BenchError> {
                 super::run_once(&url, &spec, &worker_metrics, load.slo(), load.time_scale).await?;
             let runs = vec![run];
             println!("\n{}", report::table(&runs));
-            load.write(&runs, || report::ttft_cdf_svg(&runs))
-                .map_err(io)
+            load.write(&runs, || plot::ttft_cdf_svg(&runs)).map_err(io)
         }
         BenchCommand::Compare(args) => compare(args).await,
         BenchCommand::Sweep {
@@ -391,7 +391,7 @@ pub async fn run(cmd: BenchCommand) -> Result<(), BenchError> {
                 .zip(&runs)
                 .map(|(p, r)| (*p as usize, r.summary.clone()))
                 .collect();
-            load.write(&runs, || report::sweep_svg(&pts)).map_err(io)
+            load.write(&runs, || plot::sweep_svg(&pts)).map_err(io)
         }
     }
 }
@@ -461,7 +461,7 @@ async fn compare(args: CompareArgs) -> Result<(), BenchError> {
     }
     let runs: Vec<Run> = all.into_iter().flatten().collect();
     let last: Vec<Run> = runs[runs.len().saturating_sub(policies.len())..].to_vec();
-    load.write(&runs, || report::ttft_cdf_svg(&last))
+    load.write(&runs, || plot::ttft_cdf_svg(&last))
         .map_err(|e| BenchError::Setup(e.to_string()))
 }
 

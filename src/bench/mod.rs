@@ -10,6 +10,7 @@
 pub mod cli;
 pub mod external;
 pub mod loadgen;
+pub mod plot;
 pub mod report;
 pub mod stats;
 pub mod trace;
