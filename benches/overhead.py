@@ -18,6 +18,10 @@ Everything runs on loopback, each in its own process:
 With `--threads N`, kvroute runs N event loops and nginx N worker processes instead of one per
 core.
 
+With `--pin K`, the proxies get the last K cores to themselves and the load generator and the
+upstream the others, so neither proxy waits for a core that wrk or the upstream holds (one event
+loop and one nginx worker per proxy core unless --threads says otherwise).
+
 With `--baseline`, a second kvroute (another build, e.g. the commit before a change) joins the
 interleaved rounds as `kvroute-baseline`, so a change is measured against its parent side by
 side, and holds its 5,000 streams too.
@@ -344,10 +348,22 @@ def main():
     ap.add_argument("--baseline", help="another kvroute binary, measured beside --bin")
     ap.add_argument("--threads", type=int,
                     help="kvroute's event loops (a config file with `threads: N`) and nginx's worker "
-                         "processes; default one per core")
+                         "processes; default one per core (with --pin, one per proxy core)")
+    ap.add_argument("--pin", type=int, metavar="K",
+                    help="give the proxies the last K cores and the load generator and upstream the "
+                         "others (sched_setaffinity), so a proxy never waits for a core they hold")
     a = ap.parse_args()
     ensure_tools()
-    loops = a.threads or os.cpu_count()
+    proxy_wrap = ()
+    if a.pin:
+        cpus = sorted(os.sched_getaffinity(0))
+        if not 0 < a.pin < len(cpus):
+            raise SystemExit(f"--pin {a.pin}: needs 1 to {len(cpus) - 1} of the {len(cpus)} cores")
+        proxy_cpus, load_cpus = cpus[-a.pin:], cpus[:-a.pin]
+        # This script, wrk and the upstream inherit the load cores; the proxies run under taskset.
+        os.sched_setaffinity(0, load_cpus)
+        proxy_wrap = ("taskset", "-c", ",".join(map(str, proxy_cpus)))
+    loops = a.threads or (a.pin or os.cpu_count())
     d = tempfile.mkdtemp(prefix="kvroute-overhead-")
     os.chmod(d, 0o755)  # nginx's workers run as an unprivileged user and read the static files
     kv_args = ()
@@ -357,10 +373,11 @@ def main():
         kv_args = ("--config", f"{d}/kvroute.yaml")
     up_port, ngx_port = free_port(), free_port()
     upstream = start_upstream(d, up_port)
-    proxy = start_nginx(d, "proxy", nginx_proxy(ngx_port, up_port), loops)
-    kv, kv_port, kv_admin = start_kvroute(a.bin, up_port, args=kv_args)
+    proxy = start_nginx(d, "proxy", nginx_proxy(ngx_port, up_port), loops, wrap=proxy_wrap)
+    kv, kv_port, kv_admin = start_kvroute(a.bin, up_port, args=kv_args, wrap=proxy_wrap)
     base, base_port, base_admin = (
-        start_kvroute(a.baseline, up_port, args=kv_args) if a.baseline else (None, None, None)
+        start_kvroute(a.baseline, up_port, args=kv_args, wrap=proxy_wrap) if a.baseline
+        else (None, None, None)
     )
     for p in (up_port, ngx_port, kv_port, base_port):
         if p:
@@ -388,7 +405,8 @@ def main():
                     results.setdefault((shape, name), []).append(res)
         if a.memory_only:
             results = {}
-        print(f"wrk -t1 -c32 -d{a.seconds}s, POST /v1/completions; {rounds} interleaved rounds; {os.cpu_count()} cores, {loops} event loops and nginx workers; medians (each round)")
+        pinned = f" (proxies pinned to cores {proxy_wrap[2]}, load and upstream to the others)" if a.pin else ""
+        print(f"wrk -t1 -c32 -d{a.seconds}s, POST /v1/completions; {rounds} interleaved rounds; {os.cpu_count()} cores{pinned}, {loops} event loops and nginx workers; medians (each round)")
         print()
         print("| shape | target | req/s | p50 ms | p99 ms | proxy CPU s / 10k req | user / system µs per req | preempted per 1k req | non-2xx |")
         print("|---|---|---|---|---|---|---|---|---|")
