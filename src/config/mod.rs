@@ -1,8 +1,8 @@
 //! Gateway configuration: the serde structs, their `Default` (the only home of defaults), and validation.
 //!
-//! Every default lives in a `Default` impl here or in the `operations`, `routing` and `worker` files (or a serde
-//! `default` function beside its field). The CLI only overrides fields that were given;
-//! the README's config reference is written from these impls.
+//! Every default lives in a `Default` impl here or in the `operations`, `routing` and `worker`
+//! files (or a serde `default` function beside its field). The CLI only overrides fields that
+//! were given; the README's config reference is written from these impls.
 
 use std::{net::SocketAddr, path::Path, time::Duration};
 
