@@ -368,16 +368,23 @@ async fn client_disconnect_through_kvroute_aborts_the_request_in_vllm() {
         "vllm:generation_tokens_total",
     ) - generated_before;
     eprintln!("tokens generated before the abort took effect: {generated}");
-    assert!(
-        generated < 3000.0,
-        "generated {generated} tokens after the client left"
-    );
+    // The gateway's side first, so that a failure says whether kvroute saw the client leave.
     let text = metrics_text(gw.addr).await;
     let aborts = text
         .lines()
         .filter(|l| l.starts_with("kvroute_upstream_aborts_total"))
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
         .sum::<f64>();
+    let gateway_side: Vec<&str> = text
+        .lines()
+        .filter(|l| {
+            l.starts_with("kvroute_upstream_aborts") || l.starts_with("kvroute_client_disconnects")
+        })
+        .collect();
+    assert!(
+        generated < 3000.0,
+        "generated {generated} tokens after the client left; the gateway counted {gateway_side:?}"
+    );
     assert_eq!(aborts, 1.0, "{text}");
 }
 
