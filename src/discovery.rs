@@ -328,9 +328,13 @@ async fn kubernetes(
     let config = watcher::Config::default()
         .labels(&format!("kubernetes.io/service-name={}", target.service))
         .timeout(timeout_seconds);
-    let events =
-        kube::runtime::utils::StreamBackoff::new(watcher::watcher(api, config), Backoff::new());
-    let mut events = std::pin::pin!(events);
+    let follow = || {
+        Box::pin(kube::runtime::utils::StreamBackoff::new(
+            watcher::watcher(api.clone(), config.clone()),
+            Backoff::new(),
+        ))
+    };
+    let mut events = follow();
     let mut slices = Slices::new();
     // The slices of a list in progress; they replace `slices` when it is complete.
     let mut listing: Option<Slices> = None;
@@ -362,9 +366,22 @@ async fn kubernetes(
             Some(Err(e)) => {
                 tracing::warn!(error = %error_chain(&e), "EndpointSlice list or watch failed; keeping the current workers");
                 discovery_error(up);
+                if gone_at_watch_start(&e) {
+                    // kube-rs re-lists on a 410 sent inside a watch, but retries a watch refused
+                    // with HTTP 410 from the same stale resourceVersion for ever: a new watcher
+                    // lists again, as client-go does.
+                    tracing::info!("EndpointSlice watch refused with 410 Gone; listing again");
+                    events = follow();
+                    listing = None;
+                }
             }
         }
     }
+}
+
+/// A watch refused with HTTP 410 Gone: its resourceVersion is older than the server keeps.
+fn gone_at_watch_start(e: &kube::runtime::watcher::Error) -> bool {
+    matches!(e, kube::runtime::watcher::Error::WatchStartFailed(kube::Error::Api(status)) if status.code == 410)
 }
 
 fn discovery_error(up: &Upstreams) {

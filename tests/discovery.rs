@@ -123,6 +123,9 @@ struct FakeApi {
     silent_watch: std::sync::atomic::AtomicBool,
     /// Watches are answered with an empty 200: closed before they carry anything.
     hang_up_watch: std::sync::atomic::AtomicBool,
+    /// A watch from a compacted resourceVersion is refused with HTTP 410 (a live one just ends)
+    /// instead of getting a 410 event in its stream.
+    gone_as_status: std::sync::atomic::AtomicBool,
 }
 
 #[derive(Default)]
@@ -189,6 +192,22 @@ impl FakeApi {
         self.changed.notify_waiters();
     }
 
+    /// Changes a slice while forgetting the history at once, so no watch sees the change: only
+    /// a list does.
+    fn put_unseen(&self, mut object: Value) {
+        let mut st = self.store.lock();
+        st.rv += 1;
+        object["metadata"]["resourceVersion"] = json!(st.rv.to_string());
+        object["apiVersion"] = json!("discovery.k8s.io/v1");
+        object["kind"] = json!("EndpointSlice");
+        let name = object["metadata"]["name"].as_str().unwrap().to_string();
+        st.slices.insert(name, object);
+        st.compacted = st.rv;
+        st.log.clear();
+        drop(st);
+        self.changed.notify_waiters();
+    }
+
     /// Forgets the history: a watch from before now gets 410 Gone.
     fn compact(&self) {
         let mut st = self.store.lock();
@@ -241,6 +260,17 @@ async fn endpointslices(
             return axum::response::Response::new(Body::from_stream(never));
         }
         let from: u64 = q["resourceVersion"].parse().unwrap();
+        let gone_as_status = api.gone_as_status.load(std::sync::atomic::Ordering::SeqCst);
+        if gone_as_status && from < api.store.lock().compacted {
+            return (
+                axum::http::StatusCode::GONE,
+                axum::Json(
+                    json!({"kind": "Status", "apiVersion": "v1", "status": "Failure",
+                                  "reason": "Expired", "code": 410}),
+                ),
+            )
+                .into_response();
+        }
         let generation = api.store.lock().generation;
         let lines = futures_util::stream::unfold(
             (api, from, false),
@@ -257,7 +287,7 @@ async fn endpointslices(
                     let next: Option<Option<(u64, String, bool)>> = {
                         let st = api.store.lock();
                         let end = st.ended_at.get(&generation).copied().unwrap_or(u64::MAX);
-                        if at >= end {
+                        if at >= end || (gone_as_status && at < st.compacted) {
                             Some(None)
                         } else if at < st.compacted {
                             let gone = json!({"type": "ERROR", "object": {"kind": "Status", "code": 410, "reason": "Expired"}});
@@ -692,6 +722,31 @@ async fn a_server_that_hangs_up_on_every_watch_is_not_asked_in_a_tight_loop() {
     );
     // Watches carry events again: the next one sees the change.
     recovers(&api, &up, &api.hang_up_watch, "127.0.0.34").await;
+    cancel.cancel();
+}
+
+/// The API server may refuse a watch from a compacted resourceVersion with HTTP 410 instead of
+/// a 410 event inside it; discovery must list again rather than retry the stale version.
+#[tokio::test]
+async fn a_watch_refused_with_http_410_lists_again() {
+    let api = Arc::new(FakeApi::default());
+    api.put(slice("vllm-a", &[("127.0.0.35", Some(true), false)]));
+    api.gone_as_status
+        .store(true, std::sync::atomic::Ordering::SeqCst);
+    let (up, cancel) = start(plain_config(&api).await);
+    eventually("the listed worker", || {
+        names(&up) == want(&["127.0.0.35:8000"])
+    })
+    .await;
+    eventually("a watch", || api.watch_count() == 1).await;
+    let lists = api.lists();
+    // A change no watch will carry: the live watch ends, and its resume is refused with 410.
+    api.put_unseen(slice("vllm-b", &[("127.0.0.36", Some(true), false)]));
+    eventually("a re-list after the refused watch", || api.lists() > lists).await;
+    eventually("the set after the re-list", || {
+        names(&up) == want(&["127.0.0.35:8000", "127.0.0.36:8000"])
+    })
+    .await;
     cancel.cancel();
 }
 
