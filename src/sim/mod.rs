@@ -7,6 +7,7 @@
 //! preset in [`presets`]. A worker may run several engines behind its one API server, as vLLM's
 //! data parallelism does ([`data_parallel`]).
 
+mod answer;
 pub mod api;
 pub mod data_parallel;
 pub mod engine;
