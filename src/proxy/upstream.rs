@@ -4,7 +4,7 @@
 //! a queue of idle connections per worker and nothing more: no per-request key built from the
 //! URI, no task per connection, no boxed future. A request takes the most recently idle
 //! connection to its worker (or opens one), writes itself and reads the response head in its own
-//! task (`http1.rs`); the response body owns the connection and puts it back in the queue when it
+//! task (`http1/`); the response body owns the connection and puts it back in the queue when it
 //! has been read to its end. A body dropped before that (the client went away) closes the
 //! connection, which is how the worker learns to abort the generation.
 //!
