@@ -370,43 +370,16 @@ impl Shared {
         s
     }
 
+    /// Sends `req` and reads its stream into `s`.
     async fn stream(
         &self,
         req: &RequestSpec,
         cancel_after: Option<usize>,
         s: &mut Sample,
     ) -> Result<(), String> {
-        let mut body = req.body.clone();
-        body["model"] = Value::from(self.model.as_str());
-        body["stream"] = Value::Bool(true);
-        // Fixed output lengths, so every policy and target generates the same amount.
-        body["ignore_eos"] = Value::Bool(true);
-        let (path, body) = match (self.spec.api, req.chat) {
-            (Api::Responses, _) => ("/v1/responses", as_responses(&body)),
-            (Api::Completions, chat) => {
-                body["stream_options"] = serde_json::json!({"include_usage": true});
-                let path = if chat {
-                    "/v1/chat/completions"
-                } else {
-                    "/v1/completions"
-                };
-                (path, body)
-            }
-        };
-        let base = &self.bases[(s.index as usize) % self.bases.len()];
-        let mut http_req = http::Request::post(format!("{base}{path}"))
-            .header(http::header::CONTENT_TYPE, "application/json");
-        if let Some(name) = &self.spec.session_header {
-            let turns = self.spec.workload.turns().unwrap_or(1);
-            let session = format!("{}-{}", self.spec.seed, s.index / turns);
-            http_req = http_req.header(name, session);
-        }
-        let http_req = http_req
-            .body(Full::new(Bytes::from(body.to_string())))
-            .map_err(|e| e.to_string())?;
         let resp = self
             .client
-            .request(http_req)
+            .request(self.http_request(req, s.index)?)
             .await
             .map_err(|e| format!("send: {e}"))?;
         let status = resp.status();
@@ -424,10 +397,65 @@ impl Shared {
                 text.chars().take(200).collect::<String>()
             ));
         }
+        self.read_events(body, cancel_after, s).await
+    }
+
+    /// Request `index`'s body as a streamed request to the API the spec names, sent to its
+    /// share of the targets.
+    fn http_request(
+        &self,
+        req: &RequestSpec,
+        index: u64,
+    ) -> Result<http::Request<Full<Bytes>>, String> {
+        let mut body = req.body.clone();
+        body["model"] = Value::from(self.model.as_str());
+        body["stream"] = Value::Bool(true);
+        // Fixed output lengths, so every policy and target generates the same amount.
+        body["ignore_eos"] = Value::Bool(true);
+        let (path, body) = match (self.spec.api, req.chat) {
+            (Api::Responses, _) => ("/v1/responses", as_responses(&body)),
+            (Api::Completions, chat) => {
+                body["stream_options"] = serde_json::json!({"include_usage": true});
+                let path = if chat {
+                    "/v1/chat/completions"
+                } else {
+                    "/v1/completions"
+                };
+                (path, body)
+            }
+        };
+        let base = &self.bases[(index as usize) % self.bases.len()];
+        let mut http_req = http::Request::post(format!("{base}{path}"))
+            .header(http::header::CONTENT_TYPE, "application/json");
+        if let Some(name) = &self.spec.session_header {
+            let turns = self.spec.workload.turns().unwrap_or(1);
+            let session = format!("{}-{}", self.spec.seed, index / turns);
+            http_req = http_req.header(name, session);
+        }
+        http_req
+            .body(Full::new(Bytes::from(body.to_string())))
+            .map_err(|e| e.to_string())
+    }
+
+    /// Reads a stream's events into `s` (each content event's time, the output tokens) until
+    /// it ends, or until `cancel_after` content events when the client cancels.
+    async fn read_events(
+        &self,
+        body: hyper::body::Incoming,
+        cancel_after: Option<usize>,
+        s: &mut Sample,
+    ) -> Result<(), String> {
         // Any conformant stream: CRLF or CR line ends, `data:` with or without a space, data over
         // several lines, comments and `event:` lines (a maintained parser, not ours).
         let mut events = sse_stream::SseStream::new(body);
         let mut content_events = 0usize;
+        let ended = |s: &Sample, content_events: usize| {
+            if content_events == 0 && s.output_tokens == 0 {
+                Err("stream ended without output".to_string())
+            } else {
+                Ok(())
+            }
+        };
         while let Some(event) = events.next().await {
             let event = event.map_err(|e| format!("body: {e}"))?;
             let now = self.now();
@@ -435,53 +463,132 @@ impl Shared {
                 continue; // a comment or a block without data
             };
             if payload == "[DONE]" {
-                if content_events == 0 && s.output_tokens == 0 {
-                    return Err("stream ended without output".into());
-                }
-                return Ok(());
+                return ended(s, content_events);
             }
             let v: Value = serde_json::from_str(&payload).map_err(|e| format!("event: {e}"))?;
-            if let Some(e) = v.get("error") {
-                return Err(format!("error event: {e}"));
-            }
-            if let Some(n) = v["usage"]["completion_tokens"].as_u64() {
-                s.output_tokens = n as usize;
-            }
-            // A Responses stream names each event's type and ends with the response, no [DONE].
-            match v["type"].as_str() {
-                Some("response.completed" | "response.incomplete") => {
-                    if let Some(n) = v["response"]["usage"]["output_tokens"].as_u64() {
-                        s.output_tokens = n as usize;
+            match said(&v, s)? {
+                Said::End => return ended(s, content_events),
+                Said::Text => {
+                    content_events += 1;
+                    s.token_times.push(now);
+                    if s.output_tokens < content_events {
+                        s.output_tokens = content_events;
                     }
-                    if content_events == 0 && s.output_tokens == 0 {
-                        return Err("stream ended without output".into());
+                    if cancel_after.is_some_and(|k| content_events >= k) {
+                        s.cancelled = true;
+                        return Ok(()); // dropping the body closes the connection
                     }
-                    return Ok(());
                 }
-                Some(failed @ ("response.failed" | "error")) => {
-                    return Err(format!("{failed} event: {v}"));
-                }
-                _ => {}
-            }
-            let choice = &v["choices"][0];
-            let text = choice["text"]
-                .as_str()
-                .or(choice["delta"]["content"].as_str())
-                .or(v["delta"]
-                    .as_str()
-                    .filter(|_| v["type"] == "response.output_text.delta"));
-            if text.is_some_and(|t| !t.is_empty()) {
-                content_events += 1;
-                s.token_times.push(now);
-                if s.output_tokens < content_events {
-                    s.output_tokens = content_events;
-                }
-                if cancel_after.is_some_and(|k| content_events >= k) {
-                    s.cancelled = true;
-                    return Ok(()); // dropping the body closes the connection
-                }
+                Said::Nothing => {}
             }
         }
         Err("stream ended before [DONE]".into())
+    }
+}
+
+/// What one event of a stream says.
+enum Said {
+    /// Generated text (a completions or chat chunk, or a Responses text delta).
+    Text,
+    /// The Responses stream's last event: completed or incomplete (it sends no `[DONE]`).
+    End,
+    /// Nothing to count: a role delta, usage alone, another Responses event.
+    Nothing,
+}
+
+/// What event `v` says, in the shape of completions, chat or the Responses API; its usage, when
+/// it carries any, is noted in `s`. An error event is an `Err`.
+fn said(v: &Value, s: &mut Sample) -> Result<Said, String> {
+    if let Some(e) = v.get("error") {
+        return Err(format!("error event: {e}"));
+    }
+    if let Some(n) = v["usage"]["completion_tokens"].as_u64() {
+        s.output_tokens = n as usize;
+    }
+    match v["type"].as_str() {
+        Some("response.completed" | "response.incomplete") => {
+            if let Some(n) = v["response"]["usage"]["output_tokens"].as_u64() {
+                s.output_tokens = n as usize;
+            }
+            return Ok(Said::End);
+        }
+        Some(failed @ ("response.failed" | "error")) => {
+            return Err(format!("{failed} event: {v}"));
+        }
+        _ => {}
+    }
+    let choice = &v["choices"][0];
+    let text = choice["text"]
+        .as_str()
+        .or(choice["delta"]["content"].as_str())
+        .or(v["delta"]
+            .as_str()
+            .filter(|_| v["type"] == "response.output_text.delta"));
+    Ok(if text.is_some_and(|t| !t.is_empty()) {
+        Said::Text
+    } else {
+        Said::Nothing
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+
+    fn says(v: Value) -> (Result<&'static str, String>, usize) {
+        let mut s = Sample::default();
+        let said = said(&v, &mut s).map(|x| match x {
+            Said::Text => "text",
+            Said::End => "end",
+            Said::Nothing => "nothing",
+        });
+        (said, s.output_tokens)
+    }
+
+    #[test]
+    fn each_apis_events_are_told_apart() {
+        // Completions and chat chunks with text, and the ones without.
+        assert_eq!(says(json!({"choices": [{"text": "a"}]})), (Ok("text"), 0));
+        assert_eq!(
+            says(json!({"choices": [{"delta": {"content": "a"}}]})),
+            (Ok("text"), 0)
+        );
+        assert_eq!(
+            says(json!({"choices": [{"delta": {"role": "assistant", "content": ""}}]})),
+            (Ok("nothing"), 0)
+        );
+        // The final usage chunk: no choices, its count kept.
+        assert_eq!(
+            says(json!({"choices": [], "usage": {"completion_tokens": 7}})),
+            (Ok("nothing"), 7)
+        );
+        // The Responses API: text deltas by type, and its last event carrying the usage.
+        assert_eq!(
+            says(json!({"type": "response.output_text.delta", "delta": "a"})),
+            (Ok("text"), 0)
+        );
+        assert_eq!(
+            says(json!({"type": "response.reasoning_text.delta", "delta": "a"})),
+            (Ok("nothing"), 0)
+        );
+        for last in ["response.completed", "response.incomplete"] {
+            assert_eq!(
+                says(json!({"type": last, "response": {"usage": {"output_tokens": 9}}})),
+                (Ok("end"), 9)
+            );
+        }
+    }
+
+    #[test]
+    fn error_events_fail_the_request() {
+        for v in [
+            json!({"error": {"message": "boom"}}),
+            json!({"type": "response.failed", "response": {}}),
+            json!({"type": "error", "message": "boom"}),
+        ] {
+            assert!(says(v.clone()).0.is_err(), "{v}");
+        }
     }
 }
