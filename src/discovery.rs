@@ -154,7 +154,7 @@ pub async fn run(up: Arc<Upstreams>, resolver: Arc<dyn Resolve>, cancel: Cancell
 /// the bearer token in `token_file` when that file exists, re-read on every call.
 /// Unset `api_url`: the in-pod address from `KUBERNETES_SERVICE_HOST`/`_PORT`, else
 /// `http://127.0.0.1:8001`.
-pub fn kube_client(
+fn kube_client(
     api_url: Option<String>,
     ca_file: &str,
     token_file: &str,
@@ -221,19 +221,19 @@ fn bearer_token(
 }
 
 /// Which EndpointSlices to watch and which port to use.
-pub struct SliceTarget {
-    pub namespace: String,
-    pub service: String,
-    pub port_name: Option<String>,
-    pub port: Option<u16>,
+struct SliceTarget {
+    namespace: String,
+    service: String,
+    port_name: Option<String>,
+    port: Option<u16>,
     /// The data-parallel engines behind each endpoint's API server, if any.
-    pub data_parallel_size: Option<DataParallelSize>,
+    data_parallel_size: Option<DataParallelSize>,
 }
 
 impl SliceTarget {
     /// The usable endpoints of one EndpointSlice: Ready (a missing `ready` means ready, as the
     /// Kubernetes API says) and not terminating, on the named (or numbered) port.
-    pub fn endpoints(&self, slice: &EndpointSlice) -> Vec<SocketAddr> {
+    fn endpoints(&self, slice: &EndpointSlice) -> Vec<SocketAddr> {
         let Some(port) = slice.ports.iter().flatten().find_map(|p| {
             let by_name = self
                 .port_name
