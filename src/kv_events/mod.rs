@@ -372,81 +372,92 @@ impl WorkerBlocks {
         follows
     }
 
+    /// Places a store's blocks in this worker's chain (under our hashes of their tokens), or
+    /// hands them to the sliding-window group they belong to.
+    /// (Called by [`Self::apply`] with a `BlockStored` event; any other does nothing.)
+    fn stored(&mut self, event: &KvEvent) {
+        let KvEvent::BlockStored {
+            block_hashes,
+            parent_block_hash,
+            token_ids,
+            block_size,
+            group,
+            block_keys,
+            lora_name,
+            ..
+        } = event
+        else {
+            return;
+        };
+        let idx = group.index();
+        let window = group.window().is_some() || self.windows.iter().any(|w| w.idx == idx);
+        if window && self.apply_to_window(idx, event) {
+            return;
+        }
+        if !self.follows(group.index(), group.is_full_attention()) {
+            return;
+        }
+        if let Some(name) = lora_name {
+            if self.adapters.len() < MAX_ADAPTERS && !self.adapters.contains(name) {
+                self.adapters.insert(name.clone());
+            }
+        }
+        if *block_size == 0 {
+            // Nothing to chain (offloading tiers' placeholders; not on the GPU anyway).
+            self.skipped += block_hashes.len() as u64;
+            return;
+        }
+        let mut parent = match parent_block_hash {
+            None => ROOT,
+            Some(p) => match self.by_engine.get(p) {
+                Some(&own) => own,
+                None => {
+                    // Its prefix is unknown to us (stored before we subscribed, or in
+                    // a message lost for good): these blocks cannot be placed.
+                    self.skipped += block_hashes.len() as u64;
+                    return;
+                }
+            },
+        };
+        self.block_size = Some(match self.block_size {
+            Some(b) if !self.size_stale => b.max(*block_size),
+            _ => *block_size,
+        });
+        self.size_stale = false;
+        let size = *block_size as usize;
+        for (i, &engine) in block_hashes.iter().enumerate() {
+            let Some(tokens) = token_ids.get(i * size..(i + 1) * size) else {
+                self.skipped += (block_hashes.len() - i) as u64;
+                return;
+            };
+            // A block's extra keys (a salt, an image) are in vLLM's hash of it, and so
+            // in ours, through its parent's value.
+            let key = block_keys.get(i).copied().flatten().unwrap_or(0);
+            let own = chain(parent ^ key, tokens);
+            parent = own;
+            if self.by_engine.contains_key(&engine) {
+                continue;
+            }
+            if self.by_engine.len() >= self.max_blocks {
+                self.skipped += 1;
+                continue;
+            }
+            self.by_engine.insert(engine, own);
+            *self.held.entry(own).or_default() += 1;
+            if !self.windows.is_empty() {
+                self.engine_of.entry(own).or_insert(engine);
+            }
+        }
+    }
+
+    /// Applies one of the worker's events to what it is known to hold: blocks stored, blocks
+    /// removed, everything cleared. Events for tiers other than the GPU's are ignored.
     pub fn apply(&mut self, event: &KvEvent) {
         if !event.on_gpu() {
             return;
         }
         match event {
-            KvEvent::BlockStored {
-                block_hashes,
-                parent_block_hash,
-                token_ids,
-                block_size,
-                group,
-                block_keys,
-                lora_name,
-                ..
-            } => {
-                let idx = group.index();
-                let window = group.window().is_some() || self.windows.iter().any(|w| w.idx == idx);
-                if window && self.apply_to_window(idx, event) {
-                    return;
-                }
-                if !self.follows(group.index(), group.is_full_attention()) {
-                    return;
-                }
-                if let Some(name) = lora_name {
-                    if self.adapters.len() < MAX_ADAPTERS && !self.adapters.contains(name) {
-                        self.adapters.insert(name.clone());
-                    }
-                }
-                if *block_size == 0 {
-                    // Nothing to chain (offloading tiers' placeholders; not on the GPU anyway).
-                    self.skipped += block_hashes.len() as u64;
-                    return;
-                }
-                let mut parent = match parent_block_hash {
-                    None => ROOT,
-                    Some(p) => match self.by_engine.get(p) {
-                        Some(&own) => own,
-                        None => {
-                            // Its prefix is unknown to us (stored before we subscribed, or in
-                            // a message lost for good): these blocks cannot be placed.
-                            self.skipped += block_hashes.len() as u64;
-                            return;
-                        }
-                    },
-                };
-                self.block_size = Some(match self.block_size {
-                    Some(b) if !self.size_stale => b.max(*block_size),
-                    _ => *block_size,
-                });
-                self.size_stale = false;
-                let size = *block_size as usize;
-                for (i, &engine) in block_hashes.iter().enumerate() {
-                    let Some(tokens) = token_ids.get(i * size..(i + 1) * size) else {
-                        self.skipped += (block_hashes.len() - i) as u64;
-                        return;
-                    };
-                    // A block's extra keys (a salt, an image) are in vLLM's hash of it, and so
-                    // in ours, through its parent's value.
-                    let key = block_keys.get(i).copied().flatten().unwrap_or(0);
-                    let own = chain(parent ^ key, tokens);
-                    parent = own;
-                    if self.by_engine.contains_key(&engine) {
-                        continue;
-                    }
-                    if self.by_engine.len() >= self.max_blocks {
-                        self.skipped += 1;
-                        continue;
-                    }
-                    self.by_engine.insert(engine, own);
-                    *self.held.entry(own).or_default() += 1;
-                    if !self.windows.is_empty() {
-                        self.engine_of.entry(own).or_insert(engine);
-                    }
-                }
-            }
+            KvEvent::BlockStored { .. } => self.stored(event),
             KvEvent::BlockRemoved {
                 block_hashes,
                 group_idx,
