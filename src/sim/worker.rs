@@ -108,21 +108,7 @@ async fn run(
         while let Ok(c) = rx.try_recv() {
             newest = apply(c, &mut engine, &mut sinks, model_at).or(newest);
         }
-        gone.clear();
-        gone.extend(
-            sinks
-                .iter()
-                .filter(|(_, tx)| tx.is_closed())
-                .map(|(id, _)| *id),
-        );
-        for id in &gone {
-            if opts.abort_on_disconnect {
-                engine.abort(*id);
-                sinks.remove(id);
-            } else {
-                engine.client_gone(*id);
-            }
-        }
+        reap_disconnected(&mut engine, &mut sinks, &mut gone, opts.abort_on_disconnect);
 
         // A GPU runs its steps back to back. This loop wakes late (the timer's granularity, a
         // host busy with other processes: at time scale 5 a millisecond late is 5 ms of model
@@ -161,16 +147,7 @@ async fn run(
             }
         }
         metrics.observe_inter_token(&out.inter_token);
-        for (id, event) in out.events {
-            if let Event::Finished { timings, .. } = &event {
-                metrics.observe_finished(timings);
-                if let Some(tx) = sinks.remove(&id) {
-                    let _ = tx.send(event);
-                }
-            } else if let Some(tx) = sinks.get(&id) {
-                let _ = tx.send(event);
-            }
-        }
+        deliver(out.events, &mut sinks, &metrics);
         metrics.update(
             &engine.counters,
             &mut seen,
@@ -178,6 +155,50 @@ async fn run(
             engine.num_waiting(),
             engine.kv_usage(),
         );
+    }
+}
+
+/// Takes note of the requests whose clients have gone (their event channel closed): aborted, as
+/// vLLM does with `abort_on_disconnect`, or else left to run with nobody reading (counted as
+/// waste). `gone` is scratch space kept between steps.
+fn reap_disconnected(
+    engine: &mut Engine,
+    sinks: &mut HashMap<SeqId, mpsc::UnboundedSender<Event>>,
+    gone: &mut Vec<SeqId>,
+    abort: bool,
+) {
+    gone.clear();
+    gone.extend(
+        sinks
+            .iter()
+            .filter(|(_, tx)| tx.is_closed())
+            .map(|(id, _)| *id),
+    );
+    for id in gone.iter() {
+        if abort {
+            engine.abort(*id);
+            sinks.remove(id);
+        } else {
+            engine.client_gone(*id);
+        }
+    }
+}
+
+/// Sends a step's events to their requests; a request's last event closes its channel.
+fn deliver(
+    events: Vec<(SeqId, Event)>,
+    sinks: &mut HashMap<SeqId, mpsc::UnboundedSender<Event>>,
+    metrics: &SimMetrics,
+) {
+    for (id, event) in events {
+        if let Event::Finished { timings, .. } = &event {
+            metrics.observe_finished(timings);
+            if let Some(tx) = sinks.remove(&id) {
+                let _ = tx.send(event);
+            }
+        } else if let Some(tx) = sinks.get(&id) {
+            let _ = tx.send(event);
+        }
     }
 }
 
