@@ -171,7 +171,7 @@ fn probe_routes() -> Router<AppState> {
         .route("/metrics", get(routes::metrics))
 }
 
-/// The admin routes: [`probe_routes`] and nothing else.
+/// The admin routes: `probe_routes` and nothing else.
 pub fn admin_app(state: AppState) -> Router {
     probe_routes()
         .fallback(routes::not_found)

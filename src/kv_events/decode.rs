@@ -348,7 +348,7 @@ fn block_keys(f: &Fields) -> Vec<Option<u64>> {
 
 /// What one block's extra keys add to its hash, as vLLM 0.32 publishes them (untagged, in the
 /// order LoRA name, `(image id, offset)` pairs, cache salt, prompt-embedding digests): the
-/// LoRA name is left out (the adapter keys the prompt's root instead, see [`block_keys`]); a
+/// LoRA name is left out (the adapter keys the prompt's root instead, see `block_keys`); a
 /// lone string left is the request's `cache_salt`, which a request naming the same salt
 /// reproduces ([`super::salted_root`]); anything else (an image, an embedding) gets a key that no
 /// text request makes, so its blocks and those after it never match one. `None`: the block is

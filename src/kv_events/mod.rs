@@ -18,7 +18,7 @@
 //! vLLM reuses a prefix only up to a point where that group also holds the blocks its window
 //! reaches back over (`cdiv(window - 1, block_size)` of them), so a prefix that other prompts
 //! share but none ended at (a system prompt, under different questions) is not reused at all:
-//! its blocks are tracked too ([`WindowGroup`]), and [`WorkerBlocks::prefix_depth`] counts a
+//! its blocks are tracked too (`WindowGroup`), and [`WorkerBlocks::prefix_depth`] counts a
 //! prefix only up to such a point. Other groups' events (Mamba states, chunked local attention)
 //! are counted and left out, so on such models the depth may be more than vLLM reuses.
 //!
@@ -210,7 +210,7 @@ pub struct WorkerBlocks {
     followed: Option<i64>,
     /// Events of the worker's other cache groups, left out.
     pub other_groups: u64,
-    /// LoRA adapters blocks were stored under (their served names), up to [`MAX_ADAPTERS`].
+    /// LoRA adapters blocks were stored under (their served names), up to `MAX_ADAPTERS`.
     pub adapters: std::collections::HashSet<String>,
     /// A hybrid model's sliding-window groups.
     windows: Vec<WindowGroup>,

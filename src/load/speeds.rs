@@ -57,14 +57,14 @@ impl StepClock {
 
 /// Rates each worker's [`StepClock::slowness`] by its fitted time per prefill token over the
 /// median of the fitted workers' (no reading where its fit has not settled or fewer than two
-/// workers have one; at most 4 times off), the median of its last [`RATINGS`] readings
-/// ([`FIRST_RATINGS`] at least; see `StepClock::rate`); a rating within [`SPEED_DEADBAND`] of 1
+/// workers have one; at most 4 times off), the median of its last `RATINGS` readings
+/// (`FIRST_RATINGS` at least; see `StepClock::rate`); a rating within [`SPEED_DEADBAND`] of 1
 /// reads as 1. What a worker's queue and misses cost in time, for a pool of unlike GPUs serving
 /// one model.
 ///
 /// Whose fit: while this gateway has the pool to itself, its own ([`StepClock::fit`]). Where
 /// the polled load shows more than [`ALONE_SHARE`] of the requests in flight are someone else's
-/// (other replicas', clients going to the workers directly), and for [`RATINGS`] polls after
+/// (other replicas', clients going to the workers directly), and for `RATINGS` polls after
 /// that, the fit against the workers' own counters ([`StepClock::polled`]): a worker's steps
 /// then carry others' prefill too, which this gateway's own fit takes for its own prompts' cost
 /// (under the mixed workload with two replicas on 4 simulated L4s, ratings from it left the

@@ -19,7 +19,7 @@ use super::speeds::SPEED_DEADBAND;
 /// ahead. The clock gives that wait: a step lasts `base + per_token × prefill` (fitted over the
 /// bursts seen, in windows of steps that end where none of this gateway's prefill is left
 /// outstanding, so that a prompt prefilled in chunks over several steps counts whole: see
-/// [`StepFit`]), so
+/// `StepFit`), so
 /// what remains of a step without this gateway's prefill is `base` less the time since the last
 /// burst. The prefill part is the pending prefill a policy already prices; of the prefill the step
 /// began with, what its fitted rate has worked through since the base time ended is done
@@ -396,9 +396,9 @@ impl StepClock {
     /// A load poll at `now` ([`now_us`](super::now_us)): `prefilled` is the worker's count of the prompt tokens
     /// it prefilled ([`Polled::prefilled`](super::Polled::prefilled); `None` where it does not show one), `busy` whether
     /// this gateway had requests in flight there. Polls that find this gateway busy and show it
-    /// sum the steps between them into a window; once a window holds [`POLL_WINDOW_STEPS`]
+    /// sum the steps between them into a window; once a window holds `POLL_WINDOW_STEPS`
     /// steps, its steps, their time and the prefill the counters moved by over it go to
-    /// [`Self::settled_pool_per_token`]'s fit. A poll that finds this gateway idle, or counters
+    /// `Self::settled_pool_per_token`'s fit. A poll that finds this gateway idle, or counters
     /// missing or fallen (a restart), drops the window under way.
     pub fn polled(&self, now: u64, prefilled: Option<f64>, busy: bool) {
         let mut fit = self.fit.lock();

@@ -105,7 +105,7 @@ impl ModelTokenizer {
 
     /// The request's leading token ids, encoding at most `max_new_bytes` of the text the cache
     /// did not have (the first such piece is cut where the tokenizer splits, see
-    /// [`ModelTokenizer::encode_head`]), and an estimate of the tokens after them. With heads off
+    /// `ModelTokenizer::encode_head`), and an estimate of the tokens after them. With heads off
     /// the cut piece contributes nothing, so the head ends where that piece starts.
     pub fn head(&self, pending: &Pending, max_new_bytes: usize) -> Result<Head, TokenizeError> {
         let mut ids = Vec::new();
