@@ -447,6 +447,18 @@ pub(crate) fn test_workers(n: usize) -> Vec<Arc<Worker>> {
         .collect()
 }
 
+/// The config entries of workers at `urls`.
+#[cfg(test)]
+pub(crate) fn test_configs(urls: &[&str]) -> Vec<WorkerConfig> {
+    urls.iter().map(|u| WorkerConfig::from_url(*u)).collect()
+}
+
+/// A pool of workers at `urls`, counted in `metrics`.
+#[cfg(test)]
+pub(crate) fn test_pool(urls: &[&str], metrics: &Metrics) -> Pool {
+    Pool::from_config(&test_configs(urls), metrics, &Default::default()).expect("a valid pool")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -554,15 +566,7 @@ mod series_tests {
     #[test]
     fn a_departed_workers_series_go_when_its_last_request_ends() {
         let metrics = Metrics::new();
-        let cfg = |urls: &[&str]| -> Vec<WorkerConfig> {
-            urls.iter().map(|u| WorkerConfig::from_url(*u)).collect()
-        };
-        let pool = Pool::from_config(
-            &cfg(&["http://a:1", "http://b:1"]),
-            &metrics,
-            &Default::default(),
-        )
-        .unwrap();
+        let pool = test_pool(&["http://a:1", "http://b:1"], &metrics);
         for w in ["a:1", "b:1"] {
             metrics
                 .requests
@@ -570,7 +574,8 @@ mod series_tests {
                 .inc();
         }
         let in_flight = pool.snapshot()[1].acquire();
-        pool.reconcile(&cfg(&["http://a:1"]), &metrics).unwrap();
+        pool.reconcile(&test_configs(&["http://a:1"]), &metrics)
+            .unwrap();
         assert!(
             metrics.render().contains(r#"worker="b:1""#),
             "kept while a request runs"

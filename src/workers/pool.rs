@@ -193,6 +193,7 @@ impl Pool {
 mod tests {
     use super::*;
     use crate::config::DataParallelSize;
+    use crate::workers::{test_configs, test_pool};
 
     /// The pool follows the ranks an `auto` entry's server shows: one worker until several are
     /// seen, then one per rank (each naming its rank), and back to one when the server returns
@@ -268,19 +269,11 @@ mod tests {
     #[test]
     fn reconcile_keeps_unchanged_workers_adds_new_and_drains_the_departed() {
         let metrics = Metrics::new();
-        let cfg = |urls: &[&str]| -> Vec<WorkerConfig> {
-            urls.iter().map(|u| WorkerConfig::from_url(*u)).collect()
-        };
-        let pool = Pool::from_config(
-            &cfg(&["http://a:1", "http://b:1"]),
-            &metrics,
-            &Default::default(),
-        )
-        .unwrap();
+        let pool = test_pool(&["http://a:1", "http://b:1"], &metrics);
         let before = pool.snapshot();
         let _guard = before[1].acquire();
         let (added, removed) = pool
-            .reconcile(&cfg(&["http://b:1", "http://c:1"]), &metrics)
+            .reconcile(&test_configs(&["http://b:1", "http://c:1"]), &metrics)
             .unwrap();
         assert_eq!((added, removed), (1, 1));
         let after = pool.snapshot();
