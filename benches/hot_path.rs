@@ -318,6 +318,7 @@ fn tokenize_and_look_up(c: &mut Criterion) {
             medium: None,
             group: Default::default(),
             block_keys: Vec::new(),
+            lookahead: Vec::new(),
         });
     }
     let mut g = c.benchmark_group("tokenize_and_look_up");

@@ -172,6 +172,7 @@ fn msgspec_encoded_batches_decode_in_every_layout() {
                     medium: Some("GPU".into()),
                     group: group.clone(),
                     block_keys: Vec::new(),
+                    lookahead: Vec::new(),
                 },
                 KvEvent::BlockStored {
                     block_hashes: vec![k(7)],
@@ -183,6 +184,7 @@ fn msgspec_encoded_batches_decode_in_every_layout() {
                     medium: Some("GPU".into()),
                     group: group.clone(),
                     block_keys: Vec::new(),
+                    lookahead: Vec::new(),
                 },
                 KvEvent::BlockRemoved {
                     block_hashes: vec![k(5)],
@@ -331,6 +333,38 @@ fn extra_keys_decoded_from_msgspec_key_blocks_as_vllm_does() {
     );
     assert!(blocks.adapters.contains("my-adapter"));
     assert_eq!(held(ROOT, &[9, 9, 9, 9]), 1, "up to the image");
+}
+
+/// vLLM 0.33 added `lookahead_token_ids` to its stores: with EAGLE-style speculative decoding
+/// each block's hash covers the token after it, so vLLM reuses a block only for a prompt that
+/// goes on with that token. Encoded by msgspec from 0.34.0's struct, in both layouts that carry
+/// map events, the tokens are read and a prompt's blocks count only as far as vLLM would reuse
+/// them.
+#[test]
+fn lookahead_tokens_decoded_from_msgspec_limit_a_prefix_as_vllm_reuses_it() {
+    let (mut py, _) = Py::start(&["encode"]);
+    for layout in ["map", "mixed"] {
+        let mut e = stored(&[1, 2], None, &[1, 2, 3, 4]);
+        e["lookahead_token_ids"] = json!([[3], [5]]);
+        let answer = py.ask(json!({"encode": {"layout": layout, "events": [e]}}));
+        let batch = decode_batch(&unhex(answer["payload"].as_str().unwrap())).unwrap();
+        assert_eq!(batch.malformed + batch.unknown, 0, "{layout}");
+        let KvEvent::BlockStored { lookahead, .. } = &batch.events[0] else {
+            panic!("{layout}: {:?}", batch.events);
+        };
+        assert_eq!(lookahead, &vec![vec![3], vec![5]], "{layout}");
+        let mut blocks = WorkerBlocks::new(100);
+        blocks.apply(&batch.events[0]);
+        let depth =
+            |tokens: &[u32]| blocks.reusable_depth(&block_chain(tokens, 2), tokens, 2, false);
+        assert_eq!(depth(&[1, 2, 3, 4, 5, 6]), 2, "{layout}");
+        assert_eq!(
+            depth(&[1, 2, 3, 4, 6, 5]),
+            1,
+            "{layout}: goes on with another token"
+        );
+        assert_eq!(depth(&[1, 2, 3, 4]), 1, "{layout}: ends after the block");
+    }
 }
 
 /// vLLM 0.32's offloading tiers publish in the same step's batch as the GPU's, some of their
@@ -544,6 +578,7 @@ fn the_simulators_batches_decode_with_vllms_msgspec_structs() {
             medium: Some("GPU".into()),
             group: CacheGroup::full_attention(),
             block_keys: Vec::new(),
+            lookahead: Vec::new(),
         },
         KvEvent::BlockRemoved {
             block_hashes: vec![3],

@@ -94,6 +94,10 @@ pub enum KvEvent {
         /// Per block, what its `extra_keys` add to its hash, as a value mixed into its parent's
         /// chain hash ([`block_key`]); empty where no block has any.
         block_keys: Vec<Option<u64>>,
+        /// Per block, the tokens after it that vLLM hashed in with it (`lookahead_token_ids`,
+        /// from vLLM 0.33 with EAGLE-style speculative decoding): such a block is reused only by
+        /// a prompt that goes on with the same tokens. Empty when the store carries none.
+        lookahead: Vec<Vec<u32>>,
     },
     BlockRemoved {
         block_hashes: Vec<u64>,
@@ -219,8 +223,8 @@ impl<'a> Fields<'a> {
     }
 }
 
-/// Field names in declaration order, as vLLM's structs declare them, up to the last one read
-/// here (later fields, added by newer releases, are not needed for routing).
+/// Field names in declaration order, as vLLM's structs declare them (0.34.0), up to the last one
+/// read here (later fields, added by newer releases, are not needed for routing).
 const STORED: &[&str] = &[
     "block_hashes",
     "parent_block_hash",
@@ -233,6 +237,10 @@ const STORED: &[&str] = &[
     "group_idx",
     "kv_cache_spec_kind",
     "kv_cache_spec_sliding_window",
+    "locality",
+    "ownership",
+    "session_id",
+    "lookahead_token_ids",
 ];
 const REMOVED: &[&str] = &["block_hashes", "medium", "group_idx"];
 
@@ -263,17 +271,10 @@ fn decode_event(value: &Value) -> Result<Option<KvEvent>> {
         "BlockStored" => KvEvent::BlockStored {
             block_hashes: f.hashes()?,
             parent_block_hash: f.get("parent_block_hash").map(block_hash).transpose()?,
-            token_ids: f
-                .get("token_ids")
-                .and_then(Value::as_array)
-                .ok_or(DecodeError::Shape("BlockStored without token ids"))?
-                .iter()
-                .map(|t| {
-                    t.as_u64()
-                        .and_then(|t| u32::try_from(t).ok())
-                        .ok_or(DecodeError::Shape("a token id is not a u32"))
-                })
-                .collect::<Result<_>>()?,
+            token_ids: token_ids(
+                f.get("token_ids")
+                    .ok_or(DecodeError::Shape("BlockStored without token ids"))?,
+            )?,
             block_size: f
                 .get("block_size")
                 .and_then(Value::as_u64)
@@ -298,6 +299,15 @@ fn decode_event(value: &Value) -> Result<Option<KvEvent>> {
                     .and_then(Value::as_u64)
                     .and_then(|w| u32::try_from(w).ok()),
             },
+            lookahead: match f.get("lookahead_token_ids") {
+                None => Vec::new(),
+                Some(v) => v
+                    .as_array()
+                    .ok_or(DecodeError::Shape("lookahead token ids are not a list"))?
+                    .iter()
+                    .map(token_ids)
+                    .collect::<Result<_>>()?,
+            },
         },
         "BlockRemoved" => KvEvent::BlockRemoved {
             block_hashes: f.hashes()?,
@@ -307,6 +317,19 @@ fn decode_event(value: &Value) -> Result<Option<KvEvent>> {
         "AllBlocksCleared" => KvEvent::AllBlocksCleared,
         _ => return Ok(None),
     }))
+}
+
+/// A list of token ids.
+fn token_ids(v: &Value) -> Result<Vec<u32>> {
+    v.as_array()
+        .ok_or(DecodeError::Shape("token ids are not a list"))?
+        .iter()
+        .map(|t| {
+            t.as_u64()
+                .and_then(|t| u32::try_from(t).ok())
+                .ok_or(DecodeError::Shape("a token id is not a u32"))
+        })
+        .collect()
 }
 
 /// Each block's key from a store's `extra_keys` (one entry per block, `nil` for plain text) and
@@ -487,6 +510,14 @@ mod tests {
                 ..
             }
         ));
+        // Past the window: locality, ownership, session, then the lookahead tokens (0.33).
+        let mut ahead = store.clone();
+        ahead.extend([Value::Nil, Value::Nil, Value::from("s")]);
+        ahead.push(Value::Array(vec![Value::Array(vec![Value::from(3)])]));
+        let KvEvent::BlockStored { lookahead, .. } = &batch(ahead)[0] else {
+            panic!()
+        };
+        assert_eq!(lookahead, &vec![vec![3]]);
         // An older release's store ends at `medium`: group 0, full attention by default.
         store.truncate(7);
         let KvEvent::BlockStored { group, .. } = &batch(store)[0] else {

@@ -29,6 +29,11 @@
 //! same salt and adapter only, as in vLLM; images and prompt embeddings give keys no text request
 //! makes ([`decode::block_key`]). Events for a medium other than the GPU (CPU offload tiers) are
 //! ignored.
+//!
+//! From vLLM 0.33, a worker running EAGLE-style speculative decoding hashes each block with the
+//! token after it too (the drafter's KV at a block's last position depends on it), and says which
+//! in each store (`lookahead_token_ids`): such a block is reused only by a prompt that goes on
+//! with that token, which [`WorkerBlocks::reusable_depth`] checks at the end of a held prefix.
 
 pub mod decode;
 pub mod discover;
@@ -108,6 +113,8 @@ pub fn chain(parent: u64, tokens: &[u32]) -> u64 {
 pub struct BlockChains<'t> {
     tokens: &'t [u32],
     root: u64,
+    /// Whether the prompt goes on past `tokens` (only its head was tokenized).
+    goes_on: bool,
     by_size: Vec<(u32, Vec<u64>)>,
 }
 
@@ -127,8 +134,16 @@ impl<'t> BlockChains<'t> {
         Self {
             tokens,
             root,
+            goes_on: false,
             by_size: Vec::new(),
         }
+    }
+
+    /// The same, for a prompt of which `tokens` is only the head: where a worker's hashes
+    /// cover the tokens after a block, a block at the head's end counts as held.
+    pub fn going_on(mut self, goes_on: bool) -> Self {
+        self.goes_on = goes_on;
+        self
     }
 
     /// What `w`'s events say it holds of the prompt; `None` for a worker without events or
@@ -136,10 +151,11 @@ impl<'t> BlockChains<'t> {
     pub fn held_by(&mut self, w: &crate::workers::Worker) -> Option<Held> {
         let blocks = w.events.as_ref()?.blocks();
         let size = blocks.block_size?;
+        let (tokens, goes_on) = (self.tokens, self.goes_on);
         let chain = self.chain(size);
         Some(Held {
             block_size: size,
-            blocks: blocks.prefix_depth(chain),
+            blocks: blocks.reusable_depth(chain, tokens, size as usize, goes_on),
             of: chain.len(),
         })
     }
@@ -217,7 +233,25 @@ pub struct WorkerBlocks {
     /// Our chain hash → an engine hash of it, for the blocks held, kept while `windows` is not
     /// empty (a window group's events name engine hashes; the chains are ours).
     engine_of: HashMap<u64, u64>,
+    /// How many tokens after each block the worker's block hashes cover (vLLM 0.33's lookahead
+    /// hashes, with EAGLE-style speculative decoding: the drafter's KV at a block's last
+    /// position depends on the next token), as its stores since the last clear carried them; 0
+    /// for none.
+    lookahead: usize,
+    /// Engine hash → [`ahead`] of the tokens it was stored with after it, for blocks stored
+    /// with lookahead tokens.
+    ahead_of_engine: HashMap<u64, u64>,
+    /// (our chain hash, [`ahead`] of the tokens after it) → engine blocks stored so: which
+    /// continuations of a block the worker would reuse it for.
+    continued: HashMap<(u64, u64), u32>,
 }
+
+/// A key for the tokens a block was hashed with after it (its lookahead tokens).
+fn ahead(tokens: &[u32]) -> u64 {
+    chain(AHEAD_SEED, tokens)
+}
+
+const AHEAD_SEED: u64 = 0x6c6f_6f6b_6168_6561;
 
 /// A sliding-window cache group of a hybrid model: the blocks it holds, and how many of them
 /// before a hit point vLLM needs for a hit there.
@@ -244,6 +278,9 @@ impl WorkerBlocks {
             adapters: Default::default(),
             windows: Vec::new(),
             engine_of: HashMap::new(),
+            lookahead: 0,
+            ahead_of_engine: HashMap::new(),
+            continued: HashMap::new(),
         }
     }
 
@@ -300,9 +337,45 @@ impl WorkerBlocks {
         0
     }
 
+    /// How many of a prompt's blocks the worker would reuse: [`Self::prefix_depth`], and where
+    /// its hashes cover the tokens after each block too, only up to a block it stored with the
+    /// tokens the prompt (`tokens`, at `size` tokens a block) goes on with, as vLLM looks its
+    /// blocks up by those hashes. A block at the end of `tokens` counts when the prompt
+    /// `goes_on` past them (its head alone was tokenized), and not when it ends there: vLLM does
+    /// not hash a block before the tokens after it exist.
+    pub fn reusable_depth(
+        &self,
+        chain_hashes: &[u64],
+        tokens: &[u32],
+        size: usize,
+        goes_on: bool,
+    ) -> usize {
+        let mut depth = self.prefix_depth(chain_hashes);
+        if self.lookahead == 0 {
+            return depth;
+        }
+        while depth > 0 {
+            let end = depth * size;
+            let continued = match tokens.get(end..end + self.lookahead) {
+                Some(next) => self
+                    .continued
+                    .contains_key(&(chain_hashes[depth - 1], ahead(next))),
+                None => goes_on,
+            };
+            if continued {
+                break;
+            }
+            depth -= 1;
+        }
+        depth
+    }
+
     pub fn clear(&mut self) {
         self.by_engine.clear();
         self.held.clear();
+        self.lookahead = 0;
+        self.ahead_of_engine.clear();
+        self.continued.clear();
         self.size_stale = true;
         self.followed = None;
         self.windows.clear();
@@ -384,6 +457,7 @@ impl WorkerBlocks {
             group,
             block_keys,
             lora_name,
+            lookahead,
             ..
         } = event
         else {
@@ -424,6 +498,9 @@ impl WorkerBlocks {
             _ => *block_size,
         });
         self.size_stale = false;
+        if let Some(first) = lookahead.first() {
+            self.lookahead = first.len();
+        }
         let size = *block_size as usize;
         for (i, &engine) in block_hashes.iter().enumerate() {
             let Some(tokens) = token_ids.get(i * size..(i + 1) * size) else {
@@ -444,6 +521,11 @@ impl WorkerBlocks {
             }
             self.by_engine.insert(engine, own);
             *self.held.entry(own).or_default() += 1;
+            if let Some(next) = lookahead.get(i) {
+                let next = ahead(next);
+                self.ahead_of_engine.insert(engine, next);
+                *self.continued.entry((own, next)).or_default() += 1;
+            }
             if !self.windows.is_empty() {
                 self.engine_of.entry(own).or_insert(engine);
             }
@@ -474,6 +556,14 @@ impl WorkerBlocks {
                     let Some(own) = self.by_engine.remove(engine) else {
                         continue;
                     };
+                    if let Some(next) = self.ahead_of_engine.remove(engine) {
+                        if let Some(n) = self.continued.get_mut(&(own, next)) {
+                            *n -= 1;
+                            if *n == 0 {
+                                self.continued.remove(&(own, next));
+                            }
+                        }
+                    }
                     if let Some(n) = self.held.get_mut(&own) {
                         *n -= 1;
                         if *n == 0 {
@@ -503,6 +593,7 @@ mod tests {
             medium: Some("GPU".into()),
             group: CacheGroup::full_attention(),
             block_keys: Vec::new(),
+            lookahead: Vec::new(),
         }
     }
 
@@ -545,6 +636,76 @@ mod tests {
         w.apply(&KvEvent::AllBlocksCleared);
         assert!(w.is_empty());
         assert_eq!(w.prefix_depth(&[a]), 0);
+    }
+
+    fn stored_ahead(
+        hashes: &[u64],
+        parent: Option<u64>,
+        tokens: Vec<u32>,
+        lookahead: &[&[u32]],
+    ) -> KvEvent {
+        let mut e = stored(hashes, parent, tokens);
+        if let KvEvent::BlockStored { lookahead: l, .. } = &mut e {
+            *l = lookahead.iter().map(|t| t.to_vec()).collect();
+        }
+        e
+    }
+
+    /// A worker whose block hashes cover the next token (vLLM 0.33+ with EAGLE-style
+    /// speculative decoding) reuses a block only for a prompt that goes on with the token it was
+    /// stored with, and hashes no block before that token exists.
+    #[test]
+    fn where_hashes_cover_the_next_token_a_block_counts_only_for_the_same_continuation() {
+        let mut w = WorkerBlocks::new(100);
+        // [1, 2, 3, 4, 5] prefilled: (5 - 1) / 2 = 2 blocks hashed, each with the token after it.
+        w.apply(&stored_ahead(
+            &[11, 12],
+            None,
+            vec![1, 2, 3, 4],
+            &[&[3], &[5]],
+        ));
+        fn depth_in(w: &WorkerBlocks, tokens: &[u32], goes_on: bool) -> usize {
+            w.reusable_depth(&block_chain(tokens), tokens, 2, goes_on)
+        }
+        assert_eq!(depth_in(&w, &[1, 2, 3, 4, 5, 6], false), 2);
+        assert_eq!(
+            depth_in(&w, &[1, 2, 3, 4, 7, 8], false),
+            1,
+            "goes on otherwise"
+        );
+        assert_eq!(
+            depth_in(&w, &[1, 2, 3, 4], false),
+            1,
+            "ends after the block"
+        );
+        assert_eq!(
+            depth_in(&w, &[1, 2, 3, 4], true),
+            2,
+            "only its head tokenized"
+        );
+        assert_eq!(
+            w.prefix_depth(&block_chain(&[1, 2, 3, 4, 7, 8])),
+            2,
+            "the tokens alone"
+        );
+        // The same block again, stored with another token after it: a second engine block.
+        w.apply(&stored_ahead(&[13], Some(11), vec![3, 4], &[&[7]]));
+        assert_eq!(depth_in(&w, &[1, 2, 3, 4, 7, 8], false), 2);
+        w.apply(&removed(&[12], None));
+        assert_eq!(
+            depth_in(&w, &[1, 2, 3, 4, 5, 6], false),
+            1,
+            "that copy evicted"
+        );
+        assert_eq!(
+            depth_in(&w, &[1, 2, 3, 4, 7, 8], false),
+            2,
+            "the other kept"
+        );
+        // A restarted worker may run without lookahead hashes.
+        w.apply(&KvEvent::AllBlocksCleared);
+        w.apply(&stored(&[21, 22], None, vec![1, 2, 3, 4]));
+        assert_eq!(depth_in(&w, &[1, 2, 3, 4], false), 2);
     }
 
     #[test]

@@ -173,6 +173,7 @@ fn event(e: &KvEvent) -> Value {
             medium: m,
             group,
             block_keys: _,
+            lookahead: _,
         } => vec![
             field("type", Value::from("BlockStored")),
             field("block_hashes", hashes(block_hashes)),
@@ -247,6 +248,7 @@ mod tests {
                 medium: Some("GPU".into()),
                 group: crate::kv_events::CacheGroup::full_attention(),
                 block_keys: Vec::new(),
+                lookahead: Vec::new(),
             },
             KvEvent::BlockRemoved {
                 block_hashes: vec![1],

@@ -196,6 +196,7 @@ impl KvCache {
                                 group: crate::kv_events::CacheGroup::full_attention(),
                                 // Plain text: the simulator takes no salts or images.
                                 block_keys: Vec::new(),
+                                lookahead: Vec::new(),
                             });
                         }
                     }

@@ -7,8 +7,10 @@ Three layouts:
   map    batch and events as maps, `type`-tagged (vLLM's current source; bytes block hashes)
   mixed  positional batch `[ts, events, dp_rank]` holding map events (seen from vLLM 0.32.0)
 
-The map structs are declared as vLLM 0.32.0 declares them: stores name their KV cache group
-(`group_idx`) and its kind (`kv_cache_spec_kind`), removals the group's index only. An event
+The map structs are declared as vLLM 0.34.0 declares them: stores name their KV cache group
+(`group_idx`) and its kind (`kv_cache_spec_kind`), removals the group's index only; a store
+may carry each block's `lookahead_token_ids` (from 0.33; left out unless the SPEC gives them,
+as vLLM leaves them out without lookahead hashes, so the messages are 0.32.0's otherwise). An event
 of the SPEC may give "group_idx" (default 0) and, for a store, "kind" (default
 "full_attention") and "sliding_window" (the window in tokens, for a sliding-window kind), as a hybrid model's worker publishes one group's blocks beside another's;
 a store may give "extra_keys" (one list or null per block, untagged as vLLM 0.32 publishes
@@ -105,6 +107,7 @@ class MapStored(MapEvent, tag="BlockStored"):
     locality: Optional[str] = None
     ownership: Optional[str] = None
     session_id: Optional[str] = None
+    lookahead_token_ids: Optional[list[list[int]]] = None
 
 
 class MapRemoved(MapEvent, tag="BlockRemoved"):
@@ -151,7 +154,8 @@ def build(spec):
                                             for k in keys],
                                         group_idx=group,
                                         kv_cache_spec_kind=e.get("kind", "full_attention"),
-                                        kv_cache_spec_sliding_window=window))
+                                        kv_cache_spec_sliding_window=window,
+                                        lookahead_token_ids=e.get("lookahead_token_ids")))
             elif kind == "BlockRemoved":
                 events.append(MapRemoved([as_bytes(h) for h in e["block_hashes"]],
                                          e.get("medium", "GPU"), group_idx=group))

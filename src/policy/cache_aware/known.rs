@@ -93,7 +93,8 @@ impl Known {
         };
         // What each worker's own events say it holds, in tokens, when the request was tokenized.
         let mut chains =
-            BlockChains::new(req.tokens.as_deref().unwrap_or_default(), req.token_root);
+            BlockChains::new(req.tokens.as_deref().unwrap_or_default(), req.token_root)
+                .going_on(req.tokens_after > 0);
         let exacts: Vec<Option<u64>> = match req.tokens {
             Some(_) => workers
                 .iter()

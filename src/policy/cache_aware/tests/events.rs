@@ -70,6 +70,7 @@ fn a_worker_whose_events_hold_the_prompt_wins_over_what_the_index_knows() {
                 medium: None,
                 group: Default::default(),
                 block_keys: Vec::new(),
+                lookahead: Vec::new(),
             });
         } else {
             feed.blocks().apply(&KvEvent::BlockStored {
@@ -82,6 +83,7 @@ fn a_worker_whose_events_hold_the_prompt_wins_over_what_the_index_knows() {
                 medium: None,
                 group: Default::default(),
                 block_keys: Vec::new(),
+                lookahead: Vec::new(),
             });
         }
         w.events = Some(Arc::new(feed));

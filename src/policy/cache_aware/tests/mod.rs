@@ -119,6 +119,7 @@ pub(super) fn workers_storing(
                 medium: None,
                 group: Default::default(),
                 block_keys: Vec::new(),
+                lookahead: Vec::new(),
             });
             w.events = Some(Arc::new(feed));
             Arc::new(w)
