@@ -127,6 +127,10 @@ struct SimArgs {
     /// after each worker's URL as `tcp://PUB tcp://REPLAY`).
     #[arg(long)]
     kv_events: bool,
+    /// Hash each KV block with this many tokens after it, as vLLM 0.33 does with EAGLE-style
+    /// speculative decoding (1 there): stores then carry them as `lookahead_token_ids`.
+    #[arg(long)]
+    hash_lookahead: Option<usize>,
     /// Tokenize as a vLLM worker serving this model does: its `tokenizer.json` (KV blocks then
     /// carry the model's token ids, so a gateway with the same tokenizer can follow them).
     #[arg(long)]
@@ -170,6 +174,7 @@ impl SimArgs {
         c.faults.drop_after_tokens = self.drop_after_tokens.or(c.faults.drop_after_tokens);
         c.fault_worker = self.fault_worker.or(c.fault_worker);
         c.kv_events |= self.kv_events;
+        c.hash_lookahead = self.hash_lookahead.unwrap_or(c.hash_lookahead);
         c.tokenizer = self.tokenizer.or(c.tokenizer);
         c.tokenizer_config = self.tokenizer_config.or(c.tokenizer_config);
         c.responses_store |= self.responses_store;

@@ -580,6 +580,19 @@ fn the_simulators_batches_decode_with_vllms_msgspec_structs() {
             block_keys: Vec::new(),
             lookahead: Vec::new(),
         },
+        // A worker hashing each block with the token after it (`hash_lookahead`).
+        KvEvent::BlockStored {
+            block_hashes: vec![5],
+            parent_block_hash: Some(u64::MAX),
+            token_ids: vec![5, 6],
+            block_size: 2,
+            lora_id: None,
+            lora_name: None,
+            medium: Some("GPU".into()),
+            group: CacheGroup::full_attention(),
+            block_keys: Vec::new(),
+            lookahead: vec![vec![7]],
+        },
         KvEvent::BlockRemoved {
             block_hashes: vec![3],
             medium: Some("GPU".into()),
@@ -601,6 +614,9 @@ fn the_simulators_batches_decode_with_vllms_msgspec_structs() {
             {"type": "BlockStored", "block_hashes": [3, u64::MAX], "parent_block_hash": 9,
              "token_ids": [1, 2, 3, 4], "block_size": 2, "medium": "GPU",
              "extra_keys": [null, null], "group_idx": 0, "kv_cache_spec_kind": "full_attention"},
+            {"type": "BlockStored", "block_hashes": [5], "parent_block_hash": u64::MAX,
+             "token_ids": [5, 6], "block_size": 2, "medium": "GPU", "extra_keys": [null],
+             "group_idx": 0, "kv_cache_spec_kind": "full_attention", "lookahead_token_ids": [[7]]},
             {"type": "BlockRemoved", "block_hashes": [3], "medium": "GPU", "group_idx": 0},
             {"type": "AllBlocksCleared"},
         ])
@@ -881,6 +897,124 @@ async fn a_simulated_worker_with_a_models_tokenizer_is_routed_to_by_its_events()
         assert_eq!(head[k], whole[k], "{k}: {head} vs {whole}");
     }
     assert_eq!(head["outcome"], "exact_match", "{head}");
+    cancel.cancel();
+}
+
+/// A worker that hashes each block with the token after it (vLLM 0.33 with EAGLE-style
+/// speculative decoding; the simulator's `hash_lookahead`) publishes those tokens, and the
+/// gateway's prediction follows what it then reuses: for a prompt that leaves the held one right
+/// after a block, one block less than the blocks the two share; for one that leaves it inside a
+/// block, every block before. Real HTTP to one simulated worker, its events over ZMQ.
+#[tokio::test]
+async fn a_worker_hashing_the_next_token_is_predicted_as_it_reuses() {
+    use common::{gateway, metric, metrics_text, request};
+    let (tokenizer_json, tokenizer_config) = (
+        repo("tests/tokenize/tiny-tokenizer.json"),
+        repo("tests/vllm/model/tokenizer_config.json"),
+    );
+    let cfg = kvroute::sim::SimConfig {
+        workers: 1,
+        port: 0,
+        time_scale: 50.0,
+        kv_events: true,
+        hash_lookahead: 1,
+        tokenizer: Some(tokenizer_json.clone()),
+        tokenizer_config: Some(tokenizer_config.clone()),
+        ..Default::default()
+    };
+    let (sims, cancel, _tasks) = start_sims(&cfg).await;
+    let model = cfg.engine_params().unwrap().model;
+    let block = kvroute::sim::kv::DEFAULT_BLOCK_SIZE;
+    let ours =
+        kvroute::tokenize::ModelTokenizer::load(&tokenizer_json, Some(&tokenizer_config)).unwrap();
+    let shared = |a: &str, b: &str| {
+        let (a, b) = (ours.prompt(a).unwrap(), ours.prompt(b).unwrap());
+        a.iter().zip(&b).take_while(|(x, y)| x == y).count()
+    };
+    // A held prompt, and two that leave it: one right after a block, one inside a block.
+    let text = |n: usize, tail: &str| format!("{}{tail}", "Cache me if you can. ".repeat(n));
+    let held = |n: usize| {
+        text(
+            n,
+            "Then a long tail that only the first prompt has, in full.",
+        )
+    };
+    let other = |n: usize| text(n, "Otherwise a different ending.");
+    let (n, at_boundary) = (4..80)
+        .map(|n| (n, shared(&held(n), &other(n))))
+        .find(|&(_, d)| d % block == 0 && d >= 3 * block)
+        .expect("some length leaves the prompt at a block's end");
+    let (m, inside) = (4..80)
+        .map(|m| (m, shared(&held(n), &other(m))))
+        .find(|&(_, d)| d % block > 1 && d >= 3 * block)
+        .expect("some length leaves it inside a block");
+
+    let src = sims[0].kv_events.clone().unwrap();
+    let mut config = kvroute::config::Config {
+        workers: vec![kvroute::config::WorkerConfig {
+            name: Some("w0".into()),
+            kv_events: Some(src.endpoint),
+            kv_events_replay: src.replay,
+            ..kvroute::config::WorkerConfig::from_url(format!("http://{}", sims[0].addr))
+        }],
+        tokenizers: vec![kvroute::config::TokenizerConfig {
+            model: model.clone(),
+            tokenizer_json,
+            tokenizer_config: Some(tokenizer_config),
+        }],
+        ..kvroute::config::Config::default()
+    }
+    .with_overrides(kvroute::config::Overrides {
+        policy: Some("cache_aware".into()),
+        ..Default::default()
+    })
+    .unwrap();
+    config.load_signals.interval_seconds = 0.0;
+    let gw = gateway(config).await;
+    let complete = |path: &'static str, prompt: String| {
+        let body = json!({"model": model, "prompt": prompt, "max_tokens": 2}).to_string();
+        let addr = gw.addr;
+        async move { request(addr, "POST", path, body.as_bytes()).await }
+    };
+    let blocks = |m: &str| metric(m, "kvroute_kv_event_blocks{worker=\"w0\"}").unwrap_or(0.0);
+    // The feed joins late (ZMQ): prompt until blocks are counted, then the held prompt until
+    // its blocks are.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    for k in 0.. {
+        if blocks(&metrics_text(gw.addr).await) > 0.0 {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the feed never joined"
+        );
+        let warm = format!("warm-up {k} ").repeat(40);
+        assert_eq!(complete("/v1/completions", warm).await.status, 200);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let before = blocks(&metrics_text(gw.addr).await);
+    let r = complete("/v1/completions", held(n)).await;
+    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+    let own = (ours.prompt(&held(n)).unwrap().len() - 1) / block;
+    while blocks(&metrics_text(gw.addr).await) < before + own as f64 {
+        assert!(
+            tokio::time::Instant::now() < deadline + Duration::from_secs(10),
+            "the held prompt's blocks never arrived"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    for (prompt, shared, want) in [
+        (other(n), at_boundary, at_boundary - block),
+        (other(m), inside, inside / block * block),
+    ] {
+        let routed = complete("/debug/route/v1/completions", prompt.clone()).await;
+        let predicted = routed.json()["predicted_cached_tokens"].as_u64();
+        let r = complete("/v1/completions", prompt).await;
+        assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+        let cached = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64();
+        assert_eq!(cached, Some(want as u64), "{shared} tokens shared");
+        assert_eq!(predicted, cached, "{shared} tokens shared");
+    }
     cancel.cancel();
 }
 

@@ -79,6 +79,36 @@ fn a_shared_prefix_is_prefilled_once_and_counted_as_hits() {
     );
 }
 
+/// Each block hashed with the token after it, as vLLM 0.33 hashes them with EAGLE-style
+/// speculative decoding: a block is reused only by a prompt that goes on with that token.
+#[test]
+fn with_lookahead_hashes_a_block_is_reused_only_before_the_same_next_token() {
+    let mut e = Engine::new(params(1000, 16));
+    e.set_hash_lookahead(1);
+    let a = random_request(1, 600, 4);
+    // The first 32 blocks shared, then another token: the 32nd block's next token differs.
+    let mut b = random_request(2, 600, 4);
+    b.prompt[..512].copy_from_slice(&a.prompt[..512]);
+    b.prompt[512] = a.prompt[512] ^ 1;
+    // The first 520 tokens shared: the 33rd block differs, the 32nd goes on as `a` does.
+    let mut c = random_request(3, 600, 4);
+    c.prompt[..520].copy_from_slice(&a.prompt[..520]);
+    c.prompt[520] = a.prompt[520] ^ 1;
+    let id = e.add(a, 0.0);
+    let (t, ev) = run(&mut e, 0.0);
+    assert_eq!(finished(&ev, id).0, 0);
+    let id = e.add(b, t);
+    let (t, ev) = run(&mut e, t);
+    assert_eq!(
+        finished(&ev, id).0,
+        496,
+        "31 blocks: the 32nd went on otherwise"
+    );
+    let id = e.add(c, t);
+    let (_, ev) = run(&mut e, t);
+    assert_eq!(finished(&ev, id).0, 512);
+}
+
 #[test]
 fn kv_exhaustion_preempts_the_youngest_and_everyone_still_finishes() {
     // 40 blocks = 640 tokens; four requests of 100 in + 100 out need 52 blocks at their peak.

@@ -105,6 +105,8 @@ struct Seq {
     hashes: Vec<u64>,
     blocks: Vec<u32>,
     computed: usize,
+    /// Leading blocks registered in the cache (full and hashed).
+    registered: usize,
     /// Output length at which the simulated model emits EOS.
     natural_len: usize,
     text: String,
@@ -155,10 +157,15 @@ impl Engine {
         self.tokenizer = tokenizer;
     }
 
-    /// Forgets every cached prefix; refused while a request holds blocks (as in vLLM).
     /// Records KV cache events, as a vLLM worker with `--kv-events-config` does.
     pub fn record_kv_events(&mut self) {
         self.kv.record_events();
+    }
+
+    /// Hashes each block with the `n` tokens after it, as vLLM 0.33 does with EAGLE-style
+    /// speculative decoding ([`KvCache::set_hash_lookahead`]).
+    pub fn set_hash_lookahead(&mut self, n: usize) {
+        self.kv.set_hash_lookahead(n);
     }
 
     /// The KV cache events since the last call: one batch's worth.
@@ -166,6 +173,7 @@ impl Engine {
         self.kv.take_events()
     }
 
+    /// Forgets every cached prefix; refused while a request holds blocks (as in vLLM).
     pub fn reset_prefix_cache(&mut self) -> bool {
         self.running.is_empty() && self.kv.reset_prefix_cache()
     }
@@ -211,6 +219,7 @@ impl Engine {
             tokens: req.prompt.clone(),
             req,
             hashes: Vec::new(),
+            registered: 0,
             blocks: Vec::new(),
             computed: 0,
             natural_len,
@@ -299,20 +308,21 @@ impl Engine {
     fn compute(&mut self, i: usize, n: usize) -> bool {
         let s = &mut self.running[i];
         s.computed += n;
-        // Register the blocks this step filled (earlier ones are registered already).
+        // Register the blocks now full and hashed (a block with lookahead tokens is hashed once
+        // they exist, which for a prompt's last block is once the first token is out).
         let block = self.kv.block_size();
-        let full_before = (s.computed - n) / block;
-        self.kv
-            .extend_hashes(&mut s.hashes, &s.tokens[..s.computed]);
-        let full_now = s.computed / block;
-        if full_now > full_before {
-            let parent = full_before.checked_sub(1).map(|p| s.hashes[p]);
+        self.kv.extend_hashes(&mut s.hashes, &s.tokens);
+        let (from, to) = (s.registered, (s.computed / block).min(s.hashes.len()));
+        if to > from {
+            let parent = from.checked_sub(1).map(|p| s.hashes[p]);
+            let ahead = s.tokens.len().min(to * block + self.kv.lookahead());
             self.kv.register(
-                &s.blocks[full_before..full_now],
-                &s.hashes[full_before..full_now],
+                &s.blocks[from..to],
+                &s.hashes[from..to],
                 parent,
-                &s.tokens[full_before * block..full_now * block],
+                &s.tokens[from * block..ahead],
             );
+            s.registered = to;
         }
         s.computed >= s.tokens.len()
     }
@@ -449,6 +459,7 @@ impl Engine {
                     self.counters.prefix_hits += cached as u64;
                 }
                 s.computed = hit.len() * block;
+                s.registered = hit.len();
                 s.blocks = hit;
                 s.blocks.extend(new);
                 s.first_scheduled.get_or_insert(now);
@@ -466,6 +477,7 @@ impl Engine {
         self.kv.free(&s.blocks);
         s.blocks.clear();
         s.computed = 0;
+        s.registered = 0;
         self.counters.preemptions += 1;
         self.waiting.push_front(s);
     }

@@ -173,7 +173,7 @@ fn event(e: &KvEvent) -> Value {
             medium: m,
             group,
             block_keys: _,
-            lookahead: _,
+            lookahead,
         } => vec![
             field("type", Value::from("BlockStored")),
             field("block_hashes", hashes(block_hashes)),
@@ -213,6 +213,14 @@ fn event(e: &KvEvent) -> Value {
                 .sliding_window
                 .map(|w| field("kv_cache_spec_sliding_window", Value::from(w))),
         )
+        // vLLM 0.33's lookahead tokens, one list per block, where blocks are hashed with them.
+        .chain((!lookahead.is_empty()).then(|| {
+            let ids = |t: &Vec<u32>| Value::Array(t.iter().map(|&x| Value::from(x)).collect());
+            field(
+                "lookahead_token_ids",
+                Value::Array(lookahead.iter().map(ids).collect()),
+            )
+        }))
         .collect(),
         KvEvent::BlockRemoved {
             block_hashes,
@@ -249,6 +257,19 @@ mod tests {
                 group: crate::kv_events::CacheGroup::full_attention(),
                 block_keys: Vec::new(),
                 lookahead: Vec::new(),
+            },
+            // Hashed with the token after each block (vLLM 0.33's lookahead).
+            KvEvent::BlockStored {
+                block_hashes: vec![9],
+                parent_block_hash: Some(u64::MAX),
+                token_ids: vec![5, 6],
+                block_size: 2,
+                lora_id: None,
+                lora_name: None,
+                medium: Some("GPU".into()),
+                group: crate::kv_events::CacheGroup::full_attention(),
+                block_keys: Vec::new(),
+                lookahead: vec![vec![7]],
             },
             KvEvent::BlockRemoved {
                 block_hashes: vec![1],

@@ -32,6 +32,9 @@ pub struct KvCache {
     cached: HashMap<u64, u32>,
     clock: u64,
     block_size: usize,
+    /// Tokens after each block hashed with it (vLLM 0.33's lookahead hashes, with EAGLE-style
+    /// speculative decoding); 0 for none.
+    lookahead: usize,
     /// What a vLLM worker with KV cache events enabled would publish, since the last take.
     events: Option<Vec<KvEvent>>,
 }
@@ -50,8 +53,21 @@ impl KvCache {
             cached: HashMap::new(),
             clock: num_blocks as u64,
             block_size,
+            lookahead: 0,
             events: None,
         }
+    }
+
+    /// Hashes each block with the `n` tokens after it, as vLLM 0.33 does where the drafter of
+    /// EAGLE-style speculative decoding reads them: a block is then reused only by a prompt
+    /// that goes on with the same tokens, and no block is hashed before they exist.
+    pub fn set_hash_lookahead(&mut self, n: usize) {
+        self.lookahead = n;
+    }
+
+    /// Tokens after each block hashed with it.
+    pub fn lookahead(&self) -> usize {
+        self.lookahead
     }
 
     /// Records the events vLLM publishes (`BlockStored` when a block is cached under a new
@@ -89,9 +105,10 @@ impl KvCache {
         self.block_size
     }
 
-    /// Chained hashes of every full block of `tokens`, continuing from those already in `hashes`.
+    /// Chained hashes of every full block of `tokens` (followed by its lookahead tokens),
+    /// continuing from those already in `hashes`.
     pub fn extend_hashes(&self, hashes: &mut Vec<u64>, tokens: &[u32]) {
-        extend_hashes(hashes, tokens, self.block_size);
+        extend_hashes(hashes, tokens, self.block_size, self.lookahead);
     }
 
     /// Blocks that an allocation may take (free or cached but unreferenced).
@@ -157,7 +174,8 @@ impl KvCache {
 
     /// Records that held blocks are now full: `ids[k]` with the content `hashes[k]` stands for,
     /// chained onto `parent` (the hash of the block before `ids[0]`, if any), holding
-    /// `tokens[k * block_size..]`. A block whose hash is new to the cache is published as stored;
+    /// `tokens[k * block_size..]` (`tokens` goes on with the last block's lookahead tokens, if
+    /// any). A block whose hash is new to the cache is published as stored;
     /// one whose content another block already caches is not (as in vLLM, the first copy is the
     /// one found).
     pub fn register(&mut self, ids: &[u32], hashes: &[u64], parent: Option<u64>, tokens: &[u32]) {
@@ -174,14 +192,20 @@ impl KvCache {
             if self.events.is_some() {
                 if fresh {
                     let block = &tokens[k * size..(k + 1) * size];
+                    let ahead: Vec<Vec<u32>> = match self.lookahead {
+                        0 => Vec::new(),
+                        n => vec![tokens[(k + 1) * size..(k + 1) * size + n].to_vec()],
+                    };
                     match &mut run {
                         Some(KvEvent::BlockStored {
                             block_hashes,
                             token_ids,
+                            lookahead,
                             ..
                         }) => {
                             block_hashes.push(hash);
                             token_ids.extend_from_slice(block);
+                            lookahead.extend(ahead);
                         }
                         _ => {
                             run = Some(KvEvent::BlockStored {
@@ -196,7 +220,7 @@ impl KvCache {
                                 group: crate::kv_events::CacheGroup::full_attention(),
                                 // Plain text: the simulator takes no salts or images.
                                 block_keys: Vec::new(),
-                                lookahead: Vec::new(),
+                                lookahead: ahead,
                             });
                         }
                     }
@@ -239,13 +263,16 @@ pub fn block_hash(parent: u64, tokens: &[u32]) -> u64 {
     h
 }
 
-/// Chained hashes of every full `block`-token block of `tokens`, continuing from those already
-/// in `hashes`.
-pub fn extend_hashes(hashes: &mut Vec<u64>, tokens: &[u32], block: usize) {
-    let full = tokens.len() / block;
+/// Chained hashes of every full `block`-token block of `tokens` that `lookahead` more tokens
+/// follow, each over its tokens and those, continuing from those already in `hashes`.
+pub fn extend_hashes(hashes: &mut Vec<u64>, tokens: &[u32], block: usize, lookahead: usize) {
+    let full = tokens.len().saturating_sub(lookahead) / block;
     for j in hashes.len()..full {
         let parent = j.checked_sub(1).map_or(0, |p| hashes[p]);
-        hashes.push(block_hash(parent, &tokens[j * block..(j + 1) * block]));
+        hashes.push(block_hash(
+            parent,
+            &tokens[j * block..(j + 1) * block + lookahead],
+        ));
     }
 }
 
@@ -255,7 +282,7 @@ mod tests {
 
     fn hashes(tokens: &[u32]) -> Vec<u64> {
         let mut h = Vec::new();
-        extend_hashes(&mut h, tokens, DEFAULT_BLOCK_SIZE);
+        extend_hashes(&mut h, tokens, DEFAULT_BLOCK_SIZE, 0);
         h
     }
 
@@ -291,13 +318,37 @@ mod tests {
         assert_eq!(hashes(&a), hashes(&a));
     }
 
+    /// With the token after each block in its hash (vLLM 0.33's lookahead), a block is hashed
+    /// only once that token exists, and its store says which token it was.
+    #[test]
+    fn lookahead_hashes_wait_for_the_next_token_and_stores_carry_it() {
+        let mut kv = KvCache::new(3, 2);
+        kv.set_hash_lookahead(1);
+        kv.record_events();
+        let tokens = [1, 2, 3, 4, 5, 6];
+        let mut h = Vec::new();
+        kv.extend_hashes(&mut h, &tokens);
+        assert_eq!(h.len(), 2, "the last block has no token after it yet");
+        let mut other = Vec::new();
+        kv.extend_hashes(&mut other, &[1, 2, 3, 4, 9]);
+        assert_eq!(other[0], h[0]);
+        assert_ne!(other[1], h[1], "the same tokens, another next token");
+        let ids = kv.allocate(2).unwrap();
+        kv.register(&ids, &h, None, &tokens[..5]);
+        let events = kv.take_events();
+        let [KvEvent::BlockStored { lookahead, .. }] = &events[..] else {
+            panic!("{events:?}")
+        };
+        assert_eq!(lookahead, &vec![vec![3], vec![5]]);
+    }
+
     #[test]
     fn recorded_events_follow_what_is_cached_and_evicted() {
         let mut kv = KvCache::new(3, 2);
         kv.record_events();
         let tokens = [1, 2, 3, 4, 5, 6];
         let mut h = Vec::new();
-        extend_hashes(&mut h, &tokens, 2);
+        extend_hashes(&mut h, &tokens, 2, 0);
         let ids = kv.allocate(3).unwrap();
         kv.register(&ids[..2], &h[..2], None, &tokens[..4]);
         kv.register(&ids[2..], &h[2..], Some(h[1]), &tokens[4..]);

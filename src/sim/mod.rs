@@ -75,6 +75,11 @@ pub struct SimConfig {
     /// Publish KV cache events as vLLM does with `--kv-events-config` (ZMQ PUB and replay
     /// sockets on free ports of `host`).
     pub kv_events: bool,
+    /// Hash each KV block with this many tokens after it, as vLLM 0.33 does with EAGLE, EAGLE-3
+    /// or MTP speculative decoding (1 there; 0, the default, for none): a block is then reused
+    /// only by a prompt that goes on with the same tokens, and its stores carry them
+    /// (`lookahead_token_ids`). The drafter itself is not modelled.
+    pub hash_lookahead: usize,
     /// Tokenize with this model `tokenizer.json` instead of the simulator's own split, as a vLLM
     /// worker serving that model does (its KV blocks then carry the model's token ids).
     pub tokenizer: Option<std::path::PathBuf>,
@@ -106,6 +111,7 @@ impl Default for SimConfig {
             fault_worker: None,
             seed: 0,
             kv_events: false,
+            hash_lookahead: 0,
             tokenizer: None,
             tokenizer_config: None,
             responses_store: false,
@@ -314,6 +320,7 @@ pub async fn start(
         for rank in 0..cfg.data_parallel_size {
             let mut engine = Engine::new(params.clone());
             engine.set_tokenizer(tokenizer.clone());
+            engine.set_hash_lookahead(cfg.hash_lookahead);
             let publish = match sockets.next() {
                 Some((_, sockets)) => {
                     engine.record_kv_events();
