@@ -29,9 +29,10 @@ impl AppState {
         let auth = crate::auth::Auth::from_config(&config.auth)?;
         let mut tokenizers = std::collections::HashMap::new();
         for t in &config.tokenizers {
-            let loaded = crate::tokenize::ModelTokenizer::load(
+            let loaded = crate::tokenize::ModelTokenizer::load_with_template(
                 &t.tokenizer_json,
                 t.tokenizer_config.as_deref(),
+                t.chat_template.as_deref(),
             )
             .map_err(|e| format!("tokenizer for model `{}`: {e}", t.model))?;
             tokenizers.insert(t.model.clone(), Arc::new(loaded));

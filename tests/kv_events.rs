@@ -750,6 +750,7 @@ async fn a_simulated_worker_with_a_models_tokenizer_is_routed_to_by_its_events()
             model: model.clone(),
             tokenizer_json,
             tokenizer_config: Some(tokenizer_config),
+            chat_template: None,
         }],
         ..kvroute::config::Config::default()
     }
@@ -961,6 +962,7 @@ async fn a_worker_hashing_the_next_token_is_predicted_as_it_reuses() {
             model: model.clone(),
             tokenizer_json,
             tokenizer_config: Some(tokenizer_config),
+            chat_template: None,
         }],
         ..kvroute::config::Config::default()
     }

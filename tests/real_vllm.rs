@@ -1465,6 +1465,99 @@ async fn tokenizing_like_the_worker_matches_vllms_tokenize_endpoint() {
     assert_eq!(ours.chat(&messages).unwrap(), theirs);
 }
 
+/// Chat templates render to the same tokens as vLLM renders them, where that depends on
+/// `transformers`' Jinja environment rather than on the template alone: block tags that leave no
+/// line of their own, Python's string methods, `{% break %}`, `tojson` as Python's `json.dumps`,
+/// `True` printed as Python prints it, `strftime_now`, `raise_exception`. The templates are this
+/// test's own, each exercising those features the way popular models' templates do (Qwen3's
+/// thinking and last-query handling, Llama 3.2's dated system header, tool schemas as JSON);
+/// vLLM renders them from the request (`--trust-request-chat-template`, set by `pool.sh`).
+#[tokio::test]
+#[ignore = "needs real vLLM workers: tests/vllm/pool.sh --kv-events -- cargo test --test real_vllm -- --ignored"]
+async fn chat_templates_render_as_vllms_transformers_renders_them() {
+    use kvroute::tokenize::ModelTokenizer;
+    let pool = Pool::from_env();
+    let tokenizer_json = std::env::var("KVROUTE_VLLM_TOKENIZER")
+        .expect("KVROUTE_VLLM_TOKENIZER is unset (tests/vllm/pool.sh sets it)");
+    let model_config: Value = serde_json::from_str(
+        &std::fs::read_to_string(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/tests/vllm/model/tokenizer_config.json"
+        ))
+        .unwrap(),
+    )
+    .unwrap();
+    let layout =
+        "{{ bos_token }}\n{% for message in messages %}\n  {% if message.role == 'system' %}\n\
+        <<SYS>>{{ message.content | trim }}<</SYS>>\n  {% else %}\n\
+        [{{ message.role | upper }}] {{ message.content }}\n  {% endif %}\n{% endfor %}\n\
+        {% if add_generation_prompt %}\n[ASSISTANT]\n{% endif %}\n";
+    let thinking = "{%- set ns = namespace(last=0) %}\n\
+        {%- for m in messages[::-1] %}\n\
+        {%- if m.role == 'user' and not m.content.startswith('<tool') %}\n\
+        {%- set ns.last = messages|length - loop.index0 - 1 %}{% break %}\n\
+        {%- endif %}\n{%- endfor %}\n\
+        {%- for m in messages %}\n{%- set content = m.content %}\n\
+        {%- if m.role == 'assistant' and '</think>' in content %}\n\
+        {%- set content = content.split('</think>')[-1].lstrip('\\n') %}\n{%- endif %}\n\
+        {{- '<|' + m.role + '|>' + content.strip() + ('*' if loop.index0 == ns.last else '') }}\n\
+        {{- '\\n' }}\n{%- endfor %}\n\
+        {%- if add_generation_prompt %}{{- '<|assistant|>' }}{%- endif %}";
+    let dated = "{{- bos_token }}Today: {{ strftime_now('%d %b %Y') }}\n\
+        {% if messages[0].role != 'system' %}{{ raise_exception('a system message first') }}{% endif %}\n\
+        {% for m in messages %}\n\
+        {{ {'role': m.role, 'text': m.content, 'n': loop.index, 'w': 0.5} | tojson }}\n\
+        {{ {'q': m.content.endswith('?')} | tojson(indent=2) }} {{ m.content.endswith('?') }}\n\
+        {% endfor %}";
+    let messages = json!([
+        {"role": "system", "content": "  You are terse, é and 漢字.  "},
+        {"role": "user", "content": format!("{}?", words(3, 40))},
+        {"role": "assistant", "content": "<think>mull it over</think>\n\nNoted."},
+        {"role": "user", "content": "And \"now\"?"},
+    ]);
+    let _turn = SERIAL.lock().await;
+    let worker = pool.addr(0);
+    let dir = std::env::temp_dir().join(format!("kvroute-templates-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    for (name, template) in [("layout", layout), ("thinking", thinking), ("dated", dated)] {
+        let mut config = model_config.clone();
+        config["chat_template"] = json!(template);
+        let path = dir.join(format!("{name}.json"));
+        std::fs::write(&path, config.to_string()).unwrap();
+        let ours =
+            ModelTokenizer::load(std::path::Path::new(&tokenizer_json), Some(&path)).unwrap();
+        let body = json!({"model": pool.model, "messages": messages, "chat_template": template,
+                          "add_generation_prompt": true});
+        let r = request(worker, "POST", "/tokenize", body.to_string().as_bytes()).await;
+        assert_eq!(
+            r.status,
+            200,
+            "{name}: {}",
+            String::from_utf8_lossy(&r.body)
+        );
+        let theirs = common::token_ids(&r);
+        let text = ours.render_chat(&messages).unwrap();
+        assert_eq!(
+            ours.chat(&messages).unwrap(),
+            theirs,
+            "{name}: we rendered {text:?}"
+        );
+    }
+    // A template's own error is vLLM's too: the request is refused, and kvroute routes it
+    // without tokens.
+    let mut config = model_config.clone();
+    config["chat_template"] = json!(dated);
+    let path = dir.join("dated.json");
+    std::fs::write(&path, config.to_string()).unwrap();
+    let ours = ModelTokenizer::load(std::path::Path::new(&tokenizer_json), Some(&path)).unwrap();
+    let no_system = json!([{"role": "user", "content": "hi"}]);
+    assert!(ours.chat(&no_system).is_err());
+    let body = json!({"model": pool.model, "messages": no_system, "chat_template": dated});
+    let r = request(worker, "POST", "/tokenize", body.to_string().as_bytes()).await;
+    assert_eq!(r.status, 400, "{}", String::from_utf8_lossy(&r.body));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 #[tokio::test]
 #[ignore = "needs real vLLM workers: tests/vllm/pool.sh --kv-events -- cargo test --test real_vllm -- --ignored"]
 async fn cache_aware_routes_on_real_vllm_kv_events_to_a_prefix_it_never_routed() {
@@ -1507,6 +1600,7 @@ async fn cache_aware_routes_on_real_vllm_kv_events_to_a_prefix_it_never_routed()
                 )
                 .into(),
             ),
+            chat_template: None,
         }],
         ..Config::default()
     }

@@ -279,6 +279,7 @@ async fn follow_events(
         model,
         tokenizer_json: files.tokenizer_json.clone(),
         tokenizer_config: files.tokenizer_config.clone(),
+        chat_template: None,
     }];
     Ok(())
 }

@@ -138,9 +138,13 @@ pub struct TokenizerConfig {
     pub model: String,
     /// The model's `tokenizer.json`.
     pub tokenizer_json: std::path::PathBuf,
-    /// The model's `tokenizer_config.json`, for its chat template (chat requests).
+    /// The model's `tokenizer_config.json`, for its chat template (chat requests): a
+    /// `chat_template.jinja` beside it first, as `transformers` reads them.
     #[serde(default)]
     pub tokenizer_config: Option<std::path::PathBuf>,
+    /// A Jinja chat template to use instead (the file given to vLLM's `--chat-template`).
+    #[serde(default)]
+    pub chat_template: Option<std::path::PathBuf>,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

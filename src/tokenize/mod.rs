@@ -32,7 +32,10 @@ use parking_lot::Mutex;
 use xxhash_rust::xxh3::xxh3_64;
 
 mod head;
+mod template;
 pub use head::{Head, HEAD_BYTES};
+use template::ChatTemplate;
+pub use template::CHAT_TEMPLATE_FILE;
 
 use serde_json::Value;
 
@@ -99,62 +102,36 @@ struct Pieces {
 /// Tokens the piece cache holds at most (about 16 MiB).
 const PIECE_CACHE_TOKENS: usize = 4 << 20;
 
-struct ChatTemplate {
-    env: minijinja::Environment<'static>,
-    bos_token: String,
-    eos_token: String,
-}
-
-impl std::fmt::Debug for ChatTemplate {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ChatTemplate").finish_non_exhaustive()
-    }
-}
-
-/// A special token as `tokenizer_config.json` writes it: a string or `{"content": ...}`.
-fn token_text(v: Option<&Value>) -> String {
-    match v {
-        Some(Value::String(s)) => s.clone(),
-        Some(Value::Object(o)) => o
-            .get("content")
-            .and_then(Value::as_str)
-            .unwrap_or_default()
-            .to_owned(),
-        _ => String::new(),
-    }
-}
-
 impl ModelTokenizer {
-    /// Loads `tokenizer.json` and, when given, the chat template of `tokenizer_config.json`.
+    /// Loads `tokenizer.json` and, when given, the chat template of `tokenizer_config.json` (a
+    /// `chat_template.jinja` beside it first, as `transformers` reads them).
     pub fn load(tokenizer_json: &Path, config: Option<&Path>) -> Result<Self, TokenizeError> {
+        Self::load_with_template(tokenizer_json, config, None)
+    }
+
+    /// [`Self::load`], the chat template read from `chat_template` instead when given (a Jinja
+    /// file, as vLLM's `--chat-template` takes one).
+    pub fn load_with_template(
+        tokenizer_json: &Path,
+        config: Option<&Path>,
+        chat_template: Option<&Path>,
+    ) -> Result<Self, TokenizeError> {
         let load_err = |path: &Path, detail: String| TokenizeError::Load {
             path: path.display().to_string(),
             detail,
         };
         let tokenizer = tokenizers::Tokenizer::from_file(tokenizer_json)
             .map_err(|e| load_err(tokenizer_json, e.to_string()))?;
-        let chat = match config {
-            None => None,
+        let v: Value = match config {
+            None => Value::Null,
             Some(path) => {
                 let text =
                     std::fs::read_to_string(path).map_err(|e| load_err(path, e.to_string()))?;
-                let v: Value =
-                    serde_json::from_str(&text).map_err(|e| load_err(path, e.to_string()))?;
-                match v.get("chat_template").and_then(Value::as_str) {
-                    None => None,
-                    Some(source) => {
-                        let mut env = minijinja::Environment::new();
-                        env.add_template_owned("chat", source.to_owned())
-                            .map_err(|e| TokenizeError::Template(e.to_string()))?;
-                        Some(ChatTemplate {
-                            env,
-                            bos_token: token_text(v.get("bos_token")),
-                            eos_token: token_text(v.get("eos_token")),
-                        })
-                    }
-                }
+                serde_json::from_str(&text).map_err(|e| load_err(path, e.to_string()))?
             }
         };
+        let dir = config.and_then(Path::parent);
+        let chat = ChatTemplate::find(&v, dir, chat_template)?;
         let ids: HashMap<String, u32> = tokenizer
             .get_added_tokens_decoder()
             .into_iter()
@@ -361,22 +338,10 @@ impl ModelTokenizer {
 
     /// The chat template's text for `messages`, with the generation prompt.
     pub fn render_chat(&self, messages: &Value) -> Result<String, TokenizeError> {
-        let chat = self
-            .chat
+        self.chat
             .as_ref()
-            .ok_or_else(|| TokenizeError::Template("the model has no chat template".into()))?;
-        let template = chat
-            .env
-            .get_template("chat")
-            .map_err(|e| TokenizeError::Template(e.to_string()))?;
-        template
-            .render(minijinja::context! {
-                messages => minijinja::Value::from_serialize(messages),
-                add_generation_prompt => true,
-                bos_token => &chat.bos_token,
-                eos_token => &chat.eos_token,
-            })
-            .map_err(|e| TokenizeError::Template(e.to_string()))
+            .ok_or_else(|| TokenizeError::Template("the model has no chat template".into()))?
+            .render(messages)
     }
 
     /// The same tokenizer without the piece cache: every chat request encoded whole, exactly as

@@ -384,6 +384,7 @@ pub fn data_parallel_events_config(
             model: model.to_owned(),
             tokenizer_json,
             tokenizer_config: None,
+            chat_template: None,
         }],
         ..Config::default()
     }

@@ -190,7 +190,10 @@ start_worker() {
   local args=(-m vllm.entrypoints.openai.api_server --model "$MODEL_DIR" --served-model-name "$MODEL_NAME"
         --host 127.0.0.1 --port "$port" --load-format dummy --dtype float32 --enforce-eager
         --block-size 32 --enable-prefix-caching --enable-prompt-tokens-details
-        --max-model-len 4096 --max-num-seqs 64)
+        --max-model-len 4096 --max-num-seqs 64
+        # /tokenize then renders a chat template the request gives (tests/real_vllm.rs
+        # compares kvroute's rendering of its own templates with vLLM's).
+        --trust-request-chat-template)
   if [ "$data_parallel" != 1 ]; then
     args+=(--data-parallel-size "$data_parallel")
   fi
