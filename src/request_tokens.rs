@@ -77,11 +77,28 @@ async fn tokens_of(
         messages: Option<serde_json::Value>,
         instructions: Option<serde_json::Value>,
         input: Option<serde_json::Value>,
+        // What else of a chat request reaches its template.
+        tools: Option<serde_json::Value>,
+        chat_template_kwargs: Option<serde_json::Value>,
+        add_generation_prompt: Option<bool>,
+        continue_final_message: Option<bool>,
+        documents: Option<serde_json::Value>,
+        reasoning_effort: Option<serde_json::Value>,
     }
     let p: Prompt = serde_json::from_slice(body).ok()?;
     let pending = match field {
         PromptField::Prompt => Ok(tokenizer.prepare_prompt(&p.prompt?)),
-        PromptField::Messages => tokenizer.prepare_chat(&p.messages?),
+        PromptField::Messages => {
+            let options = crate::tokenize::ChatOptions {
+                tools: p.tools,
+                chat_template_kwargs: p.chat_template_kwargs,
+                add_generation_prompt: p.add_generation_prompt,
+                continue_final_message: p.continue_final_message,
+                documents: p.documents,
+                reasoning_effort: p.reasoning_effort,
+            };
+            tokenizer.prepare_chat_with(&p.messages?, &options)
+        }
         PromptField::Input => tokenizer.prepare_chat(&crate::responses::chat_messages(
             p.instructions.as_ref(),
             &p.input?,

@@ -1543,6 +1543,58 @@ async fn chat_templates_render_as_vllms_transformers_renders_them() {
             "{name}: we rendered {text:?}"
         );
     }
+    // A request with tools, a tool call and its result, text parts and template arguments,
+    // through a template that reads the content as a string: vLLM joins the parts, parses the
+    // call's arguments into a map, writes each tool out as its request model dumps it, and
+    // hands the template `chat_template_kwargs` beside its own variables.
+    let tools_template = "{%- if tools %}<tools>{% for t in tools %}{{ t | tojson }}\n{% endfor %}\
+        </tools>\n{% endif %}\n\
+        {%- for m in messages %}\n\
+        {%- if m.role == 'assistant' and m.tool_calls is defined %}\n\
+        {%- for c in m.tool_calls %}<call>{{ c.function.name }}({{ c.function.arguments | tojson }})\
+        {{ c.function.arguments.city }}</call>\n{% endfor %}\n\
+        {%- elif m.role == 'tool' %}<result id={{ m.tool_call_id }}>{{ m.content }}</result>\n\
+        {% else %}<{{ m.role }}>{{ m.content }}</{{ m.role }}>\n{% endif %}\n\
+        {%- endfor %}\n\
+        {%- if add_generation_prompt %}<assistant>\
+        {% if enable_thinking is defined and not enable_thinking %}<think></think>{% endif %}\
+        {{ custom }}{% endif %}";
+    let tool_messages = json!([
+        {"role": "system", "content": "Use the tools."},
+        {"role": "user", "content": [{"type": "text", "text": "What is the weather"},
+                                     {"type": "text", "text": "in Paris?"}]},
+        {"role": "assistant", "content": null, "tool_calls": [{"id": "c1", "type": "function",
+            "function": {"name": "weather", "arguments": "{\"city\": \"Paris\", \"unit\": \"C\"}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "21 C"},
+        {"role": "user", "content": "Thanks!"},
+    ]);
+    let tools = json!([
+        {"type": "function", "function": {"name": "weather", "description": "Weather now",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                           "required": ["city"]}}},
+        {"type": "function", "function": {"name": "noop"}},
+    ]);
+    let kwargs = json!({"enable_thinking": false, "custom": "é"});
+    let mut config = model_config.clone();
+    config["chat_template"] = json!(tools_template);
+    let path = dir.join("tools.json");
+    std::fs::write(&path, config.to_string()).unwrap();
+    let ours = ModelTokenizer::load(std::path::Path::new(&tokenizer_json), Some(&path)).unwrap();
+    let options = kvroute::tokenize::ChatOptions {
+        tools: Some(tools.clone()),
+        chat_template_kwargs: Some(kwargs.clone()),
+        ..Default::default()
+    };
+    let body = json!({"model": pool.model, "messages": tool_messages, "tools": tools,
+                      "chat_template_kwargs": kwargs, "chat_template": tools_template});
+    let r = request(worker, "POST", "/tokenize", body.to_string().as_bytes()).await;
+    assert_eq!(r.status, 200, "tools: {}", String::from_utf8_lossy(&r.body));
+    let text = ours.render_chat_with(&tool_messages, &options).unwrap();
+    assert_eq!(
+        ours.chat_with(&tool_messages, &options).unwrap(),
+        common::token_ids(&r),
+        "tools: we rendered {text:?}"
+    );
     // A template's own error is vLLM's too: the request is refused, and kvroute routes it
     // without tokens.
     let mut config = model_config.clone();

@@ -455,7 +455,7 @@ pub fn limit_hit_rate(
         let tokens = if req.chat {
             let messages: Vec<sim_request::Message> =
                 serde_json::from_value(req.body["messages"].clone()).unwrap_or_default();
-            sim_request::chat_tokens(&messages, tok).unwrap_or_default()
+            sim_request::chat_tokens(&messages, &Default::default(), tok).unwrap_or_default()
         } else {
             tok.prompt(req.body["prompt"].as_str().unwrap_or_default())
                 .unwrap_or_default()

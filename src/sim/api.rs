@@ -251,7 +251,8 @@ async fn tokenize(State(s): State<Arc<WorkerState>>, body: Bytes) -> Response {
             Ok(m) => m,
             Err(e) => return bad_request(&e.to_string()),
         };
-        match request::chat_tokens(&messages, &s.tokenizer) {
+        let options = serde_json::from_value(v.clone()).unwrap_or_default();
+        match request::chat_tokens(&messages, &options, &s.tokenizer) {
             Ok(t) => Ok(t),
             Err(r) => return reject(r),
         }

@@ -72,6 +72,27 @@ pub struct RequestBody {
     pub seed: Option<i64>,
     pub stop: Option<Value>,
     pub n: Option<i64>,
+    // What else of a chat request reaches the chat template, as in vLLM.
+    pub tools: Option<Value>,
+    pub chat_template_kwargs: Option<Value>,
+    pub add_generation_prompt: Option<bool>,
+    pub continue_final_message: Option<bool>,
+    pub documents: Option<Value>,
+    pub reasoning_effort: Option<Value>,
+}
+
+impl RequestBody {
+    /// The fields besides the messages that reach a chat template.
+    pub fn chat_options(&self) -> crate::tokenize::ChatOptions {
+        crate::tokenize::ChatOptions {
+            tools: self.tools.clone(),
+            chat_template_kwargs: self.chat_template_kwargs.clone(),
+            add_generation_prompt: self.add_generation_prompt,
+            continue_final_message: self.continue_final_message,
+            documents: self.documents.clone(),
+            reasoning_effort: self.reasoning_effort.clone(),
+        }
+    }
 }
 
 #[derive(Debug, Clone, Deserialize, serde::Serialize)]
@@ -79,6 +100,10 @@ pub struct Message {
     pub role: String,
     #[serde(default)]
     pub content: Option<Value>,
+    /// The message's other fields (an assistant's `tool_calls`, a tool result's
+    /// `tool_call_id`, `name`, ...), which a model's chat template may render.
+    #[serde(flatten)]
+    pub rest: serde_json::Map<String, Value>,
 }
 
 /// A validated request: what to run and how to answer.
@@ -174,13 +199,17 @@ fn prompt_tokens(prompt: &Value, tok: &SimTokenizer) -> Result<Vec<u32>, Reject>
 
 /// A chat request's prompt tokens: the model's template and tokenizer when the worker has them,
 /// else the simulator's ChatML rendering and split.
-pub fn chat_tokens(messages: &[Message], tok: &SimTokenizer) -> Result<Vec<u32>, Reject> {
+pub fn chat_tokens(
+    messages: &[Message],
+    options: &crate::tokenize::ChatOptions,
+    tok: &SimTokenizer,
+) -> Result<Vec<u32>, Reject> {
     let rendered = match tok {
         SimTokenizer::Own => chat_template(messages)?,
         SimTokenizer::Model(m) => {
             let value =
                 serde_json::to_value(messages).map_err(|e| Reject::BadRequest(e.to_string()))?;
-            m.render_chat(&value)
+            m.render_chat(&value, options)
                 .map_err(|e| Reject::BadRequest(e.to_string()))?
         }
     };
@@ -207,7 +236,7 @@ pub fn validate(
             .messages
             .as_deref()
             .ok_or_else(|| Reject::BadRequest("Field required: messages".into()))?;
-        chat_tokens(messages, tok)?
+        chat_tokens(messages, &body.chat_options(), tok)?
     } else {
         let p = body.prompt.as_ref().ok_or_else(|| Reject::Param {
             message: "Either prompt or prompt_embeds must be provided and non-empty. \

@@ -195,6 +195,7 @@ fn input_messages(
         messages.push(Message {
             role: "system".into(),
             content: Some(json!(text)),
+            rest: Default::default(),
         });
     }
     if let Some((earlier, output)) = previous {
@@ -202,12 +203,14 @@ fn input_messages(
         messages.extend(output.into_iter().map(|text| Message {
             role: "assistant".into(),
             content: Some(json!(text)),
+            rest: Default::default(),
         }));
     }
     match input {
         Some(Value::String(text)) => messages.push(Message {
             role: "user".into(),
             content: Some(json!(text)),
+            rest: Default::default(),
         }),
         Some(Value::Array(items)) => {
             for item in items {
@@ -249,6 +252,7 @@ fn input_item(item: Value) -> Result<Message, Reject> {
     Ok(Message {
         role: role.to_owned(),
         content,
+        rest: Default::default(),
     })
 }
 

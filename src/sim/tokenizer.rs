@@ -126,9 +126,14 @@ impl SimTokenizer {
 }
 
 impl ModelVocab {
-    /// The model's chat template over `messages` (an OpenAI `messages` array).
-    pub fn render_chat(&self, messages: &Value) -> Result<String, TokenizeError> {
-        self.tokenizer.render_chat(messages)
+    /// The model's chat template over `messages` (an OpenAI `messages` array) and the request's
+    /// other fields that reach it.
+    pub fn render_chat(
+        &self,
+        messages: &Value,
+        options: &crate::tokenize::ChatOptions,
+    ) -> Result<String, TokenizeError> {
+        self.tokenizer.render_chat_with(messages, options)
     }
 }
 

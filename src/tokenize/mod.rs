@@ -31,8 +31,10 @@ use parking_lot::Mutex;
 
 use xxhash_rust::xxh3::xxh3_64;
 
+mod conversation;
 mod head;
 mod template;
+pub use conversation::ChatOptions;
 pub use head::{Head, HEAD_BYTES};
 use template::ChatTemplate;
 pub use template::CHAT_TEMPLATE_FILE;
@@ -245,7 +247,17 @@ impl ModelTokenizer {
     /// A chat request's messages (the OpenAI `messages` array), rendered and encoded as vLLM
     /// does for `/v1/chat/completions`.
     pub fn chat(&self, messages: &Value) -> Result<Vec<u32>, TokenizeError> {
-        let pending = self.prepare_chat(messages)?;
+        self.chat_with(messages, &ChatOptions::default())
+    }
+
+    /// [`Self::chat`] with the request's other fields that reach the template (tools,
+    /// `chat_template_kwargs`, ...).
+    pub fn chat_with(
+        &self,
+        messages: &Value,
+        options: &ChatOptions,
+    ) -> Result<Vec<u32>, TokenizeError> {
+        let pending = self.prepare_chat_with(messages, options)?;
         self.finish(pending)
     }
 
@@ -267,7 +279,16 @@ impl ModelTokenizer {
     /// ([`Pending::uncached_bytes`]) tells the caller whether [`ModelTokenizer::finish`] is
     /// worth moving off its event loop.
     pub fn prepare_chat(&self, messages: &Value) -> Result<Pending, TokenizeError> {
-        let text = self.render_chat(messages)?;
+        self.prepare_chat_with(messages, &ChatOptions::default())
+    }
+
+    /// [`Self::prepare_chat`] with the request's other fields that reach the template.
+    pub fn prepare_chat_with(
+        &self,
+        messages: &Value,
+        options: &ChatOptions,
+    ) -> Result<Pending, TokenizeError> {
+        let text = self.render_chat_with(messages, options)?;
         let Some(cache) = &self.pieces else {
             return Ok(Pending {
                 uncached_bytes: text.len(),
@@ -338,10 +359,19 @@ impl ModelTokenizer {
 
     /// The chat template's text for `messages`, with the generation prompt.
     pub fn render_chat(&self, messages: &Value) -> Result<String, TokenizeError> {
+        self.render_chat_with(messages, &ChatOptions::default())
+    }
+
+    /// [`Self::render_chat`] with the request's other fields that reach the template.
+    pub fn render_chat_with(
+        &self,
+        messages: &Value,
+        options: &ChatOptions,
+    ) -> Result<String, TokenizeError> {
         self.chat
             .as_ref()
             .ok_or_else(|| TokenizeError::Template("the model has no chat template".into()))?
-            .render(messages)
+            .render(messages, options)
     }
 
     /// The same tokenizer without the piece cache: every chat request encoded whole, exactly as

@@ -23,14 +23,21 @@ use std::path::Path;
 use minijinja::{value::ValueKind, Environment, Error, ErrorKind, Value as JinjaValue};
 use serde_json::Value;
 
+use super::conversation::{variables, ChatOptions};
 use super::TokenizeError;
 
-/// The file `transformers` writes a model's chat template to (since 4.47), and reads first.
+/// The file recent `transformers` releases write a model's chat template to, and read first.
 pub const CHAT_TEMPLATE_FILE: &str = "chat_template.jinja";
 
 /// A chat template ready to render, with the special tokens it may name.
 pub(super) struct ChatTemplate {
     env: Environment<'static>,
+    /// Whether the template loops over a message's content, so that vLLM hands it the parts
+    /// (its "openai" content format) rather than one string.
+    openai_content: bool,
+    /// Whether the template names the `developer` role (vLLM turns such messages into system
+    /// messages for one that does not).
+    knows_developer: bool,
     /// `bos_token`, `eos_token`, `unk_token`, `pad_token`: what `tokenizer_config.json` says,
     /// as `transformers` hands them to every template.
     tokens: Vec<(&'static str, String)>,
@@ -71,30 +78,58 @@ impl ChatTemplate {
             .map(|name| (name, token_text(config.get(name))))
             .collect();
         Ok(Some(Self {
+            openai_content: loops_over_content(&source),
+            knows_developer: source.contains("\"developer\"") || source.contains("'developer'"),
             env: environment(source)?,
             tokens,
         }))
     }
 
-    /// The template's text for `messages`, with the generation prompt.
-    pub(super) fn render(&self, messages: &Value) -> Result<String, TokenizeError> {
+    /// The template's text for a chat request's `messages` and `options`, as vLLM renders it.
+    pub(super) fn render(
+        &self,
+        messages: &Value,
+        options: &ChatOptions,
+    ) -> Result<String, TokenizeError> {
         let template = self
             .env
             .get_template("chat")
             .map_err(|e| TokenizeError::Template(e.to_string()))?;
-        let mut context: Vec<(&str, JinjaValue)> = vec![
-            ("messages", JinjaValue::from_serialize(messages)),
-            ("add_generation_prompt", JinjaValue::from(true)),
-        ];
-        context.extend(
-            self.tokens
-                .iter()
-                .map(|(name, text)| (*name, JinjaValue::from(text.as_str()))),
-        );
+        let vars = variables(messages, options, self.openai_content, self.knows_developer)?;
+        let context = self
+            .tokens
+            .iter()
+            .map(|(name, text)| (name.to_string(), JinjaValue::from(text.as_str())))
+            .chain(
+                vars.into_iter()
+                    .map(|(k, v)| (k, JinjaValue::from_serialize(&v))),
+            );
         template
             .render(JinjaValue::from_iter(context))
             .map_err(|e| TokenizeError::Template(e.to_string()))
     }
+}
+
+/// Whether some `{% for ... in ... %}` of `source` iterates over a message's `content` (its
+/// `['content']`, `["content"]` or `.content`): vLLM's test for the "openai" content format,
+/// which it makes on the template's syntax tree, made here on the tags' text.
+fn loops_over_content(source: &str) -> bool {
+    source.split("{%").skip(1).any(|tag| {
+        let tag = tag.split("%}").next().unwrap_or_default();
+        let tag = tag.trim_matches(|c: char| c == '-' || c == '+' || c.is_whitespace());
+        let Some(rest) = tag.strip_prefix("for ") else {
+            return false;
+        };
+        let Some((_, iterable)) = rest.split_once(" in ") else {
+            return false;
+        };
+        let iterable = iterable.split(" if ").next().unwrap_or_default();
+        iterable.contains("['content']")
+            || iterable.contains("[\"content\"]")
+            || iterable.match_indices(".content").any(|(at, m)| {
+                !iterable[at + m.len()..].starts_with(|c: char| c.is_alphanumeric() || c == '_')
+            })
+    })
 }
 
 /// The config's `chat_template`: a string, or a list of `{name, template}` whose `default` is
@@ -341,13 +376,23 @@ mod tests {
     use super::*;
     use serde_json::json;
 
-    fn render(template: &str, messages: Value) -> String {
+    /// `template` rendered for `messages`, with `kwargs` as the request's
+    /// `chat_template_kwargs` (the template's other variables).
+    fn render_with(template: &str, messages: Value, kwargs: Value) -> String {
         let config = json!({"chat_template": template, "bos_token": "<s>", "eos_token": "</s>"});
+        let options = ChatOptions {
+            chat_template_kwargs: Some(kwargs),
+            ..ChatOptions::default()
+        };
         ChatTemplate::find(&config, None, None)
             .unwrap()
             .unwrap()
-            .render(&messages)
+            .render(&messages, &options)
             .unwrap_or_else(|e| format!("ERROR {e}"))
+    }
+
+    fn render(template: &str, messages: Value) -> String {
+        render_with(template, messages, json!({}))
     }
 
     // The expected texts are what `transformers` 5.19's `render_jinja_template` (the renderer
@@ -365,24 +410,26 @@ mod tests {
     fn python_methods_and_values_print_as_in_python() {
         let t = "{%- for m in messages %}\
                  {{ m.content.split('</think>')[-1].lstrip('\\n').strip() | upper }}|\
-                 {{ m.content.startswith('x') }}|{{ m.role.replace('u','U') }}|{{ m.name }}\
+                 {{ m.content.startswith('x') }}|{{ m.role.replace('u','U') }}|{{ nothing }}\
                  {% endfor %}";
-        let m = json!([{"role": "user", "content": "x</think>\n  done  ", "name": null}]);
-        assert_eq!(render(t, m), "DONE|True|User|None");
+        let m = json!([{"role": "user", "content": "x</think>\n  done  "}]);
+        assert_eq!(
+            render_with(t, m, json!({"nothing": null})),
+            "DONE|True|User|None"
+        );
     }
 
     #[test]
     fn tojson_writes_as_pythons_json_dumps() {
-        let t = "{{ messages[0].meta | tojson }}\n\
-                 {{ messages[0].meta | tojson(indent=2) }}\n\
-                 {{ messages[0].meta | tojson(sort_keys=true) }}\n\
-                 {{ messages[0].meta | tojson(separators=[',', ':']) }}\n\
+        let t = "{{ meta | tojson }}\n\
+                 {{ meta | tojson(indent=2) }}\n\
+                 {{ meta | tojson(sort_keys=true) }}\n\
+                 {{ meta | tojson(separators=[',', ':']) }}\n\
                  {{ [] | tojson(indent=2) }}{{ {} | tojson }}\n\
-                 {{ messages[0].meta | tojson(ensure_ascii=true) }}";
+                 {{ meta | tojson(ensure_ascii=true) }}";
         let meta = json!({"b": 1, "a": [1, 2.5, {}], "c": "é<\"\n😀", "d": null, "e": true});
-        let m = json!([{"role": "user", "content": "c", "meta": meta}]);
         assert_eq!(
-            render(t, m),
+            render_with(t, json!([]), json!({ "meta": meta })),
             "{\"b\": 1, \"a\": [1, 2.5, {}], \"c\": \"é<\\\"\\n😀\", \"d\": null, \"e\": true}\n\
              {\n  \"b\": 1,\n  \"a\": [\n    1,\n    2.5,\n    {}\n  ],\n  \"c\": \"é<\\\"\\n😀\",\n  \
              \"d\": null,\n  \"e\": true\n}\n\
@@ -398,12 +445,15 @@ mod tests {
     fn loops_break_and_maps_keep_their_order() {
         let t = "{% for m in messages %}{% if loop.index > 1 %}{% break %}{% endif %}\
                  {{ m.content }}{% endfor %}|\
-                 {% for k, v in messages[0].meta.items() %}{{ k }}={{ v }};{% endfor %}";
+                 {% for k, v in meta.items() %}{{ k }}={{ v }};{% endfor %}";
         let m = json!([
-            {"role": "user", "content": "one", "meta": {"z": 1, "a": 2}},
+            {"role": "user", "content": "one"},
             {"role": "user", "content": "two"},
         ]);
-        assert_eq!(render(t, m), "one|z=1;a=2;");
+        assert_eq!(
+            render_with(t, m, json!({"meta": {"z": 1, "a": 2}})),
+            "one|z=1;a=2;"
+        );
     }
 
     #[test]
@@ -423,6 +473,29 @@ mod tests {
     }
 
     #[test]
+    fn a_loop_over_a_messages_content_asks_for_its_parts() {
+        for (source, parts) in [
+            ("{% for p in m['content'] %}{{ p.text }}{% endfor %}", true),
+            ("{%- for part in message.content -%}{% endfor %}", true),
+            (
+                "{% for p in m[\"content\"] if p.type == 'text' %}{% endfor %}",
+                true,
+            ),
+            (
+                "{% for m in messages %}{{ m.content | trim }}{% endfor %}",
+                false,
+            ),
+            ("{% for x in message.content_parts %}{% endfor %}", false),
+            (
+                "{{ m.content }}{% if m.content is string %}{% endif %}",
+                false,
+            ),
+        ] {
+            assert_eq!(loops_over_content(source), parts, "{source}");
+        }
+    }
+
+    #[test]
     fn a_template_is_found_where_transformers_looks() {
         let dir = std::env::temp_dir().join(format!("kvroute-template-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
@@ -432,7 +505,7 @@ mod tests {
         ]});
         let found = |config: &Value, dir: Option<&Path>, explicit: Option<&Path>| {
             ChatTemplate::find(config, dir, explicit)
-                .map(|t| t.map(|t| t.render(&json!([])).unwrap()))
+                .map(|t| t.map(|t| t.render(&json!([]), &ChatOptions::default()).unwrap()))
         };
         assert_eq!(found(&named, None, None).unwrap().as_deref(), Some("plain"));
         assert_eq!(found(&json!({}), None, None).unwrap(), None);
