@@ -11,6 +11,7 @@
 //! role for, `continue_final_message`) is an error, so it is routed without exact cache state
 //! rather than on tokens the worker would not see.
 
+use minijinja::Value as JinjaValue;
 use serde_json::{json, Map, Value};
 
 use super::TokenizeError;
@@ -33,13 +34,14 @@ fn unsupported(what: &str) -> TokenizeError {
 
 /// The template's variables for `messages` and `options`, besides the special tokens: the
 /// conversation, `tools`, `documents`, `add_generation_prompt`, and the request's
-/// `chat_template_kwargs` (vLLM's own overriding them where it sets one).
+/// `chat_template_kwargs` (vLLM's own overriding them where it sets one). The messages' text is
+/// copied once, into the template's values.
 pub(super) fn variables(
     messages: &Value,
     options: &ChatOptions,
     openai_content: bool,
     template_knows_developer: bool,
-) -> Result<Vec<(String, Value)>, TokenizeError> {
+) -> Result<Vec<(String, JinjaValue)>, TokenizeError> {
     if options.continue_final_message == Some(true) {
         return Err(unsupported("continue_final_message"));
     }
@@ -77,8 +79,9 @@ pub(super) fn variables(
         }
     }
     vars.retain(|(k, _)| k != "continue_final_message");
-    let conversation = conversation(messages, openai_content, template_knows_developer)?;
-    vars.push(("messages".into(), conversation));
+    if !vars.iter().any(|(k, _)| k == "documents") {
+        vars.push(("documents".into(), Value::Null));
+    }
     vars.push((
         "tools".into(),
         match &options.tools {
@@ -89,10 +92,13 @@ pub(super) fn variables(
             Some(_) => return Err(unsupported("tools is not a list")),
         },
     ));
-    if !vars.iter().any(|(k, _)| k == "documents") {
-        vars.push(("documents".into(), Value::Null));
-    }
-    Ok(vars)
+    let conversation = conversation(messages, openai_content, template_knows_developer)?;
+    let mut out: Vec<(String, JinjaValue)> = vars
+        .into_iter()
+        .map(|(k, v)| (k, JinjaValue::from_serialize(&v)))
+        .collect();
+    out.push(("messages".into(), conversation));
+    Ok(out)
 }
 
 /// One tool as vLLM writes its `ChatCompletionToolsParam` out: `type`, `function` (`name`,
@@ -133,7 +139,7 @@ fn conversation(
     messages: &Value,
     openai_content: bool,
     template_knows_developer: bool,
-) -> Result<Value, TokenizeError> {
+) -> Result<JinjaValue, TokenizeError> {
     let messages = messages
         .as_array()
         .ok_or_else(|| unsupported("messages is not a list"))?;
@@ -149,70 +155,67 @@ fn conversation(
             ));
         }
         let texts = texts(m.get("content"))?;
-        let mut msg = Map::new();
-        msg.insert("role".into(), Value::from(role));
-        msg.insert(
-            "content".into(),
-            if openai_content {
-                Value::Array(
-                    texts
-                        .iter()
-                        .map(|t| json!({"type": "text", "text": t}))
-                        .collect(),
-                )
-            } else {
-                Value::from(texts.join("\n"))
-            },
-        );
+        let joined = || match texts.as_slice() {
+            [one] => JinjaValue::from(*one),
+            many => JinjaValue::from(many.join("\n")),
+        };
+        let mut msg: Vec<(&str, JinjaValue)> = Vec::with_capacity(4);
+        msg.push(("role", JinjaValue::from(role)));
+        // A tool result's text parts are joined whatever the format.
+        if openai_content && role != "tool" {
+            let parts = texts.iter().map(|t| {
+                JinjaValue::from_iter([
+                    ("type", JinjaValue::from("text")),
+                    ("text", JinjaValue::from(*t)),
+                ])
+            });
+            msg.push(("content", JinjaValue::from(parts.collect::<Vec<_>>())));
+        } else {
+            msg.push(("content", joined()));
+        }
+        let json = |v: &Value| JinjaValue::from_serialize(v);
         match role {
             "assistant" => {
                 if let Some(calls) = m.get("tool_calls").filter(|c| !c.is_null()) {
                     if let Some(calls) = tool_calls(calls)? {
-                        msg.insert("tool_calls".into(), calls);
+                        msg.push(("tool_calls", json(&calls)));
                     }
                 }
                 if let Some(r) = m.get("reasoning").filter(|r| !r.is_null()) {
-                    msg.insert("reasoning".into(), r.clone());
-                    msg.insert("reasoning_content".into(), r.clone());
+                    msg.push(("reasoning", json(r)));
+                    msg.push(("reasoning_content", json(r)));
                 }
             }
             "tool" => {
                 if let Some(id) = m.get("tool_call_id") {
-                    msg.insert("tool_call_id".into(), id.clone());
-                }
-                if openai_content {
-                    // A tool result's text parts are joined whatever the format.
-                    msg.insert("content".into(), Value::from(texts.join("\n")));
+                    msg.push(("tool_call_id", json(id)));
                 }
             }
             "developer" => {
-                msg.insert(
-                    "tools".into(),
-                    m.get("tools").cloned().unwrap_or(Value::Null),
-                );
+                msg.push(("tools", json(m.get("tools").unwrap_or(&Value::Null))));
             }
             _ => {}
         }
         for k in ["name", "task"] {
             if let Some(v) = m.get(k).filter(|v| v.is_string()) {
-                msg.insert(k.into(), v.clone());
+                msg.push((k, json(v)));
             }
         }
-        out.push(Value::Object(msg));
+        out.push(JinjaValue::from_iter(msg));
     }
-    Ok(Value::Array(out))
+    Ok(JinjaValue::from(out))
 }
 
 /// A message's text parts (a string is one); anything else (an image, audio) is refused.
-fn texts(content: Option<&Value>) -> Result<Vec<String>, TokenizeError> {
+fn texts(content: Option<&Value>) -> Result<Vec<&str>, TokenizeError> {
     match content {
         None | Some(Value::Null) => Ok(Vec::new()),
-        Some(Value::String(s)) => Ok(vec![s.clone()]),
+        Some(Value::String(s)) => Ok(vec![s.as_str()]),
         Some(Value::Array(parts)) => {
             let mut out = Vec::with_capacity(parts.len());
             for p in parts {
                 if let Some(s) = p.as_str() {
-                    out.push(s.to_owned());
+                    out.push(s);
                     continue;
                 }
                 let field = match p.get("type").and_then(Value::as_str) {
@@ -221,7 +224,7 @@ fn texts(content: Option<&Value>) -> Result<Vec<String>, TokenizeError> {
                     _ => return Err(unsupported("a content part that is not text")),
                 };
                 match p.get(field) {
-                    Some(Value::String(s)) => out.push(s.clone()),
+                    Some(Value::String(s)) => out.push(s.as_str()),
                     None | Some(Value::Null) => {}
                     Some(_) => return Err(unsupported("a text part without text")),
                 }
@@ -280,6 +283,7 @@ mod tests {
         variables(&messages, options, openai, false)
             .unwrap()
             .into_iter()
+            .map(|(k, v)| (k, serde_json::to_value(&v).unwrap()))
             .collect()
     }
 

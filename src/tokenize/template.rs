@@ -100,10 +100,7 @@ impl ChatTemplate {
             .tokens
             .iter()
             .map(|(name, text)| (name.to_string(), JinjaValue::from(text.as_str())))
-            .chain(
-                vars.into_iter()
-                    .map(|(k, v)| (k, JinjaValue::from_serialize(&v))),
-            );
+            .chain(vars);
         template
             .render(JinjaValue::from_iter(context))
             .map_err(|e| TokenizeError::Template(e.to_string()))
