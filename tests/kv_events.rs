@@ -687,6 +687,45 @@ fn repo(p: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(p)
 }
 
+/// A `cache_aware` gateway in front of `sims` (named `w0`, `w1`, ...), following each one's KV
+/// events and tokenizing `model`'s requests with the given files; no load polling.
+fn followed_with_tokenizer(
+    sims: &[kvroute::sim::SimWorker],
+    model: &str,
+    tokenizer_json: PathBuf,
+    tokenizer_config: PathBuf,
+) -> kvroute::config::Config {
+    let mut config = kvroute::config::Config {
+        workers: sims
+            .iter()
+            .enumerate()
+            .map(|(i, s)| {
+                let src = s.kv_events.clone().unwrap();
+                kvroute::config::WorkerConfig {
+                    name: Some(format!("w{i}")),
+                    kv_events: Some(src.endpoint),
+                    kv_events_replay: src.replay,
+                    ..kvroute::config::WorkerConfig::from_url(format!("http://{}", s.addr))
+                }
+            })
+            .collect(),
+        tokenizers: vec![kvroute::config::TokenizerConfig {
+            model: model.to_owned(),
+            tokenizer_json,
+            tokenizer_config: Some(tokenizer_config),
+            chat_template: None,
+        }],
+        ..kvroute::config::Config::default()
+    }
+    .with_overrides(kvroute::config::Overrides {
+        policy: Some("cache_aware".into()),
+        ..Default::default()
+    })
+    .unwrap();
+    config.load_signals.interval_seconds = 0.0;
+    config
+}
+
 /// Simulated workers that tokenize with a model's tokenizer.json publish blocks of that model's
 /// token ids; a gateway tokenizing with the same files finds a conversation that another client
 /// served on worker 1 (behind the gateway's back) and routes its next turn there, predicting the
@@ -732,34 +771,7 @@ async fn a_simulated_worker_with_a_models_tokenizer_is_routed_to_by_its_events()
     .await;
     assert_eq!(common::token_ids(&t), ours.chat(&messages(2)).unwrap());
 
-    let mut config = kvroute::config::Config {
-        workers: sims
-            .iter()
-            .enumerate()
-            .map(|(i, s)| {
-                let src = s.kv_events.clone().unwrap();
-                kvroute::config::WorkerConfig {
-                    name: Some(format!("w{i}")),
-                    kv_events: Some(src.endpoint),
-                    kv_events_replay: src.replay,
-                    ..kvroute::config::WorkerConfig::from_url(format!("http://{}", s.addr))
-                }
-            })
-            .collect(),
-        tokenizers: vec![kvroute::config::TokenizerConfig {
-            model: model.clone(),
-            tokenizer_json,
-            tokenizer_config: Some(tokenizer_config),
-            chat_template: None,
-        }],
-        ..kvroute::config::Config::default()
-    }
-    .with_overrides(kvroute::config::Overrides {
-        policy: Some("cache_aware".into()),
-        ..Default::default()
-    })
-    .unwrap();
-    config.load_signals.interval_seconds = 0.0;
+    let config = followed_with_tokenizer(&sims, &model, tokenizer_json, tokenizer_config);
     let gw = gateway(config).await;
     let chat = |addr: std::net::SocketAddr, messages: Value| {
         let body = json!({"model": model, "messages": messages, "max_tokens": 2});
@@ -950,28 +962,7 @@ async fn a_worker_hashing_the_next_token_is_predicted_as_it_reuses() {
         .find(|&(_, d)| d % block > 1 && d >= 3 * block)
         .expect("some length leaves it inside a block");
 
-    let src = sims[0].kv_events.clone().unwrap();
-    let mut config = kvroute::config::Config {
-        workers: vec![kvroute::config::WorkerConfig {
-            name: Some("w0".into()),
-            kv_events: Some(src.endpoint),
-            kv_events_replay: src.replay,
-            ..kvroute::config::WorkerConfig::from_url(format!("http://{}", sims[0].addr))
-        }],
-        tokenizers: vec![kvroute::config::TokenizerConfig {
-            model: model.clone(),
-            tokenizer_json,
-            tokenizer_config: Some(tokenizer_config),
-            chat_template: None,
-        }],
-        ..kvroute::config::Config::default()
-    }
-    .with_overrides(kvroute::config::Overrides {
-        policy: Some("cache_aware".into()),
-        ..Default::default()
-    })
-    .unwrap();
-    config.load_signals.interval_seconds = 0.0;
+    let config = followed_with_tokenizer(&sims, &model, tokenizer_json, tokenizer_config);
     let gw = gateway(config).await;
     let complete = |path: &'static str, prompt: String| {
         let body = json!({"model": model, "prompt": prompt, "max_tokens": 2}).to_string();
