@@ -72,27 +72,10 @@ pub struct RequestBody {
     pub seed: Option<i64>,
     pub stop: Option<Value>,
     pub n: Option<i64>,
-    // What else of a chat request reaches the chat template, as in vLLM.
-    pub tools: Option<Value>,
-    pub chat_template_kwargs: Option<Value>,
-    pub add_generation_prompt: Option<bool>,
-    pub continue_final_message: Option<bool>,
-    pub documents: Option<Value>,
-    pub reasoning_effort: Option<Value>,
-}
-
-impl RequestBody {
-    /// The fields besides the messages that reach a chat template.
-    pub fn chat_options(&self) -> crate::tokenize::ChatOptions {
-        crate::tokenize::ChatOptions {
-            tools: self.tools.clone(),
-            chat_template_kwargs: self.chat_template_kwargs.clone(),
-            add_generation_prompt: self.add_generation_prompt,
-            continue_final_message: self.continue_final_message,
-            documents: self.documents.clone(),
-            reasoning_effort: self.reasoning_effort.clone(),
-        }
-    }
+    /// What else of a chat request reaches the chat template, as in vLLM (`tools`,
+    /// `chat_template_kwargs`, ...).
+    #[serde(flatten)]
+    pub chat: crate::tokenize::ChatOptions,
 }
 
 #[derive(Debug, Clone, Deserialize, serde::Serialize)]
@@ -236,7 +219,7 @@ pub fn validate(
             .messages
             .as_deref()
             .ok_or_else(|| Reject::BadRequest("Field required: messages".into()))?;
-        chat_tokens(messages, &body.chat_options(), tok)?
+        chat_tokens(messages, &body.chat, tok)?
     } else {
         let p = body.prompt.as_ref().ok_or_else(|| Reject::Param {
             message: "Either prompt or prompt_embeds must be provided and non-empty. \
