@@ -34,7 +34,8 @@ impl AppState {
                 t.tokenizer_config.as_deref(),
                 t.chat_template.as_deref(),
             )
-            .map_err(|e| format!("tokenizer for model `{}`: {e}", t.model))?;
+            .map_err(|e| format!("tokenizer for model `{}`: {e}", t.model))?
+            .with_default_chat_template_kwargs(t.default_chat_template_kwargs.clone());
             tokenizers.insert(t.model.clone(), Arc::new(loaded));
         }
         Ok(Self::from_shared(crate::routes::Shared {

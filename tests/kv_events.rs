@@ -714,6 +714,7 @@ fn followed_with_tokenizer(
             tokenizer_json,
             tokenizer_config: Some(tokenizer_config),
             chat_template: None,
+            default_chat_template_kwargs: Default::default(),
         }],
         ..kvroute::config::Config::default()
     }

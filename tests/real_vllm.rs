@@ -1653,6 +1653,7 @@ async fn cache_aware_routes_on_real_vllm_kv_events_to_a_prefix_it_never_routed()
                 .into(),
             ),
             chat_template: None,
+            default_chat_template_kwargs: Default::default(),
         }],
         ..Config::default()
     }

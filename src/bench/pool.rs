@@ -280,6 +280,7 @@ async fn follow_events(
         tokenizer_json: files.tokenizer_json.clone(),
         tokenizer_config: files.tokenizer_config.clone(),
         chat_template: None,
+        default_chat_template_kwargs: Default::default(),
     }];
     Ok(())
 }

@@ -145,6 +145,10 @@ pub struct TokenizerConfig {
     /// A Jinja chat template to use instead (the file given to vLLM's `--chat-template`).
     #[serde(default)]
     pub chat_template: Option<std::path::PathBuf>,
+    /// The workers' `--default-chat-template-kwargs`: template variables each chat request's
+    /// own `chat_template_kwargs` override.
+    #[serde(default)]
+    pub default_chat_template_kwargs: serde_json::Map<String, serde_json::Value>,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

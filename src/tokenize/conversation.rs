@@ -34,11 +34,13 @@ fn unsupported(what: &str) -> TokenizeError {
 
 /// The template's variables for `messages` and `options`, besides the special tokens: the
 /// conversation, `tools`, `documents`, `add_generation_prompt`, and the request's
-/// `chat_template_kwargs` (vLLM's own overriding them where it sets one). The messages' text is
-/// copied once, into the template's values.
+/// `chat_template_kwargs` (vLLM's own overriding them where it sets one), over the server's
+/// `defaults` (which a request's value overrides unless it is `null` or `"auto"`, as vLLM merges
+/// them). The messages' text is copied once, into the template's values.
 pub(super) fn variables(
     messages: &Value,
     options: &ChatOptions,
+    defaults: &Map<String, Value>,
     openai_content: bool,
     template_knows_developer: bool,
 ) -> Result<Vec<(String, JinjaValue)>, TokenizeError> {
@@ -79,6 +81,23 @@ pub(super) fn variables(
         }
     }
     vars.retain(|(k, _)| k != "continue_final_message");
+    if !defaults.is_empty() {
+        let mut merged: Vec<(String, Value)> = defaults
+            .iter()
+            .filter(|(k, _)| *k != "continue_final_message")
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        for (k, v) in vars {
+            if v.is_null() || v == "auto" {
+                continue;
+            }
+            match merged.iter_mut().find(|(name, _)| *name == k) {
+                Some(slot) => slot.1 = v,
+                None => merged.push((k, v)),
+            }
+        }
+        vars = merged;
+    }
     if !vars.iter().any(|(k, _)| k == "documents") {
         vars.push(("documents".into(), Value::Null));
     }
@@ -280,7 +299,7 @@ mod tests {
     use super::*;
 
     fn vars(messages: Value, options: &ChatOptions, openai: bool) -> Map<String, Value> {
-        variables(&messages, options, openai, false)
+        variables(&messages, options, &Map::new(), openai, false)
             .unwrap()
             .into_iter()
             .map(|(k, v)| (k, serde_json::to_value(&v).unwrap()))
@@ -417,13 +436,37 @@ mod tests {
             ..ChatOptions::default()
         };
         assert_eq!(vars(json!([]), &mine, false)["enable_thinking"], true);
+        // The server's defaults, under the request's values that are set.
+        let defaults = json!({"enable_thinking": false, "style": "terse", "custom": 0});
+        let request = ChatOptions {
+            chat_template_kwargs: Some(json!({"custom": 1, "style": null})),
+            ..ChatOptions::default()
+        };
+        let merged: Map<String, Value> = variables(
+            &json!([]),
+            &request,
+            defaults.as_object().unwrap(),
+            false,
+            false,
+        )
+        .unwrap()
+        .into_iter()
+        .map(|(k, v)| (k, serde_json::to_value(&v).unwrap()))
+        .collect();
+        assert_eq!(merged["enable_thinking"], false);
+        assert_eq!(
+            merged["style"], "terse",
+            "a null does not override a default"
+        );
+        assert_eq!(merged["custom"], 1);
+        assert_eq!(merged["add_generation_prompt"], true);
     }
 
     #[test]
     fn what_vllm_would_render_otherwise_is_refused() {
         let plain = json!([{"role": "user", "content": "hi"}]);
         let refused = |messages: &Value, options: &ChatOptions, developer: bool| {
-            variables(messages, options, false, developer).is_err()
+            variables(messages, options, &Map::new(), false, developer).is_err()
         };
         let continued = ChatOptions {
             continue_final_message: Some(true),

@@ -374,6 +374,18 @@ impl ModelTokenizer {
             .render(messages, options)
     }
 
+    /// The same tokenizer, its chat template given `defaults` under each request's own
+    /// `chat_template_kwargs`, as vLLM's `--default-chat-template-kwargs` gives them.
+    pub fn with_default_chat_template_kwargs(
+        mut self,
+        defaults: serde_json::Map<String, Value>,
+    ) -> Self {
+        if let Some(chat) = &mut self.chat {
+            chat.defaults = defaults;
+        }
+        self
+    }
+
     /// The same tokenizer without the piece cache: every chat request encoded whole, exactly as
     /// vLLM does (what a simulated worker uses, so the gateway's cache is checked against it).
     pub fn whole(mut self) -> Self {

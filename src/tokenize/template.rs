@@ -41,6 +41,8 @@ pub(super) struct ChatTemplate {
     /// `bos_token`, `eos_token`, `unk_token`, `pad_token`: what `tokenizer_config.json` says,
     /// as `transformers` hands them to every template.
     tokens: Vec<(&'static str, String)>,
+    /// The server's `--default-chat-template-kwargs`, under each request's own.
+    pub(super) defaults: serde_json::Map<String, Value>,
 }
 
 impl std::fmt::Debug for ChatTemplate {
@@ -82,6 +84,7 @@ impl ChatTemplate {
             knows_developer: source.contains("\"developer\"") || source.contains("'developer'"),
             env: environment(source)?,
             tokens,
+            defaults: serde_json::Map::new(),
         }))
     }
 
@@ -95,7 +98,13 @@ impl ChatTemplate {
             .env
             .get_template("chat")
             .map_err(|e| TokenizeError::Template(e.to_string()))?;
-        let vars = variables(messages, options, self.openai_content, self.knows_developer)?;
+        let vars = variables(
+            messages,
+            options,
+            &self.defaults,
+            self.openai_content,
+            self.knows_developer,
+        )?;
         let context = self
             .tokens
             .iter()

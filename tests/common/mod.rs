@@ -385,6 +385,7 @@ pub fn data_parallel_events_config(
             tokenizer_json,
             tokenizer_config: None,
             chat_template: None,
+            default_chat_template_kwargs: Default::default(),
         }],
         ..Config::default()
     }
