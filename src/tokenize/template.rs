@@ -192,9 +192,44 @@ fn environment(source: String) -> Result<Environment<'static>, TokenizeError> {
         jiff::fmt::strtime::format(format.as_str(), &now)
             .map_err(|e| Error::new(ErrorKind::InvalidOperation, e.to_string()))
     });
-    env.add_template_owned("chat", source)
+    env.add_template_owned("chat", generation_blocks_as_ifs(&source))
         .map_err(|e| TokenizeError::Template(e.to_string()))?;
     Ok(env)
+}
+
+/// `source` with `transformers`' `{% generation %}` ... `{% endgeneration %}` blocks (which mark
+/// an assistant's tokens for training masks and render their body unchanged) written as
+/// `{% if true %}` ... `{% endif %}`, which minijinja knows and which render the same, whitespace
+/// control included.
+fn generation_blocks_as_ifs(source: &str) -> String {
+    let mut out = String::with_capacity(source.len());
+    let mut rest = source;
+    while let Some(at) = rest.find("{%") {
+        let (before, tag) = rest.split_at(at);
+        out.push_str(before);
+        let Some(end) = tag.find("%}") else {
+            rest = tag;
+            break;
+        };
+        let inner = &tag[2..end];
+        let trimmed = inner.trim_matches(|c: char| c == '-' || c == '+' || c.is_whitespace());
+        let swapped = match trimmed {
+            "generation" => Some("if true"),
+            "endgeneration" => Some("endif"),
+            _ => None,
+        };
+        match swapped {
+            Some(with) => {
+                out.push_str("{%");
+                out.push_str(&inner.replacen(trimmed, with, 1));
+                out.push_str("%}");
+            }
+            None => out.push_str(&tag[..end + 2]),
+        }
+        rest = &tag[end + 2..];
+    }
+    out.push_str(rest);
+    out
 }
 
 /// `tojson(value, ensure_ascii=false, indent=none, separators=none, sort_keys=false)` as
@@ -480,6 +515,21 @@ mod tests {
         assert!(now.abs_diff(clock) < 5, "{now} against {clock}");
         let date = render("{{ strftime_now('%d %b %Y') }}", json!([]));
         assert_eq!(date.len(), 11, "{date}");
+    }
+
+    #[test]
+    fn generation_blocks_render_their_body() {
+        let t = "{% for m in messages %}{%- generation -%}\n  [{{ m.content }}]\n\
+                 {%- endgeneration %}{% endfor %}";
+        let m = json!([{"role": "assistant", "content": "a"}, {"role": "user", "content": "b"}]);
+        // `transformers` 5.19 renders "[a][b]" for the same template.
+        assert_eq!(render(t, m), "[a][b]");
+        assert_eq!(
+            generation_blocks_as_ifs(
+                "x{% generation %}y{%+ endgeneration -%}{{ g }}{% generations %}"
+            ),
+            "x{% if true %}y{%+ endif -%}{{ g }}{% generations %}"
+        );
     }
 
     #[test]
