@@ -9,12 +9,15 @@ use kvroute::bench::{self, loadgen::LoadSpec, workload::Workload};
 use kvroute::sim::presets::{CostModel, EngineParams};
 use kvroute::sim::SimConfig;
 
-/// Held by the tests whose assertions compare throughput, hit rates or timings between arms,
-/// so they do not run beside each other: the test harness runs a file's tests in parallel on
-/// the same cores, and two pools sharing two cores measure each other's CPU load. (Seen with
-/// the file's other tests beside it and two busy loops on a 2-core machine: `prefix` spilled
-/// 21% of its requests instead of ~5% and its hit rate fell from ~90% to round-robin's ~70%.)
-static MEASURING: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+/// Written (held alone) by the tests whose assertions compare throughput, hit rates or timings
+/// between arms; read (shared) by the file's other tests that run pools or load. The test
+/// harness runs a file's tests in parallel on the same cores, and pools sharing two cores
+/// measure each other's CPU load. (Seen with the file's other tests beside it and two busy loops
+/// on a 2-core machine: `prefix` spilled 21% of its requests instead of ~5% and its hit rate fell
+/// from ~90% to round-robin's ~70%. Measuring tests that only took turns among themselves still
+/// failed so once in a clean-clone CI run, 73.5% against 68.0% with 21% spilled, with the other
+/// tests running beside them.)
+static POOLS: tokio::sync::RwLock<()> = tokio::sync::RwLock::const_new(());
 
 fn small_engine(blocks: usize) -> EngineParams {
     EngineParams {
@@ -56,6 +59,7 @@ fn spec(workload: Workload) -> LoadSpec {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_open_loop_that_outruns_the_server_reports_the_wait_it_caused() {
+    let _shared = POOLS.read().await;
     let sim = SimConfig {
         workers: 1,
         engine: Some(small_engine(2048)),
@@ -91,7 +95,7 @@ async fn an_open_loop_that_outruns_the_server_reports_the_wait_it_caused() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn compare_shows_prefix_routing_beating_round_robin_when_caches_cannot_hold_every_prefix() {
-    let _alone = MEASURING.lock().await;
+    let _alone = POOLS.write().await;
     // 16 prefixes × 384 tokens = 384 blocks; each worker holds 300. Round-robin needs every prefix
     // on both workers and thrashes; prefix routing puts about half on each, which fits. (Each
     // prefix is ~1.4 KB, longer than the 1 KB the gateway's default key hashes: a key longer than
@@ -108,7 +112,19 @@ async fn compare_shows_prefix_routing_beating_round_robin_when_caches_cannot_hol
         unique_tokens: 16,
         output_tokens: 8,
     });
-    let policies = ["round_robin".to_string(), "prefix".to_string()];
+    // `prefix` with its load bound loosened (3x the mean instead of 1.5x): the workers' names,
+    // and so the rendezvous split of the 16 prefixes, change with their ports, and a 2:1 split
+    // puts the busier worker near the default bound, where a loaded machine's timing jitter
+    // turns affinity into spills (21-24% of requests in the failures seen). Spilling itself is
+    // tested in `src/policy/prefix.rs`; this test is about the cache.
+    let dir = std::env::temp_dir().join(format!("kvroute-bench-prefix-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let prefix = dir.join("prefix.yaml");
+    std::fs::write(&prefix, "policy: {kind: prefix, load_factor: 3.0}\n").unwrap();
+    let policies = [
+        "round_robin".to_string(),
+        prefix.to_string_lossy().into_owned(),
+    ];
     let (runs, limit) = bench::compare(
         &bench::Target::Sim(Box::new(sim.clone())),
         &policies,
@@ -132,10 +148,13 @@ async fn compare_shows_prefix_routing_beating_round_robin_when_caches_cannot_hol
         hit(1)
     );
     assert!(table.contains("req/s vs round_robin"));
+    assert_eq!(runs[1].label, "prefix");
+    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cancelling_clients_are_counted_and_do_not_count_as_errors() {
+    let _shared = POOLS.read().await;
     let sim = SimConfig {
         workers: 1,
         engine: Some(small_engine(2048)),
@@ -176,7 +195,7 @@ async fn cancelling_clients_are_counted_and_do_not_count_as_errors() {
 /// target's view of each worker's prefill backlog is read beside them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn each_workers_kv_usage_and_queue_are_sampled_through_the_window() {
-    let _alone = MEASURING.lock().await;
+    let _alone = POOLS.write().await;
     // Four requests in flight per worker, each 200 prompt tokens and up to 60 more (13 to 17
     // blocks): 40 blocks hold two or three of them, 2,048 hold them all at 3% or so.
     let run_on = |blocks: usize, policy: &'static str| async move {
@@ -237,7 +256,7 @@ async fn each_workers_kv_usage_and_queue_are_sampled_through_the_window() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn compare_takes_config_files_and_sweep_finds_throughput_rising_with_concurrency() {
-    let _alone = MEASURING.lock().await;
+    let _alone = POOLS.write().await;
     let sim = SimConfig {
         workers: 2,
         engine: Some(small_engine(2048)),
@@ -286,6 +305,7 @@ async fn compare_takes_config_files_and_sweep_finds_throughput_rising_with_concu
 /// own capacity and block size from `vllm:cache_config_info`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn compare_on_a_running_pool_empties_its_caches_before_each_arm() {
+    let _shared = POOLS.read().await;
     let sim = SimConfig {
         workers: 2,
         port: 0,
@@ -365,6 +385,7 @@ async fn compare_on_a_running_pool_empties_its_caches_before_each_arm() {
 /// parallelism routes to every rank of each, naming it in `X-data-parallel-rank`.
 #[tokio::test]
 async fn a_kvroute_arm_on_a_data_parallel_pool_routes_to_each_rank() {
+    let _shared = POOLS.read().await;
     let up = common::upstream("dp", &[]).await;
     let exact = bench::Exact {
         data_parallel_size: Some(2),
@@ -390,6 +411,7 @@ async fn a_kvroute_arm_on_a_data_parallel_pool_routes_to_each_rank() {
 /// every engine apart, from its own `engine` series.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_simulated_data_parallel_pool_is_reported_engine_by_engine() {
+    let _shared = POOLS.read().await;
     let sim = SimConfig {
         workers: 2,
         port: 0,
@@ -439,6 +461,7 @@ async fn a_simulated_data_parallel_pool_is_reported_engine_by_engine() {
 /// The simulator refuses to empty its cache while a request holds blocks, as vLLM does.
 #[tokio::test]
 async fn reset_prefix_cache_is_refused_while_a_request_runs() {
+    let _shared = POOLS.read().await;
     let sim = SimConfig {
         workers: 1,
         port: 0,
@@ -484,6 +507,7 @@ fn indexed(
 /// ended, so no conversation's turns are spread over clients in lockstep with the others.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn conversation_turns_are_sent_in_order_each_after_the_previous_ended() {
+    let _shared = POOLS.read().await;
     let pool = conversation_pool().await;
     let workload = Workload::Chat {
         turns: 4,
@@ -565,6 +589,7 @@ fn think_times_are_exponential_around_their_mean_and_the_same_for_every_target()
 /// it) instead of all at once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_ramp_up_starts_the_clients_spread_over_it() {
+    let _shared = POOLS.read().await;
     let pool = conversation_pool().await;
     let ramp = Duration::from_millis(200);
     let load = LoadSpec {
@@ -604,6 +629,7 @@ async fn a_ramp_up_starts_the_clients_spread_over_it() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn clients_think_before_each_request_so_they_do_not_start_in_step() {
+    let _shared = POOLS.read().await;
     let pool = conversation_pool().await;
     let think = Duration::from_millis(150);
     let load = LoadSpec {
@@ -665,6 +691,7 @@ async fn clients_think_before_each_request_so_they_do_not_start_in_step() {
 /// and the worker generates exactly that many tokens; the lengths spread around the workload's.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn output_lengths_vary_around_the_workloads_with_output_range() {
+    let _shared = POOLS.read().await;
     let pool = conversation_pool().await;
     let load = LoadSpec {
         url: pool.gateway.clone(),
@@ -725,6 +752,7 @@ async fn stand_in_target(routes: axum::Router) -> String {
 /// ends, `data:` without a space, data over two lines, comments and `event:` lines.
 #[tokio::test]
 async fn the_load_generator_reads_any_conformant_event_stream() {
+    let _shared = POOLS.read().await;
     use axum::{routing::post, Router};
     let stream = concat!(
         ": keep-alive comment\r\n\r\n",
@@ -762,6 +790,7 @@ async fn the_load_generator_reads_any_conformant_event_stream() {
 /// the conversations each have their own, and independent requests are each a session of one.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_session_header_names_each_requests_conversation() {
+    let _shared = POOLS.read().await;
     use axum::{http::HeaderMap, routing::post, Json, Router};
     use std::sync::Arc;
     type Seen = Arc<parking_lot::Mutex<Vec<(Option<String>, serde_json::Value)>>>;
@@ -853,6 +882,7 @@ async fn a_session_header_names_each_requests_conversation() {
 /// requests that share hash ids share prompt blocks in the workers' caches.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_mooncake_trace_is_replayed_at_its_timestamps() {
+    let _shared = POOLS.read().await;
     let sim = SimConfig {
         workers: 1,
         engine: Some(small_engine(2048)),
@@ -902,6 +932,7 @@ async fn a_mooncake_trace_is_replayed_at_its_timestamps() {
 /// measured on the same load, stopped after. (kvroute's own binary stands in for it here.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_external_router_arm_is_started_per_pool_and_measured_beside_the_policies() {
+    let _shared = POOLS.read().await;
     let sim = SimConfig {
         workers: 2,
         engine: Some(small_engine(2048)),
@@ -953,6 +984,7 @@ async fn an_external_router_arm_is_started_per_pool_and_measured_beside_the_poli
 /// A router that cannot start fails its arm with what it printed, not a bare exit status.
 #[tokio::test]
 async fn an_external_arm_that_exits_reports_its_output() {
+    let _shared = POOLS.read().await;
     let sim = SimConfig {
         workers: 1,
         engine: Some(small_engine(2048)),
@@ -977,7 +1009,7 @@ async fn an_external_arm_that_exits_reports_its_output() {
 /// tokens are what the workers then report, and the replicas agree on where cached prefixes are.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_events_arm_predicts_the_workers_cache_and_its_replicas_agree() {
-    let _alone = MEASURING.lock().await;
+    let _alone = POOLS.write().await;
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
     let sim = SimConfig {
         workers: 2,
@@ -1048,6 +1080,7 @@ async fn an_events_arm_predicts_the_workers_cache_and_its_replicas_agree() {
 /// timeout would fail the test.
 #[tokio::test(flavor = "current_thread")]
 async fn a_bench_gateway_answers_while_the_benchs_runtime_is_held() {
+    let _shared = POOLS.read().await;
     use std::io::{Read, Write};
     let sim = SimConfig {
         workers: 1,
@@ -1078,7 +1111,7 @@ async fn a_bench_gateway_answers_while_the_benchs_runtime_is_held() {
 /// round-robin moves it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn chat_through_the_responses_api_keeps_conversations_on_their_cache() {
-    let _alone = MEASURING.lock().await;
+    let _alone = POOLS.write().await;
     let sim = SimConfig {
         workers: 2,
         engine: Some(small_engine(2048)),
