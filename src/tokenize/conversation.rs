@@ -82,35 +82,12 @@ pub(super) fn variables(
     }
     vars.retain(|(k, _)| k != "continue_final_message");
     if !defaults.is_empty() {
-        let mut merged: Vec<(String, Value)> = defaults
-            .iter()
-            .filter(|(k, _)| *k != "continue_final_message")
-            .map(|(k, v)| (k.clone(), v.clone()))
-            .collect();
-        for (k, v) in vars {
-            if v.is_null() || v == "auto" {
-                continue;
-            }
-            match merged.iter_mut().find(|(name, _)| *name == k) {
-                Some(slot) => slot.1 = v,
-                None => merged.push((k, v)),
-            }
-        }
-        vars = merged;
+        vars = over_defaults(defaults, vars);
     }
     if !vars.iter().any(|(k, _)| k == "documents") {
         vars.push(("documents".into(), Value::Null));
     }
-    vars.push((
-        "tools".into(),
-        match &options.tools {
-            None | Some(Value::Null) => Value::Null,
-            Some(Value::Array(tools)) => {
-                Value::Array(tools.iter().map(tool).collect::<Result<Vec<_>, _>>()?)
-            }
-            Some(_) => return Err(unsupported("tools is not a list")),
-        },
-    ));
+    vars.push(("tools".into(), tools(options.tools.as_ref())?));
     let conversation = conversation(messages, openai_content, template_knows_developer)?;
     let mut out: Vec<(String, JinjaValue)> = vars
         .into_iter()
@@ -118,6 +95,40 @@ pub(super) fn variables(
         .collect();
     out.push(("messages".into(), conversation));
     Ok(out)
+}
+
+/// The request's variables over the server's defaults, as vLLM merges them: a request's value
+/// replaces a default unless it is `null` or `"auto"`.
+fn over_defaults(
+    defaults: &Map<String, Value>,
+    vars: Vec<(String, Value)>,
+) -> Vec<(String, Value)> {
+    let mut merged: Vec<(String, Value)> = defaults
+        .iter()
+        .filter(|(k, _)| *k != "continue_final_message")
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
+    for (k, v) in vars {
+        if v.is_null() || v == "auto" {
+            continue;
+        }
+        match merged.iter_mut().find(|(name, _)| *name == k) {
+            Some(slot) => slot.1 = v,
+            None => merged.push((k, v)),
+        }
+    }
+    merged
+}
+
+/// The request's `tools` as the template gets them: `null` without any.
+fn tools(tools: Option<&Value>) -> Result<Value, TokenizeError> {
+    match tools {
+        None | Some(Value::Null) => Ok(Value::Null),
+        Some(Value::Array(tools)) => Ok(Value::Array(
+            tools.iter().map(tool).collect::<Result<Vec<_>, _>>()?,
+        )),
+        Some(_) => Err(unsupported("tools is not a list")),
+    }
 }
 
 /// One tool as vLLM writes its `ChatCompletionToolsParam` out: `type`, `function` (`name`,
