@@ -246,6 +246,19 @@ pub struct WorkerBlocks {
     continued: HashMap<(u64, u64), u32>,
 }
 
+/// One engine block fewer under `key`; true when that was the last (the key is then gone).
+fn release<K: Eq + std::hash::Hash>(counts: &mut HashMap<K, u32>, key: &K) -> bool {
+    let Some(n) = counts.get_mut(key) else {
+        return false;
+    };
+    *n -= 1;
+    if *n > 0 {
+        return false;
+    }
+    counts.remove(key);
+    true
+}
+
 /// A key for the tokens a block was hashed with after it (its lookahead tokens).
 fn ahead(tokens: &[u32]) -> u64 {
     chain(AHEAD_SEED, tokens)
@@ -557,19 +570,10 @@ impl WorkerBlocks {
                         continue;
                     };
                     if let Some(next) = self.ahead_of_engine.remove(engine) {
-                        if let Some(n) = self.continued.get_mut(&(own, next)) {
-                            *n -= 1;
-                            if *n == 0 {
-                                self.continued.remove(&(own, next));
-                            }
-                        }
+                        release(&mut self.continued, &(own, next));
                     }
-                    if let Some(n) = self.held.get_mut(&own) {
-                        *n -= 1;
-                        if *n == 0 {
-                            self.held.remove(&own);
-                            self.engine_of.remove(&own);
-                        }
+                    if release(&mut self.held, &own) {
+                        self.engine_of.remove(&own);
                     }
                 }
             }

@@ -39,8 +39,8 @@ pub(super) struct ChatTemplate {
     /// messages for one that does not).
     knows_developer: bool,
     /// `bos_token`, `eos_token`, `unk_token`, `pad_token`: what `tokenizer_config.json` says,
-    /// as `transformers` hands them to every template.
-    tokens: Vec<(&'static str, String)>,
+    /// as `transformers` hands them to every template (made template values once, here).
+    tokens: Vec<(&'static str, JinjaValue)>,
     /// The server's `--default-chat-template-kwargs`, under each request's own.
     pub(super) defaults: serde_json::Map<String, Value>,
 }
@@ -77,7 +77,7 @@ impl ChatTemplate {
         };
         let tokens = ["bos_token", "eos_token", "unk_token", "pad_token"]
             .into_iter()
-            .map(|name| (name, token_text(config.get(name))))
+            .map(|name| (name, JinjaValue::from(token_text(config.get(name)))))
             .collect();
         Ok(Some(Self {
             openai_content: loops_over_content(&source),
@@ -108,8 +108,8 @@ impl ChatTemplate {
         let context = self
             .tokens
             .iter()
-            .map(|(name, text)| (name.to_string(), JinjaValue::from(text.as_str())))
-            .chain(vars);
+            .map(|(name, value)| (JinjaValue::from(*name), value.clone()))
+            .chain(vars.into_iter().map(|(k, v)| (JinjaValue::from(k), v)));
         template
             .render(JinjaValue::from_iter(context))
             .map_err(|e| TokenizeError::Template(e.to_string()))
