@@ -1414,6 +1414,10 @@ async fn tokenizing_like_the_worker_matches_vllms_tokenize_endpoint() {
         ours.caches_pieces(),
         "Llama 3's tokenizer encodes pieces as the whole"
     );
+    assert!(
+        ours.takes_the_byte_level_road(),
+        "Llama 3's tokenizer passes the byte-level road's check, so the ids below are the road's"
+    );
     let _turn = SERIAL.lock().await;
     let worker = pool.addr(0);
     let vllm = |body: Value| async move {

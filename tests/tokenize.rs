@@ -200,6 +200,124 @@ fn a_head_is_the_start_of_the_whole_prompt_at_any_budget() {
         .unwrap();
 }
 
+/// The tiny tokenizer with the top-level fields of its `tokenizer.json` set to `patch`'s, loaded
+/// twice: as the gateway loads it, and as the simulated worker does (the `tokenizers` crate's
+/// road only).
+fn tiny_patched(name: &str, patch: &serde_json::Value) -> [ModelTokenizer; 2] {
+    let text = std::fs::read_to_string(path("tests/tokenize/tiny-tokenizer.json")).unwrap();
+    let mut v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    for (key, value) in patch.as_object().unwrap() {
+        v[key] = value.clone();
+    }
+    let file = std::env::temp_dir().join(format!("kvroute-{}-{name}.json", std::process::id()));
+    std::fs::write(&file, v.to_string()).unwrap();
+    let config = path("tests/vllm/model/tokenizer_config.json");
+    let load = || ModelTokenizer::load(&file, Some(&config)).unwrap();
+    let both = [load(), load().whole()];
+    std::fs::remove_file(&file).unwrap();
+    both
+}
+
+/// Byte-level tokenizers are encoded past the `tokenizers` crate's last pre-tokenizing step
+/// (`src/tokenize/byte_level.rs`), and whatever the text, the ids are the crate's own. Three
+/// shapes take that road: GPT-2's (the tiny tokenizer: `ByteLevel` splitting on its own
+/// pattern), Llama 3's (a `Split` on Llama 3's pattern, then `ByteLevel` mapping only) and
+/// Qwen2's (the same behind an NFC normalizer). Two it does not reproduce keep the crate's road
+/// and its ids: a space put before the text, and a `ByteLevel` that splits after another step.
+#[test]
+fn the_byte_level_road_gives_the_crates_ids_for_any_text() {
+    use proptest::prelude::*;
+    const LLAMA3_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+    let byte_level = |add_prefix_space: bool, use_regex: bool| {
+        json!({"type": "ByteLevel", "add_prefix_space": add_prefix_space, "trim_offsets": true,
+               "use_regex": use_regex})
+    };
+    let llama3 = json!({"type": "Sequence", "pretokenizers": [
+        {"type": "Split", "pattern": {"Regex": LLAMA3_SPLIT}, "behavior": "Isolated", "invert": false},
+        byte_level(false, false),
+    ]});
+    let shapes = [
+        ("gpt2", true, json!({})),
+        ("llama3", true, json!({"pre_tokenizer": llama3})),
+        (
+            "qwen2",
+            true,
+            json!({"pre_tokenizer": llama3, "normalizer": {"type": "NFC"}}),
+        ),
+        (
+            "prefix-space",
+            false,
+            json!({"pre_tokenizer": byte_level(true, true)}),
+        ),
+        (
+            "digits-then-split",
+            false,
+            json!({"pre_tokenizer": {"type": "Sequence", "pretokenizers": [
+                {"type": "Digits", "individual_digits": true},
+                byte_level(false, true),
+            ]}}),
+        ),
+    ];
+    let piece = prop::sample::select(vec![
+        "the",
+        " fox",
+        "  ",
+        " ",
+        "\n",
+        "\n\n",
+        "\r\n",
+        "\t",
+        "123",
+        "4",
+        "...",
+        "!?",
+        "'s",
+        "'LL",
+        "«",
+        "Ü",
+        "U\u{308}",
+        "漢字",
+        "🙂",
+        "\u{a0}",
+        "\u{200b}",
+        "<",
+        "<|eot_id|>",
+        "x=y",
+        "_",
+    ]);
+    let text = prop_oneof![
+        prop::collection::vec(piece, 0..60).prop_map(|p| p.concat()),
+        any::<String>(),
+    ];
+    for (name, road, patch) in shapes {
+        let [t, reference] = tiny_patched(name, &patch);
+        assert_eq!(t.takes_the_byte_level_road(), road, "{name}");
+        assert!(!reference.takes_the_byte_level_road());
+        let mut runner = proptest::test_runner::TestRunner::new(ProptestConfig {
+            cases: 200,
+            ..ProptestConfig::default()
+        });
+        runner
+            .run(&text, |text| {
+                prop_assert_eq!(
+                    t.prompt(&text).unwrap(),
+                    reference.prompt(&text).unwrap(),
+                    "{}",
+                    name
+                );
+                let messages = json!([{"role": "user", "content": text}]);
+                prop_assert_eq!(
+                    t.chat(&messages).unwrap(),
+                    reference.chat(&messages).unwrap(),
+                    "{}",
+                    name
+                );
+                Ok(())
+            })
+            .unwrap();
+    }
+}
+
 /// A head stops within its budget of new text and estimates the rest from its own rate: a long
 /// new message is routed on a few blocks, its length in tokens known to within a fifth.
 #[test]

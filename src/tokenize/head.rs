@@ -4,8 +4,9 @@
 use super::{ModelTokenizer, Part, Pending, TokenizeError};
 
 /// New text a request's head encodes first: about 30 tokens of English, which complete the
-/// first block past a cached prefix at vLLM's default block size of 16. Pre-tokenizing is most of
-/// a head's cost (about 0.15 µs a byte with Llama 3's `tokenizer.json`), so it starts small.
+/// first block past a cached prefix at vLLM's default block size of 16. The pre-tokenizer's regex
+/// is most of a head's cost (about 900 instructions a byte with Llama 3's `tokenizer.json`, under
+/// callgrind), so it starts small.
 pub const HEAD_BYTES: usize = 128;
 
 /// Splits at the end of a cut text that the text after the cut could have changed: the
@@ -70,14 +71,13 @@ impl ModelTokenizer {
             end -= 1;
         }
         let encode_err = |e: tokenizers::Error| TokenizeError::Encode(e.to_string());
-        let mut normalized = tokenizers::NormalizedString::from(&text[..end]);
-        if let Some(n) = self.tokenizer.get_normalizer() {
-            tokenizers::Normalizer::normalize(n, &mut normalized).map_err(encode_err)?;
+        // With the byte-level road, the splits are taken before the byte mapping (which splits
+        // nothing further) and each is mapped on its own.
+        let split = match &self.byte_level {
+            Some(road) => road.split(&self.tokenizer, &text[..end]),
+            None => self.pre_tokenize(&text[..end]),
         }
-        let mut split = tokenizers::PreTokenizedString::from(normalized);
-        if let Some(p) = self.tokenizer.get_pre_tokenizer() {
-            tokenizers::PreTokenizer::pre_tokenize(p, &mut split).map_err(encode_err)?;
-        }
+        .map_err(encode_err)?;
         let splits = split.get_splits(
             tokenizers::OffsetReferential::Original,
             tokenizers::OffsetType::Byte,
@@ -90,11 +90,29 @@ impl ModelTokenizer {
             return Ok((ids, 0));
         };
         let model = self.tokenizer.get_model();
+        let mut buf = String::new();
         for (piece, _, _) in &splits[..keep] {
-            let tokens = tokenizers::Model::tokenize(model, piece).map_err(encode_err)?;
-            ids.extend(tokens.iter().map(|t| t.id));
+            match &self.byte_level {
+                Some(road) => road.tokenize(&self.tokenizer, piece, &mut buf, &mut ids),
+                None => tokenizers::Model::tokenize(model, piece)
+                    .map(|tokens| ids.extend(tokens.iter().map(|t| t.id))),
+            }
+            .map_err(encode_err)?;
         }
         Ok((ids, splits[keep].1 .0))
+    }
+
+    /// `text` normalized and pre-tokenized by the tokenizer's own steps.
+    fn pre_tokenize(&self, text: &str) -> tokenizers::Result<tokenizers::PreTokenizedString> {
+        let mut normalized = tokenizers::NormalizedString::from(text);
+        if let Some(n) = self.tokenizer.get_normalizer() {
+            tokenizers::Normalizer::normalize(n, &mut normalized)?;
+        }
+        let mut split = tokenizers::PreTokenizedString::from(normalized);
+        if let Some(p) = self.tokenizer.get_pre_tokenizer() {
+            tokenizers::PreTokenizer::pre_tokenize(p, &mut split)?;
+        }
+        Ok(split)
     }
 
     /// Whether [`ModelTokenizer::head`] can stop short of the whole text (the load-time check
