@@ -227,7 +227,10 @@ fn tiny_patched(name: &str, patch: &serde_json::Value) -> [ModelTokenizer; 2] {
 #[test]
 fn the_byte_level_road_gives_the_crates_ids_for_any_text() {
     use proptest::prelude::*;
-    const LLAMA3_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+    const LLAMA3_SPLIT: &str = concat!(
+        r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}",
+        r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+    );
     let byte_level = |add_prefix_space: bool, use_regex: bool| {
         json!({"type": "ByteLevel", "add_prefix_space": add_prefix_space, "trim_offsets": true,
                "use_regex": use_regex})

@@ -9,9 +9,9 @@
 //! steps before it run as the tokenizer runs them, and the bytes are mapped through a table into
 //! one reused buffer.
 //!
-//! The ids must be the crate's own. The tokenizer's shape is matched strictly ([`ByteLevelRoad::of`]),
-//! and [`super::ModelTokenizer`] compares the two roads on sample texts when it loads, keeping
-//! the crate's where they differ.
+//! The ids must be the crate's own. The tokenizer's shape is matched strictly
+//! ([`ByteLevelRoad::of`]), and [`super::ModelTokenizer`] compares the two roads on sample texts
+//! when it loads, keeping the crate's where they differ.
 
 use tokenizers::{
     pre_tokenizers::{byte_level::ByteLevel, split::Split, PreTokenizerWrapper},

@@ -9,10 +9,11 @@
 //! special tokens (the template writes them itself).
 //!
 //! Encoding is the expensive part (a Llama 3 vocabulary: about 0.08 ms per KB here, 0.2-0.4 ms
-//! by the `tokenizers` crate's own road; see below), and a chat request repeats its predecessors: the system prompt and every earlier turn. The tokenizer
-//! splits its input at added tokens (`<|start_header_id|>`, `<|eot_id|>`, ...) before anything
-//! else, so the text between two of them encodes the same wherever it appears; those pieces are
-//! cached (by xxh3 of their text, bounded in tokens), and a request pays only for its new ones.
+//! by the `tokenizers` crate's own road; see below), and a chat request repeats its
+//! predecessors: the system prompt and every earlier turn. The tokenizer splits its input at
+//! added tokens (`<|start_header_id|>`, `<|eot_id|>`, ...) before anything else, so the text
+//! between two of them encodes the same wherever it appears; those pieces are cached (by xxh3 of
+//! their text, bounded in tokens), and a request pays only for its new ones.
 //! Whether a tokenizer really behaves so is checked when it is loaded, on a rendered sample
 //! conversation: if the pieces encoded apart differ from the whole, the cache is not used.
 //!
