@@ -139,6 +139,39 @@ fn only_new_text_is_left_to_encode() {
     assert_eq!(t.prepare_prompt("abc def").uncached_bytes(), 7);
 }
 
+/// Pieces of text that property tests join at random: what a pre-tokenizer's patterns look ahead
+/// at or treat apart (runs of spaces, line ends, digits, punctuation, contractions in either
+/// case), text that is not ASCII (a combining mark, a no-break and a zero-width space), and an
+/// added token and a piece of one.
+const PIECES: &[&str] = &[
+    "the",
+    " fox",
+    "  ",
+    " ",
+    "\n",
+    "\n\n",
+    "\r\n",
+    "\t",
+    "123",
+    "4",
+    "...",
+    "!?",
+    "'s",
+    "'ll",
+    "'LL",
+    "«",
+    "Ü",
+    "U\u{308}",
+    "漢字",
+    "🙂",
+    "\u{a0}",
+    "\u{200b}",
+    "<",
+    "<|eot_id|>",
+    "x=y",
+    "_",
+];
+
 /// Routing needs only a prompt's head when no worker holds its first new blocks. At any budget,
 /// on text full of what a pre-tokenizer's patterns look ahead at (runs of spaces, newlines,
 /// digits, punctuation, text that is not ASCII), a head is the start of the whole prompt's ids,
@@ -152,30 +185,7 @@ fn a_head_is_the_start_of_the_whole_prompt_at_any_budget() {
         "the load-time check passes for a byte-level BPE"
     );
     let uncached = tiny().whole();
-    let piece = prop::sample::select(vec![
-        "the",
-        " fox",
-        "  ",
-        " ",
-        "\n",
-        "\n\n",
-        "\r\n",
-        "\t",
-        "123",
-        "4",
-        "...",
-        "!?",
-        "'s",
-        "'ll",
-        "«",
-        "Ü",
-        "漢字",
-        "🙂",
-        "<",
-        "<|eot_id|>",
-        "x=y",
-        "_",
-    ]);
+    let piece = prop::sample::select(PIECES.to_vec());
     let text = prop::collection::vec(piece, 0..80).prop_map(|p| p.concat());
     let mut runner = proptest::test_runner::TestRunner::new(ProptestConfig {
         cases: 300,
@@ -261,33 +271,7 @@ fn the_byte_level_road_gives_the_crates_ids_for_any_text() {
             ]}}),
         ),
     ];
-    let piece = prop::sample::select(vec![
-        "the",
-        " fox",
-        "  ",
-        " ",
-        "\n",
-        "\n\n",
-        "\r\n",
-        "\t",
-        "123",
-        "4",
-        "...",
-        "!?",
-        "'s",
-        "'LL",
-        "«",
-        "Ü",
-        "U\u{308}",
-        "漢字",
-        "🙂",
-        "\u{a0}",
-        "\u{200b}",
-        "<",
-        "<|eot_id|>",
-        "x=y",
-        "_",
-    ]);
+    let piece = prop::sample::select(PIECES.to_vec());
     let text = prop_oneof![
         prop::collection::vec(piece, 0..60).prop_map(|p| p.concat()),
         any::<String>(),
