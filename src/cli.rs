@@ -249,7 +249,18 @@ fn serve(path: Option<PathBuf>, overrides: Overrides, check: bool) -> ExitCode {
             0 => String::new(),
             n => format!(" ({n} with their data-parallel ranks read from the worker)"),
         };
+        // The tokenizers are loaded as serving would load them: a file that is missing or does
+        // not parse fails the check, not the start-up.
+        let tokenizers = match crate::server::load_tokenizers(&config) {
+            Ok(t) => t,
+            Err(e) => return usage_error(e),
+        };
         println!("config ok: {routing}, {workers} worker(s){auto}");
+        let mut models: Vec<_> = tokenizers.iter().collect();
+        models.sort_by(|a, b| a.0.cmp(b.0));
+        for (model, t) in models {
+            println!("tokenizer for model `{model}`: {}", t.summary());
+        }
         return ExitCode::SUCCESS;
     }
     let loops = match config.threads {

@@ -19,6 +19,7 @@ use crate::{
     },
     proxy::{http_client, Upstreams},
     routes::{self, AppState},
+    tokenize::ModelTokenizer,
     workers::Pool,
 };
 
@@ -27,17 +28,7 @@ impl AppState {
         let metrics = Metrics::new();
         let pool = Pool::from_config(&config.workers, &metrics, &config.kv_events)?;
         let auth = crate::auth::Auth::from_config(&config.auth)?;
-        let mut tokenizers = std::collections::HashMap::new();
-        for t in &config.tokenizers {
-            let loaded = crate::tokenize::ModelTokenizer::load_with_template(
-                &t.tokenizer_json,
-                t.tokenizer_config.as_deref(),
-                t.chat_template.as_deref(),
-            )
-            .map_err(|e| format!("tokenizer for model `{}`: {e}", t.model))?
-            .with_default_chat_template_kwargs(t.default_chat_template_kwargs.clone());
-            tokenizers.insert(t.model.clone(), Arc::new(loaded));
-        }
+        let tokenizers = load_tokenizers(&config)?;
         Ok(Self::from_shared(crate::routes::Shared {
             resolver: Arc::new(crate::discovery::SystemResolver),
             arms: Arc::new(arc_swap::ArcSwap::from_pointee(Arms::new(
@@ -63,6 +54,26 @@ impl AppState {
             }),
         }))
     }
+}
+
+/// The configured models' tokenizers, loaded (at start-up, and by `serve --check`), each logged
+/// with what its load-time checks allowed.
+pub fn load_tokenizers(
+    config: &Config,
+) -> Result<std::collections::HashMap<String, Arc<ModelTokenizer>>, String> {
+    let mut tokenizers = std::collections::HashMap::new();
+    for t in &config.tokenizers {
+        let loaded = ModelTokenizer::load_with_template(
+            &t.tokenizer_json,
+            t.tokenizer_config.as_deref(),
+            t.chat_template.as_deref(),
+        )
+        .map_err(|e| format!("tokenizer for model `{}`: {e}", t.model))?
+        .with_default_chat_template_kwargs(t.default_chat_template_kwargs.clone());
+        tracing::info!(model = %t.model, "tokenizer loaded: {}", loaded.summary());
+        tokenizers.insert(t.model.clone(), Arc::new(loaded));
+    }
+    Ok(tokenizers)
 }
 
 /// The gateway's routes.

@@ -54,6 +54,62 @@ fn a_bad_config_fails_check_with_a_clear_message() {
     );
 }
 
+/// `--check` loads the configured tokenizers as serving would: each is reported with the
+/// load-time checks it passed, and a tokenizer file that is missing fails the check (exit code 2,
+/// the path named) instead of the start-up.
+#[test]
+fn check_loads_the_tokenizers_and_says_what_each_passed() {
+    let dir = common::TempDir::new("cli-tokenizers");
+    let root = env!("CARGO_MANIFEST_DIR");
+    let config = |name: &str, entries: &str| {
+        let path = dir.join(name);
+        std::fs::write(
+            &path,
+            format!("workers: [{{url: 'http://127.0.0.1:9'}}]\ntokenizers:\n{entries}"),
+        )
+        .unwrap();
+        path
+    };
+    let tiny = format!("'{root}/tests/tokenize/tiny-tokenizer.json'");
+    let good = config(
+        "good.yaml",
+        &format!(
+            "  - {{model: chat, tokenizer_json: {tiny}, \
+             tokenizer_config: '{root}/tests/vllm/model/tokenizer_config.json'}}\n\
+             \x20 - {{model: plain, tokenizer_json: {tiny}}}\n"
+        ),
+    );
+    let out = kvroute(&["serve", "--config", good.to_str().unwrap(), "--check"]);
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{out:?}");
+    assert!(
+        said.contains(
+            "tokenizer for model `chat`: chat template, piece cache, heads, byte-level road"
+        ),
+        "{said}"
+    );
+    // Without a template there is nothing to render, so no piece cache either.
+    assert!(
+        said.contains(
+            "tokenizer for model `plain`: no chat template, no piece cache, heads, byte-level road"
+        ),
+        "{said}"
+    );
+    let missing = format!("{root}/tests/tokenize/no-such-tokenizer.json");
+    let bad = config(
+        "bad.yaml",
+        &format!("  - {{model: chat, tokenizer_json: '{missing}'}}\n"),
+    );
+    let out = kvroute(&["serve", "--config", bad.to_str().unwrap(), "--check"]);
+    assert_eq!(out.status.code(), Some(2), "{out:?}");
+    assert!(!String::from_utf8_lossy(&out.stdout).contains("config ok"));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains(&missing),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
 #[test]
 fn flags_and_env_override_the_policy() {
     let out = kvroute(&[

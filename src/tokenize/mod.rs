@@ -494,6 +494,23 @@ impl ModelTokenizer {
         self.byte_level.is_some()
     }
 
+    /// What this tokenizer can do, in a few words for the log and `serve --check`: whether it
+    /// has a chat template, and which of the load-time checks it passed (the piece cache, heads,
+    /// the byte-level road). A check it failed costs time, not exactness.
+    pub fn summary(&self) -> String {
+        let say = |on: bool, what: &str| match on {
+            true => what.to_owned(),
+            false => format!("no {what}"),
+        };
+        [
+            say(self.chat.is_some(), "chat template"),
+            say(self.caches_pieces(), "piece cache"),
+            say(self.encodes_heads(), "heads"),
+            say(self.takes_the_byte_level_road(), "byte-level road"),
+        ]
+        .join(", ")
+    }
+
     /// Token ids back to text, special tokens left out.
     pub fn decode(&self, ids: &[u32]) -> Result<String, TokenizeError> {
         self.tokenizer
