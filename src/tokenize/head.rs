@@ -71,33 +71,40 @@ impl ModelTokenizer {
             end -= 1;
         }
         let encode_err = |e: tokenizers::Error| TokenizeError::Encode(e.to_string());
-        // With the byte-level road, the splits are taken before the byte mapping (which splits
-        // nothing further) and each is mapped on its own.
-        let split = match &self.byte_level {
-            Some(road) => road.split(&self.tokenizer, &text[..end]),
-            None => self.pre_tokenize(&text[..end]),
-        }
-        .map_err(encode_err)?;
-        let splits = split.get_splits(
-            tokenizers::OffsetReferential::Original,
-            tokenizers::OffsetType::Byte,
-        );
         let mut ids = match special {
             true => self.special_prefix.clone(),
             false => Vec::new(),
         };
+        // With the byte-level road, the splits are taken before the byte mapping (which splits
+        // nothing further) and each is mapped on its own.
+        if let Some(road) = &self.byte_level {
+            let mut buf = String::new();
+            return road
+                .with_splits(&self.tokenizer, &text[..end], |splits| {
+                    let Some(keep) = splits.len().checked_sub(UNSURE_SPLITS).filter(|&k| k > 0)
+                    else {
+                        return Ok(0);
+                    };
+                    for (piece, _) in &splits[..keep] {
+                        road.tokenize(&self.tokenizer, piece, &mut buf, &mut ids)?;
+                    }
+                    Ok(splits[keep].1)
+                })
+                .map(|cut| (ids, cut))
+                .map_err(encode_err);
+        }
+        let split = self.pre_tokenize(&text[..end]).map_err(encode_err)?;
+        let splits = split.get_splits(
+            tokenizers::OffsetReferential::Original,
+            tokenizers::OffsetType::Byte,
+        );
         let Some(keep) = splits.len().checked_sub(UNSURE_SPLITS).filter(|&k| k > 0) else {
             return Ok((ids, 0));
         };
         let model = self.tokenizer.get_model();
-        let mut buf = String::new();
         for (piece, _, _) in &splits[..keep] {
-            match &self.byte_level {
-                Some(road) => road.tokenize(&self.tokenizer, piece, &mut buf, &mut ids),
-                None => tokenizers::Model::tokenize(model, piece)
-                    .map(|tokens| ids.extend(tokens.iter().map(|t| t.id))),
-            }
-            .map_err(encode_err)?;
+            let tokens = tokenizers::Model::tokenize(model, piece).map_err(encode_err)?;
+            ids.extend(tokens.iter().map(|t| t.id));
         }
         Ok((ids, splits[keep].1 .0))
     }
