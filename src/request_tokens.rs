@@ -21,10 +21,10 @@ use crate::{
     workers::Worker,
 };
 
-/// Text to encode above which tokenizing moves to the blocking pool (about 0.16 ms of encoding
-/// with a Llama 3 vocabulary; twice that or more before the byte-level road): below, the hand-off
-/// would cost more than it saves; above, the event loop would stall every other connection it
-/// serves.
+/// Text to encode above which tokenizing moves to the blocking pool (about 0.1 ms of encoding
+/// with a Llama 3 vocabulary; four times that or more before the byte-level road): below, the
+/// hand-off would cost more than it saves; above, the event loop would stall every other
+/// connection it serves.
 const INLINE_TOKENIZE_BYTES: usize = 2048;
 
 /// The request's token ids as its model's worker will see them, when a tokenizer is configured

@@ -7,7 +7,8 @@
 //! every byte and looks each byte up in a hash map: with Llama 3's `tokenizer.json` that step was
 //! about 40% of the instructions a 128-byte head cost to encode (callgrind, 2026-12-07). Here the
 //! steps before it run as the tokenizer runs them, and the bytes are mapped through a table into
-//! one reused buffer.
+//! one reused buffer. Where those steps are one `Split` and nothing normalizes the text, even
+//! they are skipped: the pieces are read off the split's own regex (see `ByteLevelRoad::direct`).
 //!
 //! The ids must be the crate's own. The tokenizer's shape is matched strictly
 //! ([`ByteLevelRoad::of`]), and [`super::ModelTokenizer`] compares the two roads on sample texts
