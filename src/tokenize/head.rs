@@ -14,6 +14,14 @@ pub const HEAD_BYTES: usize = 128;
 /// last match depends on where the run ends.
 const UNSURE_SPLITS: usize = 2;
 
+/// Text full of what pre-tokenizers' patterns look ahead at or treat apart (runs of spaces and
+/// line ends, digits, contractions, punctuation, other scripts, emoji, text like a token): what
+/// the load-time checks encode.
+pub(super) const CHECK_TEXT: &str =
+    "Hello,  world!\n\n  The year 2024 had 365 days; 1234567 items...\t\
+    Tabs\t\tand   spaces   \n\r\nCRLF. Don't stop: it's «quoted» — Übersetze 漢字 🙂🙂 \
+    ??!! x=y+z; foo_bar(baz[10]) <not a token> 3.14159 end.   \n\n";
+
 /// A request's leading token ids: see [`ModelTokenizer::head`].
 #[derive(Debug)]
 pub struct Head {
@@ -35,17 +43,14 @@ impl ModelTokenizer {
         if stripping || self.tokenizer.get_pre_tokenizer().is_none() {
             return false;
         }
-        const SAMPLE: &str = "Hello,  world!\n\n  The year 2024 had 365 days; 1234567 items...\t\
-            Tabs\t\tand   spaces   \n\r\nCRLF. Don't stop: it's «quoted» — Übersetze 漢字 🙂🙂 \
-            ??!! x=y+z; foo_bar(baz[10]) <not a token> 3.14159 end.   \n\n";
         [false, true].into_iter().all(|special| {
-            let Ok(whole) = self.encode(SAMPLE, special) else {
+            let Ok(whole) = self.encode(CHECK_TEXT, special) else {
                 return false;
             };
-            (0..=SAMPLE.len())
-                .filter(|&c| SAMPLE.is_char_boundary(c))
+            (0..=CHECK_TEXT.len())
+                .filter(|&c| CHECK_TEXT.is_char_boundary(c))
                 .all(|c| {
-                    self.encode_head(SAMPLE, c, special)
+                    self.encode_head(CHECK_TEXT, c, special)
                         .is_ok_and(|(head, _)| whole.starts_with(&head))
                 })
         })

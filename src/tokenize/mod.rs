@@ -28,10 +28,10 @@
 //!
 //! Byte-level BPE tokenizers (Llama 3's, Qwen's, GPT-2's) are encoded past the crate's last
 //! pre-tokenizing step and, where they can be, its per-piece bookkeeping, which cost more than
-//! the rest of encoding (`byte_level.rs`). The ids must be the crate's: the tokenizer's shape is matched strictly,
-//! sample texts are encoded both ways when it loads, and a tokenizer that differs keeps the
-//! crate's road. The simulated worker always takes the crate's road, so the tests that check the
-//! gateway's predictions against it check this too.
+//! the rest of encoding (`byte_level.rs`). The ids must be the crate's: the tokenizer's shape is
+//! matched strictly, sample texts are encoded both ways when it loads, and a tokenizer that
+//! differs keeps the crate's road. The simulated worker always takes the crate's road, so the
+//! tests that check the gateway's predictions against it check this too.
 
 use std::{collections::HashMap, path::Path, sync::Arc};
 
@@ -201,9 +201,8 @@ impl ModelTokenizer {
             " ",
             "a",
             "\n\n\n",
-            "Hello,  world!\n\n  The year 2024 had 365 days; 1234567 items...\tTabs\t\tand   \
-             spaces   \n\r\nCRLF.",
-            "Don't stop: it's «quoted» — I'LL've they'RE Übersetze 漢字 🙂🙂 ??!! x=y+z;",
+            head::CHECK_TEXT,
+            "I'LL've they'RE",
             "fn main() {\n    let v = vec![1, 2, 3];\n    println!(\"{v:?}\");\n}\n",
             " \u{a0}\u{2003}zero\u{200b}width \u{feff}bom \u{7f}\u{1}\u{ad}soft",
         ]
@@ -215,10 +214,7 @@ impl ModelTokenizer {
         if let Some(token) = added.first() {
             samples.push(format!("{token}Hi there{token} {token}\n{token}"));
         }
-        if let Ok(chat) = self.render_chat(&serde_json::json!([
-            {"role": "system", "content": " You are a helpful assistant.\n Be brief. "},
-            {"role": "user", "content": "Hello there,  how are you?\n\n"},
-        ])) {
+        if let Ok(chat) = self.render_chat(&check_conversation()) {
             samples.push(chat);
         }
         samples.iter().all(|text| {
@@ -236,13 +232,7 @@ impl ModelTokenizer {
         if self.chat.is_none() || self.added.ids.is_empty() {
             return false;
         }
-        let sample = serde_json::json!([
-            {"role": "system", "content": " You are a helpful assistant.\n Be brief. "},
-            {"role": "user", "content": "Hello there,  how are you?\n\n"},
-            {"role": "assistant", "content": "Fine, thanks!"},
-            {"role": "user", "content": "Übersetze: «prefix caching» 漢字 🙂"},
-        ]);
-        let Ok(text) = self.render_chat(&sample) else {
+        let Ok(text) = self.render_chat(&check_conversation()) else {
             return false;
         };
         let whole = self.encode(&text, false);
@@ -517,6 +507,17 @@ impl ModelTokenizer {
             .decode(ids, true)
             .map_err(|e| TokenizeError::Encode(e.to_string()))
     }
+}
+
+/// The conversation the load-time checks render: spaces around and inside messages, a blank line,
+/// text that is not ASCII.
+fn check_conversation() -> Value {
+    serde_json::json!([
+        {"role": "system", "content": " You are a helpful assistant.\n Be brief. "},
+        {"role": "user", "content": "Hello there,  how are you?\n\n"},
+        {"role": "assistant", "content": "Fine, thanks!"},
+        {"role": "user", "content": "Übersetze: «prefix caching» 漢字 🙂"},
+    ])
 }
 
 /// A request half tokenized: see [`ModelTokenizer::prepare_chat`].
