@@ -49,7 +49,7 @@ impl Gateway {
     }
 }
 
-type Answer = Pin<Box<dyn Future<Output = Result<Response, Infallible>> + Send>>;
+pub type Answer = Pin<Box<dyn Future<Output = Result<Response, Infallible>> + Send>>;
 
 impl hyper::service::Service<Request<Incoming>> for Gateway {
     type Response = Response;
@@ -57,7 +57,13 @@ impl hyper::service::Service<Request<Incoming>> for Gateway {
     type Future = Answer;
 
     fn call(&self, req: Request<Incoming>) -> Answer {
-        let req = req.map(Body::new);
+        self.answer(req.map(Body::new))
+    }
+}
+
+impl Gateway {
+    /// The answer to `req`, whichever server read it.
+    pub fn answer(&self, req: Request<Body>) -> Answer {
         if let Some(state) = &self.direct {
             if let Some(route) = routes::Completion::of(req.method(), req.uri().path()) {
                 return Box::pin(direct(state.clone(), route, req));

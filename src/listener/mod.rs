@@ -1,12 +1,16 @@
 //! The accept loop: a global connection cap, a deadline for request headers, and a graceful
-//! drain; plus binding with a configurable listen backlog.
+//! drain; plus binding with a configurable listen backlog. HTTP/1.1 is served by the gateway's
+//! own server (`h1`) until a request needs hyper's; HTTP/2 by hyper.
 //!
 //! A connection holds one permit of the cap from accept to close; at the cap the loop stops
 //! accepting (new connections wait in the kernel's backlog) instead of letting slow or idle
 //! clients exhaust descriptors and memory. HTTP/1 request headers must arrive within
-//! `header_read_timeout_seconds` (hyper's timer closes the connection otherwise), so a client
-//! trickling header bytes holds its slot only that long. Running out of descriptors on accept is
+//! `header_read_timeout_seconds` (the connection is closed otherwise), so a client trickling
+//! header bytes holds its slot only that long. Running out of descriptors on accept is
 //! logged (throttled) and retried after a short pause, never a busy loop.
+
+mod h1;
+mod rewind;
 
 use std::{net::SocketAddr, sync::Arc, time::Duration};
 
@@ -199,15 +203,27 @@ impl Connections {
                 () = stop.cancelled() => return,
             };
             let ended = match protocol {
-                Protocol::Http1 => {
-                    let conn = http
-                        .http1
-                        .serve_connection(TokioIo::new(tcp), service)
-                        .with_upgrades();
-                    until_stopped(conn, &stop, |c| c.graceful_shutdown())
-                        .await
-                        .map_err(|e| e.to_string())
-                }
+                Protocol::Http1 => match h1::serve(tcp, &service, http.first_byte, &stop).await {
+                    h1::Ended::Closed => Ok(()),
+                    h1::Ended::ToHyper(tcp, read) => {
+                        tracing::debug!(
+                            head = %String::from_utf8_lossy(&read[..read.len().min(80)]),
+                            "a request for hyper's HTTP/1 server; it serves the rest of the connection"
+                        );
+                        // Boxed: kept out of the connection's task until it is needed.
+                        let conn = Box::pin(
+                            http.http1
+                                .serve_connection(
+                                    TokioIo::new(rewind::Rewound::new(read, tcp)),
+                                    service,
+                                )
+                                .with_upgrades(),
+                        );
+                        until_stopped(conn, &stop, |c| c.get_mut().as_mut().graceful_shutdown())
+                            .await
+                            .map_err(|e| e.to_string())
+                    }
+                },
                 Protocol::MaybeHttp2 => {
                     // Boxed: kept out of the (much more common) HTTP/1 connection's task.
                     let conn = Box::pin(
