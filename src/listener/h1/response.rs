@@ -259,12 +259,17 @@ impl Out {
 
     /// Writes everything queued and empties the queue.
     pub(super) async fn write(&mut self, tcp: &TcpStream) -> io::Result<()> {
-        let mut slices = [IoSlice::new(&[]); MAX_PIECES];
-        let n = self.pieces.len().min(MAX_PIECES);
-        for (slice, piece) in slices.iter_mut().zip(&self.pieces) {
-            *slice = IoSlice::new(piece.as_slice());
+        let mut written = Ok(());
+        for batch in self.pieces.chunks(MAX_PIECES) {
+            let mut slices = [IoSlice::new(&[]); MAX_PIECES];
+            for (slice, piece) in slices.iter_mut().zip(batch) {
+                *slice = IoSlice::new(piece.as_slice());
+            }
+            written = write_all(tcp, &mut slices[..batch.len()]).await;
+            if written.is_err() {
+                break;
+            }
         }
-        let written = write_all(tcp, &mut slices[..n]).await;
         self.pieces.clear();
         self.bytes = 0;
         written
@@ -372,6 +377,33 @@ mod tests {
             "HTTP/1.1 204 No Content\r\nconnection: close\r\ndate: then\r\n\r\n"
         );
         assert_eq!((framing, close), (Framing::Bodiless, true));
+    }
+
+    #[tokio::test]
+    async fn a_queue_longer_than_one_vectored_write_is_written_whole_and_in_order() {
+        use tokio::io::AsyncReadExt;
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (client, accepted) = tokio::join!(TcpStream::connect(addr), listener.accept());
+        let (mut client, (tcp, _)) = (client.unwrap(), accepted.unwrap());
+        let mut out = Out::default();
+        out.head(b"HEAD\r\n".to_vec());
+        let mut framing = Framing::Chunked;
+        let mut want = b"HEAD\r\n".to_vec();
+        for i in 0..40 {
+            let data = format!("event {i};");
+            want.extend_from_slice(format!("{:x}\r\n{data}\r\n", data.len()).as_bytes());
+            assert!(out.data(Bytes::from(data), &mut framing));
+        }
+        assert!(out.end(framing));
+        want.extend_from_slice(b"0\r\n\r\n");
+        assert!(out.pieces.len() > MAX_PIECES);
+        out.write(&tcp).await.unwrap();
+        assert!(out.is_empty());
+        drop(tcp);
+        let mut got = Vec::new();
+        client.read_to_end(&mut got).await.unwrap();
+        assert_eq!(String::from_utf8_lossy(&got), String::from_utf8_lossy(&want));
     }
 
     #[test]
