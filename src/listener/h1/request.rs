@@ -208,6 +208,10 @@ struct RequestBody {
 /// The most one frame of a request body reads at a time.
 const BODY_READ: u64 = 64 * 1024;
 
+thread_local! {
+    static SCRATCH: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
 impl http_body::Body for RequestBody {
     type Data = Bytes;
     type Error = io::Error;
@@ -224,21 +228,28 @@ impl http_body::Body for RequestBody {
         }
         loop {
             ready!(self.tcp.poll_read_ready(cx))?;
-            let mut chunk = vec![0u8; self.left.min(BODY_READ) as usize];
-            match self.tcp.try_read(&mut chunk) {
-                Ok(0) => {
+            let want = self.left.min(BODY_READ) as usize;
+            // Read into this thread's scratch and copied out at the size read: a frame that
+            // kept a buffer of `BODY_READ` for a few bytes would hold 64 KiB for each of a slow
+            // client's trickles until the whole body is read.
+            let read = SCRATCH.with_borrow_mut(|scratch| {
+                scratch.resize(BODY_READ as usize, 0);
+                let n = self.tcp.try_read(&mut scratch[..want])?;
+                Ok::<_, io::Error>(Bytes::copy_from_slice(&scratch[..n]))
+            });
+            match read {
+                Ok(chunk) if chunk.is_empty() => {
                     return Poll::Ready(Some(Err(io::Error::new(
                         io::ErrorKind::UnexpectedEof,
                         "the client closed before the request body ended",
                     ))))
                 }
-                Ok(n) => {
-                    chunk.truncate(n);
-                    self.left -= n as u64;
+                Ok(chunk) => {
+                    self.left -= chunk.len() as u64;
                     if self.left == 0 {
                         self.read.finish();
                     }
-                    return Poll::Ready(Some(Ok(Frame::data(Bytes::from(chunk)))));
+                    return Poll::Ready(Some(Ok(Frame::data(chunk))));
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
                 Err(e) => return Poll::Ready(Some(Err(e))),

@@ -403,7 +403,10 @@ mod tests {
         drop(tcp);
         let mut got = Vec::new();
         client.read_to_end(&mut got).await.unwrap();
-        assert_eq!(String::from_utf8_lossy(&got), String::from_utf8_lossy(&want));
+        assert_eq!(
+            String::from_utf8_lossy(&got),
+            String::from_utf8_lossy(&want)
+        );
     }
 
     #[test]
