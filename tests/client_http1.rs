@@ -243,3 +243,23 @@ async fn an_idle_kept_alive_connection_is_closed_at_shutdown() {
         .unwrap()
         .unwrap();
 }
+
+/// A client that closes its side in the same moment as it sends its request (the close arriving
+/// with the request's bytes) is seen to have left: the worker's request is aborted.
+#[tokio::test]
+async fn a_close_that_arrives_with_the_request_aborts_it_at_the_worker() {
+    let mut up = upstream("w0", &[]).await;
+    let gw = gateway(config_for(&[&up], "round_robin")).await;
+    let body = r#"{"prompt": "slow", "max_tokens": 3, "delay_ms": 30000}"#;
+    let req = format!(
+        "POST /v1/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    let mut c = TcpStream::connect(gw.addr).await.unwrap();
+    c.write_all(req.as_bytes()).await.unwrap();
+    c.shutdown().await.unwrap();
+    assert!(
+        up.saw_disconnect_within(5 * SECOND).await,
+        "the worker kept generating for a client that had left"
+    );
+}

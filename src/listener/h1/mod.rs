@@ -126,12 +126,30 @@ async fn read_some(tcp: &TcpStream, buf: &mut BytesMut) -> io::Result<usize> {
     if buf.capacity() - buf.len() < READ_SIZE / 4 {
         buf.reserve(READ_SIZE);
     }
+    let room = buf.capacity() - buf.len();
     loop {
         match tcp.try_read_buf(buf) {
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => tcp.readable().await?,
+            Ok(n) if n > 0 && n < room => {
+                drained(tcp);
+                return Ok(n);
+            }
             read => return read,
         }
     }
+}
+
+/// Marks `tcp` as having nothing more to read after a read that did not fill its buffer. With
+/// edge-triggered readiness such a read has drained the socket (tokio's own `AsyncRead` assumes
+/// the same and does this), so the watch for a client's close ([`client_gone`]) waits for new
+/// bytes instead of first costing a read that finds none: a system call a request, measured as
+/// one `recvfrom` returning `EAGAIN` after every request head. On a single-threaded runtime, as
+/// the gateway's event loops are, no readiness can arrive between the read and this; a close
+/// already seen stays marked (tokio never clears it).
+pub(super) fn drained(tcp: &TcpStream) {
+    let _ = tcp.try_io(tokio::io::Interest::READABLE, || {
+        Err::<(), _>(io::ErrorKind::WouldBlock.into())
+    });
 }
 
 /// Answers one request; whether the connection stays open for the next.

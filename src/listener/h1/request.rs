@@ -245,6 +245,9 @@ impl http_body::Body for RequestBody {
                     ))))
                 }
                 Ok(chunk) => {
+                    if chunk.len() < want {
+                        super::drained(&self.tcp);
+                    }
                     self.left -= chunk.len() as u64;
                     if self.left == 0 {
                         self.read.finish();
