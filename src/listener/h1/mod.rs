@@ -267,6 +267,15 @@ async fn client_gone(tcp: &TcpStream, buf: &mut BytesMut, body: Option<&BodyRead
     }
 }
 
+/// A connected pair on loopback for the tests: the client's end and the accepted one.
+#[cfg(test)]
+async fn socket_pair() -> (TcpStream, TcpStream) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (client, accepted) = tokio::join!(TcpStream::connect(addr), listener.accept());
+    (client.unwrap(), accepted.unwrap().0)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -276,10 +285,7 @@ mod tests {
     /// the connection comes back with exactly the bytes read and not yet answered.
     #[tokio::test]
     async fn the_connection_goes_to_hyper_at_the_first_request_it_needs_with_the_bytes_read() {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let (client, accepted) = tokio::join!(TcpStream::connect(addr), listener.accept());
-        let (mut client, (tcp, _)) = (client.unwrap(), accepted.unwrap());
+        let (mut client, tcp) = socket_pair().await;
         let app = Gateway::router_only(
             axum::Router::new().route("/a", axum::routing::get(|| async { "served" })),
         );

@@ -275,10 +275,8 @@ mod tests {
 
     /// A connected socket and its peer.
     async fn pair() -> (Arc<TcpStream>, TcpStream) {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let (client, accepted) = tokio::join!(TcpStream::connect(addr), listener.accept());
-        (Arc::new(accepted.unwrap().0), client.unwrap())
+        let (client, accepted) = super::super::socket_pair().await;
+        (Arc::new(accepted), client)
     }
 
     async fn socket() -> Arc<TcpStream> {

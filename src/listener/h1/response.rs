@@ -382,10 +382,7 @@ mod tests {
     #[tokio::test]
     async fn a_queue_longer_than_one_vectored_write_is_written_whole_and_in_order() {
         use tokio::io::AsyncReadExt;
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let (client, accepted) = tokio::join!(TcpStream::connect(addr), listener.accept());
-        let (mut client, (tcp, _)) = (client.unwrap(), accepted.unwrap());
+        let (mut client, tcp) = super::super::socket_pair().await;
         let mut out = Out::default();
         out.head(b"HEAD\r\n".to_vec());
         let mut framing = Framing::Chunked;
