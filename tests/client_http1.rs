@@ -256,6 +256,9 @@ async fn a_close_that_arrives_with_the_request_aborts_it_at_the_worker() {
         body.len()
     );
     let mut c = TcpStream::connect(gw.addr).await.unwrap();
+    // Both go out before the gateway's task runs again (this test's runtime has one thread and
+    // neither call waits on loopback), so the gateway's first read finds the request and the
+    // close together: the close must be seen although that read left nothing to read.
     c.write_all(req.as_bytes()).await.unwrap();
     c.shutdown().await.unwrap();
     assert!(
