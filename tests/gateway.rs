@@ -923,3 +923,96 @@ async fn requests_one_after_another_reuse_a_keep_alive_connection_to_the_worker(
         }
     }
 }
+
+/// A worker that answers every request on each connection with `answer`, as written; its
+/// address. Requests are read whole (head and `Content-Length` body) before each answer.
+async fn scripted_worker(answer: &'static str) -> std::net::SocketAddr {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let mut buf = Vec::new();
+                loop {
+                    let whole = |buf: &[u8]| {
+                        let end = buf.windows(4).position(|w| w == b"\r\n\r\n")? + 4;
+                        let head = String::from_utf8_lossy(&buf[..end]).to_ascii_lowercase();
+                        let length = head
+                            .lines()
+                            .find_map(|l| l.strip_prefix("content-length:"))
+                            .map_or(0, |v| v.trim().parse::<usize>().unwrap());
+                        (buf.len() >= end + length).then_some(end + length)
+                    };
+                    let used = loop {
+                        if let Some(n) = whole(&buf) {
+                            break n;
+                        }
+                        let mut chunk = [0u8; 4096];
+                        match s.read(&mut chunk).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                        }
+                    };
+                    buf.drain(..used);
+                    if s.write_all(answer.as_bytes()).await.is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    addr
+}
+
+#[tokio::test]
+async fn the_workers_hop_by_hop_fields_stay_behind_and_its_end_to_end_ones_reach_the_client() {
+    let worker = scripted_worker(concat!(
+        "HTTP/1.1 200 OK\r\n",
+        "Connection: keep-alive, X-Private\r\n",
+        "X-Private: secret\r\n",
+        "Keep-Alive: timeout=5\r\n",
+        "Proxy-Connection: keep-alive\r\n",
+        "Upgrade: h2c\r\n",
+        "Content-Type: application/json\r\n",
+        "X-Kept: a\r\n",
+        "X-Kept: b\r\n",
+        "Transfer-Encoding: chunked\r\n",
+        "\r\n",
+        "b\r\n{\"usage\":1}\r\n0\r\n\r\n",
+    ))
+    .await;
+    let mut cfg = config_for(&[], "round_robin");
+    cfg.health.interval_seconds = 0.0;
+    cfg.workers = vec![WorkerConfig {
+        name: Some("w0".into()),
+        ..WorkerConfig::from_url(format!("http://{worker}"))
+    }];
+    let gw = gateway(cfg).await;
+    for _ in 0..2 {
+        let r = request(
+            gw.addr,
+            "POST",
+            "/v1/completions",
+            &body(json!({"prompt": "p"})),
+        )
+        .await;
+        assert_eq!(r.status, 200);
+        assert_eq!(r.body, b"{\"usage\":1}");
+        let names: Vec<&str> = r.headers.iter().map(|(k, _)| k.as_str()).collect();
+        for gone in ["x-private", "keep-alive", "proxy-connection", "upgrade"] {
+            assert!(!names.contains(&gone), "{gone} reached the client: {names:?}");
+        }
+        // The gateway's own framing and connection fields, not the worker's.
+        assert!(r.header("connection").is_none_or(|v| v != "keep-alive, X-Private"));
+        let kept: Vec<&str> = r
+            .headers
+            .iter()
+            .filter(|(k, _)| k == "x-kept")
+            .map(|(_, v)| v.as_str())
+            .collect();
+        assert_eq!(kept, ["a", "b"]);
+        assert_eq!(r.header("content-type"), Some("application/json"));
+        assert_eq!(r.header("x-kvroute-worker"), Some("w0"));
+    }
+}

@@ -20,7 +20,7 @@ use http_body::{Body as HttpBody, Frame, SizeHint};
 use memchr::memmem;
 use tokio::time::{Instant, Sleep};
 
-use super::{http1::UpstreamBody, strip_hop_by_hop, Route, WORKER_HEADER};
+use super::{http1::UpstreamBody, Route, WORKER_HEADER};
 use crate::{
     load::RequestLoad,
     metrics::{Metrics, SeriesRef, WorkerSeries},
@@ -128,8 +128,8 @@ impl Tracker {
             .get(http::header::CONTENT_TYPE)
             .and_then(|v| v.to_str().ok())
             .is_some_and(|v| v.starts_with("text/event-stream"));
-        // The worker's head becomes the client's: its end-to-end headers, moved, not copied.
-        strip_hop_by_hop(&mut parts.headers);
+        // The worker's head becomes the client's: its end-to-end headers (the parse left the
+        // hop-by-hop ones out), moved, not copied.
         if let Some(v) = &worker.name_header {
             parts
                 .headers

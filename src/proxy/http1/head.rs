@@ -8,11 +8,14 @@ use http::{header, HeaderMap, HeaderName, HeaderValue, Method, StatusCode, Versi
 use tokio::net::TcpStream;
 
 use super::{invalid, make_room, read_some, Chunk, Framing, MAX_HEAD, MAX_HEADERS, READ_SIZE};
+use crate::proxy::{is_hop_by_hop, names_no_other_field, tokens};
 
 /// A parsed response head, and how its body is framed.
 #[derive(Debug)]
 pub(in crate::proxy) struct Head {
     pub status: StatusCode,
+    /// The end-to-end fields, which become the client's: without the hop-by-hop ones and those
+    /// `Connection` names (RFC 9110 §7.6.1), which describe the worker's connection alone.
     pub headers: HeaderMap,
     pub framing: Framing,
     /// The connection may carry another request once this body has ended.
@@ -113,23 +116,50 @@ pub(in crate::proxy) fn parse_head(
     }
     let head = buf.split_to(len).freeze();
     let mut headers = HeaderMap::with_capacity(count);
+    // What frames the body and whether the connection stays, read in the same pass that leaves
+    // the hop-by-hop fields out of the map.
+    let mut seen = Framed::default();
     for &(name_at, name_len, at, n) in &spans[..count] {
         let (name_at, name_len, at, n) =
             (name_at as usize, name_len as usize, at as usize, n as usize);
         let name = HeaderName::from_bytes(&head[name_at..name_at + name_len])
             .map_err(|_| invalid("malformed header name"))?;
+        let raw = &head[at..at + n];
+        if name == header::CONTENT_LENGTH {
+            seen.length(raw);
+        } else if is_hop_by_hop(&name) {
+            seen.hop(&name, raw);
+            continue;
+        }
         let value = HeaderValue::from_maybe_shared(head.slice(at..at + n))
             .map_err(|_| invalid("malformed header value"))?;
         headers.append(name, value);
     }
-    let framing = framing(status, req_method, &headers)?;
-    let says_close = connection_has(&headers, "close")
+    if seen.names_others {
+        // `Connection` names fields of its own to remove with it: rare, so read again here.
+        for &(name_at, name_len, at, n) in &spans[..count] {
+            let (name_at, name_len, at, n) =
+                (name_at as usize, name_len as usize, at as usize, n as usize);
+            let raw = &head[at..at + n];
+            if !head[name_at..name_at + name_len].eq_ignore_ascii_case(b"connection")
+                || !raw.is_ascii()
+            {
+                continue;
+            }
+            for token in tokens(raw).filter(|t| !names_no_other_field(t)) {
+                if let Ok(named) = HeaderName::from_bytes(token) {
+                    headers.remove(named);
+                }
+            }
+        }
+    }
+    let framing = framing(status, req_method, &seen)?;
+    let says_close = seen.close
         // Both framings at once is how requests are smuggled: the connection ends with this one.
-        || (headers.contains_key(header::TRANSFER_ENCODING)
-            && headers.contains_key(header::CONTENT_LENGTH));
+        || (seen.coding.is_some() && seen.has_length);
     let keep_alive = match version {
         Version::HTTP_11 => !says_close,
-        _ => connection_has(&headers, "keep-alive") && !says_close,
+        _ => seen.keep_alive && !says_close,
     } && !matches!(framing, Framing::Close);
     Ok(Some(Head {
         status,
@@ -139,16 +169,83 @@ pub(in crate::proxy) fn parse_head(
     }))
 }
 
-fn connection_has(headers: &HeaderMap, token: &str) -> bool {
-    headers
-        .get_all(header::CONNECTION)
-        .iter()
-        .flat_map(|v| v.as_bytes().split(|&b| b == b','))
-        .any(|t| t.trim_ascii().eq_ignore_ascii_case(token.as_bytes()))
+/// What a response head's fields say of its body's framing and of the connection.
+struct Framed {
+    /// `Transfer-Encoding` was there: whether the last coding it lists is `chunked` (`false`
+    /// also when it lists none).
+    coding: Option<bool>,
+    /// `Content-Length` was there, valid or not.
+    has_length: bool,
+    /// The length its values agree on, or what is wrong with them.
+    length: Result<Option<u64>, &'static str>,
+    /// `Connection` lists `close`, `keep-alive`, or a field of the response's own to remove.
+    close: bool,
+    keep_alive: bool,
+    names_others: bool,
+}
+
+impl Default for Framed {
+    fn default() -> Self {
+        Self {
+            coding: None,
+            has_length: false,
+            length: Ok(None),
+            close: false,
+            keep_alive: false,
+            names_others: false,
+        }
+    }
+}
+
+impl Framed {
+    /// A `Content-Length` field: a list of equal decimal lengths.
+    fn length(&mut self, raw: &[u8]) {
+        self.has_length = true;
+        for part in raw.split(|&b| b == b',') {
+            let Ok(before) = self.length else {
+                return;
+            };
+            self.length = match (parse_length(part.trim_ascii()), before) {
+                (Err(e), _) => Err(e),
+                (Ok(n), Some(b)) if n != b => Err("conflicting content-length values"),
+                (Ok(n), _) => Ok(Some(n)),
+            };
+        }
+    }
+
+    /// A hop-by-hop field: what `Transfer-Encoding` and `Connection` say.
+    fn hop(&mut self, name: &HeaderName, raw: &[u8]) {
+        if name == header::TRANSFER_ENCODING {
+            let was = self.coding.unwrap_or(false);
+            // Only a value of visible ASCII counts, as one that reads as text.
+            let last = raw.is_ascii().then(|| tokens(raw).next_back()).flatten();
+            self.coding = Some(last.map_or(was, |t| t.eq_ignore_ascii_case(b"chunked")));
+        } else if name == header::CONNECTION {
+            for token in tokens(raw) {
+                if token.eq_ignore_ascii_case(b"close") {
+                    self.close = true;
+                } else if token.eq_ignore_ascii_case(b"keep-alive") {
+                    self.keep_alive = true;
+                } else if !names_no_other_field(token) {
+                    self.names_others |= raw.is_ascii();
+                }
+            }
+        }
+    }
+}
+
+fn parse_length(part: &[u8]) -> Result<u64, &'static str> {
+    if part.is_empty() || !part.iter().all(u8::is_ascii_digit) {
+        return Err("malformed content-length");
+    }
+    std::str::from_utf8(part)
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .ok_or("malformed content-length")
 }
 
 /// How the body of a response is delimited (RFC 9112 §6.3).
-fn framing(status: StatusCode, method: &Method, headers: &HeaderMap) -> io::Result<Framing> {
+fn framing(status: StatusCode, method: &Method, seen: &Framed) -> io::Result<Framing> {
     if *method == Method::HEAD
         || status == StatusCode::NO_CONTENT
         || status == StatusCode::NOT_MODIFIED
@@ -160,36 +257,14 @@ fn framing(status: StatusCode, method: &Method, headers: &HeaderMap) -> io::Resu
             "the worker switched protocols, which the gateway does not relay",
         ));
     }
-    if headers.contains_key(header::TRANSFER_ENCODING) {
-        let last = headers
-            .get_all(header::TRANSFER_ENCODING)
-            .iter()
-            .filter_map(|v| v.to_str().ok())
-            .flat_map(|v| v.split(','))
-            .map(str::trim)
-            .rfind(|t| !t.is_empty());
-        return Ok(match last {
-            Some(t) if t.eq_ignore_ascii_case("chunked") => Framing::Chunked(Chunk::Size),
-            _ => Framing::Close,
+    if let Some(chunked) = seen.coding {
+        return Ok(if chunked {
+            Framing::Chunked(Chunk::Size)
+        } else {
+            Framing::Close
         });
     }
-    let mut length = None;
-    for v in headers.get_all(header::CONTENT_LENGTH) {
-        for part in v.as_bytes().split(|&b| b == b',') {
-            let part = part.trim_ascii();
-            if part.is_empty() || !part.iter().all(u8::is_ascii_digit) {
-                return Err(invalid("malformed content-length"));
-            }
-            let n: u64 = std::str::from_utf8(part)
-                .ok()
-                .and_then(|s| s.parse().ok())
-                .ok_or_else(|| invalid("malformed content-length"))?;
-            if length.is_some_and(|l| l != n) {
-                return Err(invalid("conflicting content-length values"));
-            }
-            length = Some(n);
-        }
-    }
+    let length = seen.length.map_err(invalid)?;
     Ok(length.map_or(Framing::Close, Framing::Length))
 }
 
@@ -219,6 +294,54 @@ mod tests {
         assert_eq!(&wire[..], b"body");
         let one_more = format!("HTTP/1.1 200 OK\r\n{fields}x-extra: 1\r\n\r\n");
         assert!(head(&one_more).is_err());
+    }
+
+    #[test]
+    fn a_head_keeps_its_end_to_end_fields_and_leaves_the_hop_by_hop_ones() {
+        let h = head(concat!(
+            "HTTP/1.1 200 OK\r\n",
+            "Connection: keep-alive, X-Private\r\n",
+            "x-private: secret\r\n",
+            "connection:  x-other \r\n",
+            "Keep-Alive: timeout=5\r\n",
+            "x-other: 1\r\n",
+            "content-type: text/event-stream\r\n",
+            "Transfer-Encoding: chunked\r\n",
+            "Trailer: x-t\r\n",
+            "Proxy-Authenticate: Basic\r\n",
+            "Upgrade: h2c\r\n",
+            "x-kept: a\r\n",
+            "x-kept: b\r\n",
+            "\r\n",
+        ))
+        .unwrap()
+        .unwrap();
+        let mut kept: Vec<(&str, &str)> = h
+            .headers
+            .iter()
+            .map(|(k, v)| (k.as_str(), v.to_str().unwrap()))
+            .collect();
+        kept.sort_unstable();
+        assert_eq!(
+            kept,
+            [
+                ("content-type", "text/event-stream"),
+                ("x-kept", "a"),
+                ("x-kept", "b")
+            ]
+        );
+        // What the left-out fields said still frames the body and keeps the connection.
+        assert_eq!(
+            (h.framing, h.keep_alive),
+            (Framing::Chunked(Chunk::Size), true)
+        );
+        // `Content-Length` is end to end: it stays, as does a field `Connection` does not name.
+        let h = head("HTTP/1.1 200 OK\r\nconnection: close\r\ncontent-length: 2\r\nx-a: 1\r\n\r\n")
+            .unwrap()
+            .unwrap();
+        assert_eq!(h.headers.len(), 2);
+        assert_eq!(h.headers["content-length"], "2");
+        assert_eq!((h.framing, h.keep_alive), (Framing::Length(2), false));
     }
 
     #[test]
@@ -270,6 +393,29 @@ mod tests {
                 false,
             ),
             ("HTTP/1.1 204 No Content\r\n\r\n", Framing::Length(0), true),
+            // The last coding listed decides, over every `Transfer-Encoding` field.
+            (
+                "HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\ntransfer-encoding: gzip\r\n\r\n",
+                Framing::Close,
+                false,
+            ),
+            (
+                "HTTP/1.1 200 OK\r\ntransfer-encoding: gzip,\r\ntransfer-encoding: , Chunked\r\n\r\n",
+                chunked,
+                true,
+            ),
+            // A list of equal lengths is one length.
+            (
+                "HTTP/1.1 200 OK\r\ncontent-length: 5, 5\r\ncontent-length: 5\r\n\r\n",
+                Framing::Length(5),
+                true,
+            ),
+            // A bad length does not matter where the length does not frame the body.
+            (
+                "HTTP/1.1 304 Not Modified\r\ncontent-length: x\r\n\r\n",
+                Framing::Length(0),
+                true,
+            ),
         ] {
             let h = head(text).unwrap().unwrap();
             assert_eq!((h.framing, h.keep_alive), (framing, keep_alive), "{text}");
@@ -284,6 +430,8 @@ mod tests {
         for bad in [
             "HTTP/1.1 200 OK\r\ncontent-length: 3\r\ncontent-length: 4\r\n\r\n",
             "HTTP/1.1 200 OK\r\ncontent-length: -1\r\n\r\n",
+            "HTTP/1.1 200 OK\r\ncontent-length: 3, 4\r\n\r\n",
+            "HTTP/1.1 200 OK\r\ncontent-length: 3,\r\n\r\n",
             "HTTP/1.1 2000 OK\r\n\r\n",
             "SSH-2.0-OpenSSH\r\n\r\n",
             "HTTP/1.1 101 Switching Protocols\r\nupgrade: websocket\r\n\r\n",
