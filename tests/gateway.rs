@@ -1001,10 +1001,15 @@ async fn the_workers_hop_by_hop_fields_stay_behind_and_its_end_to_end_ones_reach
         assert_eq!(r.body, b"{\"usage\":1}");
         let names: Vec<&str> = r.headers.iter().map(|(k, _)| k.as_str()).collect();
         for gone in ["x-private", "keep-alive", "proxy-connection", "upgrade"] {
-            assert!(!names.contains(&gone), "{gone} reached the client: {names:?}");
+            assert!(
+                !names.contains(&gone),
+                "{gone} reached the client: {names:?}"
+            );
         }
         // The gateway's own framing and connection fields, not the worker's.
-        assert!(r.header("connection").is_none_or(|v| v != "keep-alive, X-Private"));
+        assert!(r
+            .header("connection")
+            .is_none_or(|v| v != "keep-alive, X-Private"));
         let kept: Vec<&str> = r
             .headers
             .iter()

@@ -129,7 +129,7 @@ async fn read_some(tcp: &TcpStream, buf: &mut BytesMut) -> io::Result<usize> {
     let room = buf.capacity() - buf.len();
     loop {
         match tcp.try_read_buf(buf) {
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => tcp.readable().await?,
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => read_ready(tcp).await?,
             Ok(n) if n > 0 && n < room => {
                 drained(tcp);
                 return Ok(n);
@@ -137,6 +137,14 @@ async fn read_some(tcp: &TcpStream, buf: &mut BytesMut) -> io::Result<usize> {
             read => return read,
         }
     }
+}
+
+/// Waits until `tcp` has something to read, or is closed. Through the socket's one reader
+/// slot, which the connection's task alone waits in (its request body is read in the same
+/// task): `readable()` would queue a waiter in a list under a lock and take it out again, for
+/// every request, at each of the three waits an answer has.
+pub(super) async fn read_ready(tcp: &TcpStream) -> io::Result<()> {
+    std::future::poll_fn(|cx| tcp.poll_read_ready(cx)).await
 }
 
 /// Marks `tcp` as having nothing more to read after a read that did not fill its buffer. With
@@ -249,7 +257,7 @@ async fn client_gone(tcp: &TcpStream, buf: &mut BytesMut, body: Option<&BodyRead
         body.wait().await;
     }
     loop {
-        if tcp.readable().await.is_err() {
+        if read_ready(tcp).await.is_err() {
             return;
         }
         let mut scratch = [0u8; 1024];

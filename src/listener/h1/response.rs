@@ -281,7 +281,10 @@ async fn write_all(tcp: &TcpStream, mut slices: &mut [IoSlice<'_>]) -> io::Resul
         match tcp.try_write_vectored(slices) {
             Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
             Ok(n) => IoSlice::advance_slices(&mut slices, n),
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => tcp.writable().await?,
+            // Only this answer writes to the client: the socket's one writer slot serves.
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                std::future::poll_fn(|cx| tcp.poll_write_ready(cx)).await?
+            }
             Err(e) => return Err(e),
         }
     }

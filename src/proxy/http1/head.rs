@@ -49,7 +49,9 @@ pub(in crate::proxy) async fn read_head(
         }
         // The buffer is taken only once the answer starts: a request waiting for its worker
         // (a whole generation, when not streamed) holds none.
-        io.readable().await?;
+        // The connection is this request's alone: its one reader slot serves (see
+        // `listener::h1::read_ready`).
+        std::future::poll_fn(|cx| io.poll_read_ready(cx)).await?;
         make_room(buf, READ_SIZE);
         let n = match std::future::poll_fn(|cx| Poll::Ready(read_some(io, cx, buf))).await {
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
