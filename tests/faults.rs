@@ -4,7 +4,9 @@ mod common;
 
 use std::time::Duration;
 
-use common::{config_for, gateway, metric, metrics_text, read_until, request, send, upstream};
+use common::{
+    config_for, gateway, metric, metrics_text, named_worker, read_until, request, send, upstream,
+};
 use serde_json::json;
 use tokio::{io::AsyncReadExt, net::TcpListener};
 
@@ -368,10 +370,7 @@ async fn fault_matrix_what_the_client_sees_and_nothing_leaks() {
         cfg.timeouts.first_byte_seconds = 0.3;
         cfg.health.interval_seconds = 0.0;
         if fault == "hangs before the headers" {
-            cfg.workers[0] = kvroute::config::WorkerConfig {
-                name: Some("w0".into()),
-                ..kvroute::config::WorkerConfig::from_url(format!("http://{}", hung_worker().await))
-            };
+            cfg.workers[0] = named_worker("w0", format!("http://{}", hung_worker().await));
         }
         let gw = gateway(cfg).await;
         let text = read_all(send(gw.addr, "POST", "/v1/completions", &req).await).await;
@@ -411,10 +410,7 @@ async fn fault_matrix_what_the_client_sees_and_nothing_leaks() {
     closed.bind("127.0.0.1:0".parse().unwrap()).unwrap();
     let url = format!("http://{}", closed.local_addr().unwrap());
     let mut cfg = config_for(&[], "round_robin");
-    cfg.workers = vec![kvroute::config::WorkerConfig {
-        name: Some("w0".into()),
-        ..kvroute::config::WorkerConfig::from_url(url)
-    }];
+    cfg.workers = vec![named_worker("w0", url)];
     let gw = gateway(cfg).await;
     let r = request(
         gw.addr,

@@ -984,10 +984,7 @@ async fn the_workers_hop_by_hop_fields_stay_behind_and_its_end_to_end_ones_reach
     .await;
     let mut cfg = config_for(&[], "round_robin");
     cfg.health.interval_seconds = 0.0;
-    cfg.workers = vec![WorkerConfig {
-        name: Some("w0".into()),
-        ..WorkerConfig::from_url(format!("http://{worker}"))
-    }];
+    cfg.workers = vec![named_worker("w0", format!("http://{worker}"))];
     let gw = gateway(cfg).await;
     for _ in 0..2 {
         let r = request(

@@ -227,10 +227,7 @@ impl Upstream {
     }
 
     pub fn worker_config(&self) -> WorkerConfig {
-        WorkerConfig {
-            name: Some(self.name.clone()),
-            ..WorkerConfig::from_url(self.url())
-        }
+        named_worker(&self.name, self.url())
     }
 
     /// Waits (bounded) for the upstream to see one abandoned request.
@@ -239,6 +236,14 @@ impl Upstream {
             tokio::time::timeout(limit, self.disconnects.recv()).await,
             Ok(Some(()))
         )
+    }
+}
+
+/// A worker entry for `url` under `name` (the `worker` label its series carry).
+pub fn named_worker(name: &str, url: String) -> WorkerConfig {
+    WorkerConfig {
+        name: Some(name.to_owned()),
+        ..WorkerConfig::from_url(url)
     }
 }
 
