@@ -121,31 +121,30 @@ pub(in crate::proxy) fn parse_head(
     // What frames the body and whether the connection stays, read in the same pass that leaves
     // the hop-by-hop fields out of the map.
     let mut seen = Framed::default();
-    for &(name_at, name_len, at, n) in &spans[..count] {
-        let (name_at, name_len, at, n) =
-            (name_at as usize, name_len as usize, at as usize, n as usize);
-        let name = HeaderName::from_bytes(&head[name_at..name_at + name_len])
-            .map_err(|_| invalid("malformed header name"))?;
-        let raw = &head[at..at + n];
+    // Each field's name and value, as ranges of the head.
+    let fields = spans[..count].iter().map(|&(name_at, name_len, at, n)| {
+        let (name_at, at) = (name_at as usize, at as usize);
+        (name_at..name_at + name_len as usize, at..at + n as usize)
+    });
+    for (name, value) in fields.clone() {
+        let raw = &head[value.clone()];
+        let name =
+            HeaderName::from_bytes(&head[name]).map_err(|_| invalid("malformed header name"))?;
         if name == header::CONTENT_LENGTH {
             seen.length(raw);
         } else if is_hop_by_hop(&name) {
             seen.hop(&name, raw);
             continue;
         }
-        let value = HeaderValue::from_maybe_shared(head.slice(at..at + n))
+        let value = HeaderValue::from_maybe_shared(head.slice(value))
             .map_err(|_| invalid("malformed header value"))?;
         headers.append(name, value);
     }
     if seen.names_others {
         // `Connection` names fields of its own to remove with it: rare, so read again here.
-        for &(name_at, name_len, at, n) in &spans[..count] {
-            let (name_at, name_len, at, n) =
-                (name_at as usize, name_len as usize, at as usize, n as usize);
-            let raw = &head[at..at + n];
-            if !head[name_at..name_at + name_len].eq_ignore_ascii_case(b"connection")
-                || !raw.is_ascii()
-            {
+        for (name, value) in fields {
+            let raw = &head[value];
+            if !head[name].eq_ignore_ascii_case(b"connection") || !raw.is_ascii() {
                 continue;
             }
             for token in tokens(raw).filter(|t| !names_no_other_field(t)) {
