@@ -35,7 +35,7 @@ pub struct StepClock {
     /// from what is waiting when it starts.
     in_step: AtomicU64,
     /// The fit, as `f64` bits: microseconds of a step with no prefill, and per prefill token. Both
-    /// 0 while unknown.
+    /// 0 while unknown; the base can be 0 in a known fit (see `Moments::solve`).
     base_us: AtomicU64,
     per_token_us: AtomicU64,
     fit: parking_lot::Mutex<StepFit>,
@@ -141,9 +141,15 @@ impl Moments {
         }
     }
 
-    /// `(base, per_token)`, both positive, once [`SOLVE_WINDOWS`] samples are in; `(0, 0)` otherwise. Least
-    /// squares through the origin in two variables: samples whose `x` is always in the same
-    /// proportion to their `n` cannot tell base from tokens.
+    /// `(base, per_token)` once [`SOLVE_WINDOWS`] samples are in, `per_token` positive and
+    /// `base` not negative; `(0, 0)` otherwise. Least squares through the origin in two
+    /// variables: samples whose `x` is always in the same proportion to their `n` cannot tell
+    /// base from tokens. Where the fit's base falls below 0 (a step's fixed part lost in the
+    /// spread of its prefill: seen on a CPU vLLM beside busy cores, its time per token ten times
+    /// its idle one and its base within the noise of it), the answer is the least-squares one
+    /// with the base held at 0, the best of those with a base that can be: the time per token is
+    /// still known, where leaving the whole fit unknown would drop the worker's step clock and
+    /// speed rating for as long as it lasts.
     fn solve(&self) -> (f64, f64) {
         let det = self.nn * self.xx - self.nx * self.nx;
         if self.windows < SOLVE_WINDOWS || det <= 1e-6 * self.nn * self.xx {
@@ -151,7 +157,17 @@ impl Moments {
         }
         let base = (self.nd * self.xx - self.xd * self.nx) / det;
         let per_token = (self.xd * self.nn - self.nd * self.nx) / det;
-        if per_token > 0.0 && base > 0.0 {
+        if base <= 0.0 {
+            // A convex fit whose best point lies below the bound has its best within the bound
+            // on it.
+            let per_token = self.xd / self.xx;
+            return if per_token > 0.0 {
+                (0.0, per_token)
+            } else {
+                (0.0, 0.0)
+            };
+        }
+        if per_token > 0.0 {
             (base, per_token)
         } else {
             (0.0, 0.0)
@@ -593,6 +609,35 @@ pub(super) mod tests {
             "per token after a pause {per_token} us"
         );
         assert!(ahead(t + 250) > 1_800.0);
+    }
+
+    #[test]
+    fn a_base_lost_in_the_spread_of_the_prefill_is_held_at_zero_not_left_unknown() {
+        // Steps of 300 us per prefill token, each 2 ms short of it: fitted freely, the base is
+        // -2 ms.
+        let mut m = Moments::default();
+        for x in [100.0, 200.0, 300.0, 400.0].into_iter().cycle().take(8) {
+            m.add(1.0, x, 300.0 * x - 2_000.0);
+        }
+        let free = (m.nd * m.xx - m.xd * m.nx) / (m.nn * m.xx - m.nx * m.nx);
+        assert!((free + 2_000.0).abs() < 1.0, "the free fit's base {free}");
+        let (base, per_token) = m.solve();
+        assert_eq!(base, 0.0);
+        // With the base at 0, the least-squares time per token: 300 less 2,000 × 250 / 75,000
+        // (the mean prompt over the mean of its square), about 293.3.
+        assert!((per_token - 293.33).abs() < 0.1, "per token {per_token}");
+        // Through the clock: bursts of such steps, each clearing its prompt.
+        let clock = StepClock::default();
+        let mut t = 1_000;
+        for x in [100u64, 200, 300, 400].into_iter().cycle().take(80) {
+            t += 300 * x - 2_000;
+            clock.frame(t, x, || 0);
+        }
+        let (base, per_token) = clock.fit().expect("a fit with its base at 0");
+        assert_eq!(base, 0.0);
+        assert!((per_token - 293.33).abs() < 0.5, "per token {per_token}");
+        // No base: nothing of a step is left once its prefill is priced.
+        assert_eq!(clock.remaining_tokens(t + 10), 0.0);
     }
 
     #[test]
