@@ -156,17 +156,13 @@ impl Moments {
             return (0.0, 0.0);
         }
         let base = (self.nd * self.xx - self.xd * self.nx) / det;
-        let per_token = (self.xd * self.nn - self.nd * self.nx) / det;
-        if base <= 0.0 {
+        let (base, per_token) = if base > 0.0 {
+            (base, (self.xd * self.nn - self.nd * self.nx) / det)
+        } else {
             // A convex fit whose best point lies below the bound has its best within the bound
             // on it.
-            let per_token = self.xd / self.xx;
-            return if per_token > 0.0 {
-                (0.0, per_token)
-            } else {
-                (0.0, 0.0)
-            };
-        }
+            (0.0, self.xd / self.xx)
+        };
         if per_token > 0.0 {
             (base, per_token)
         } else {
@@ -208,12 +204,13 @@ const MAX_WINDOW_STEPS: f64 = 16.0;
 
 impl StepFit {
     /// What a step that began with `began` tokens pending and cleared `tokens` should take, by
-    /// the fit (`base`, `per_token`) or before one by the mean step, at the mean step's time per
-    /// mean token (which overstates it): a step that prefills several prompts after many that
-    /// prefilled none is long, and no pause.
+    /// the fit (`base`, `per_token`) or, before one or while its base is held at 0 (by which a
+    /// step that only decodes would take no time, and every one be a pause), by the mean step,
+    /// at the mean step's time per mean token (which overstates it): a step that prefills
+    /// several prompts after many that prefilled none is long, and no pause.
     fn expected(&self, base: f64, per_token: f64, began: f64, tokens: f64) -> f64 {
         let x = tokens.max(began);
-        if per_token > 0.0 {
+        if per_token > 0.0 && base > 0.0 {
             return base + per_token * x;
         }
         let m = self.moments();
@@ -638,6 +635,12 @@ pub(super) mod tests {
         assert!((per_token - 293.33).abs() < 0.5, "per token {per_token}");
         // No base: nothing of a step is left once its prefill is priced.
         assert_eq!(clock.remaining_tokens(t + 10), 0.0);
+        // A step that only decodes is still a step, not a pause to leave out (by the fit alone
+        // it would take no time): it closes a window of its own once the next burst ends it.
+        clock.frame(t + 1_000, 0, || 0);
+        let windows = clock.fit.lock().windows();
+        clock.frame(t + 2_000, 0, || 0);
+        assert_eq!(clock.fit.lock().windows(), windows + 1);
     }
 
     #[test]
