@@ -145,29 +145,39 @@ impl Moments {
     /// `base` not negative; `(0, 0)` otherwise. Least squares through the origin in two
     /// variables: samples whose `x` is always in the same proportion to their `n` cannot tell
     /// base from tokens. Where the fit's base falls below 0 (a step's fixed part lost in the
-    /// spread of its prefill: seen on a CPU vLLM beside busy cores, its time per token ten times
-    /// its idle one and its base within the noise of it), the answer is the least-squares one
+    /// spread of its prefill: seen on a CPU vLLM beside busy cores, its time per token several
+    /// times its idle one and its base within the noise of it), the answer is the least-squares one
     /// with the base held at 0, the best of those with a base that can be: the time per token is
     /// still known, where leaving the whole fit unknown would drop the worker's step clock and
     /// speed rating for as long as it lasts.
     fn solve(&self) -> (f64, f64) {
-        let det = self.nn * self.xx - self.nx * self.nx;
-        if self.windows < SOLVE_WINDOWS || det <= 1e-6 * self.nn * self.xx {
+        if self.windows < SOLVE_WINDOWS {
             return (0.0, 0.0);
         }
-        let base = (self.nd * self.xx - self.xd * self.nx) / det;
-        let (base, per_token) = if base > 0.0 {
-            (base, (self.xd * self.nn - self.nd * self.nx) / det)
-        } else {
+        let (base, per_token) = match self.free() {
+            Some((base, per_token)) if base > 0.0 => (base, per_token),
             // A convex fit whose best point lies below the bound has its best within the bound
             // on it.
-            (0.0, self.xd / self.xx)
+            Some(_) => (0.0, self.xd / self.xx),
+            None => return (0.0, 0.0),
         };
         if per_token > 0.0 {
             (base, per_token)
         } else {
             (0.0, 0.0)
         }
+    }
+
+    /// The least-squares `(base, per_token)` with no bound on either; `None` where the samples
+    /// cannot tell base from tokens.
+    fn free(&self) -> Option<(f64, f64)> {
+        let det = self.nn * self.xx - self.nx * self.nx;
+        (det > 1e-6 * self.nn * self.xx).then(|| {
+            (
+                (self.nd * self.xx - self.xd * self.nx) / det,
+                (self.xd * self.nn - self.nd * self.nx) / det,
+            )
+        })
     }
 }
 
@@ -616,7 +626,7 @@ pub(super) mod tests {
         for x in [100.0, 200.0, 300.0, 400.0].into_iter().cycle().take(8) {
             m.add(1.0, x, 300.0 * x - 2_000.0);
         }
-        let free = (m.nd * m.xx - m.xd * m.nx) / (m.nn * m.xx - m.nx * m.nx);
+        let (free, _) = m.free().expect("a free fit");
         assert!((free + 2_000.0).abs() < 1.0, "the free fit's base {free}");
         let (base, per_token) = m.solve();
         assert_eq!(base, 0.0);
