@@ -14,15 +14,13 @@
 //! Here: the gateway's own accounting ([`Load`], [`RequestLoad`]) and the step clocks' time base;
 //! in the files beside it, the step clock of each worker's engine (`step_clock`), the workers'
 //! speeds rated from it (`speeds`), the KV clock that dates what a worker's cache holds
-//! (`kv_clock`), how much of its traffic is other replicas' over many polls (`traffic`), vLLM's
-//! metrics exposition read (`exposition`) and the poll loop (`poller`).
+//! (`kv_clock`), vLLM's metrics exposition read (`exposition`) and the poll loop (`poller`).
 
 mod exposition;
 mod kv_clock;
 mod poller;
 mod speeds;
 mod step_clock;
-mod traffic;
 
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 
@@ -34,7 +32,6 @@ pub use kv_clock::{KvClock, RECENT_TAU_US};
 pub use poller::run;
 pub use speeds::{rate_speeds, ALONE_SHARE, SPEED_DEADBAND};
 pub use step_clock::StepClock;
-pub use traffic::{Traffic, TRAFFIC_POLLS};
 
 /// Laid out in declaration order, 32 bytes: it sits in the worker's first cache line.
 #[derive(Debug)]

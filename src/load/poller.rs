@@ -52,7 +52,7 @@ pub async fn run(up: Arc<Upstreams>, cancel: CancellationToken) {
                 p.as_ref().and_then(Polled::prefilled),
                 inflight > 0,
             );
-            w.polled(p, inflight);
+            w.load.store(p, inflight);
         }
         rate_speeds(&workers);
         for (url, ranks) in engines {

@@ -62,6 +62,16 @@ impl PoolLoad {
             self.local as f64 * n as f64 / self.seen as f64
         }
     }
+
+    /// The share of the requests in flight that are not this gateway's (other replicas'), in
+    /// [0, 1].
+    pub(super) fn foreign_share(self) -> f64 {
+        if self.queued > self.local {
+            (self.queued - self.local) as f64 / self.queued as f64
+        } else {
+            0.0
+        }
+    }
 }
 
 /// The pool's load for one decision, sampled when first asked: `spread_share` needs this
@@ -70,7 +80,6 @@ impl PoolLoad {
 pub(super) struct PoolSample<'a> {
     workers: &'a [Arc<Worker>],
     load: OnceCell<PoolLoad>,
-    others: OnceCell<f64>,
 }
 
 impl<'a> PoolSample<'a> {
@@ -78,7 +87,6 @@ impl<'a> PoolSample<'a> {
         Self {
             workers,
             load: OnceCell::new(),
-            others: OnceCell::new(),
         }
     }
 
@@ -87,24 +95,8 @@ impl<'a> PoolSample<'a> {
     }
 
     /// How far other replicas decide where a prompt goes: `min(1, 2f)` for their share `f` of
-    /// the requests the workers had at recent polls ([`crate::load::Traffic`]: over many polls,
-    /// since one poll at light load finds the other replicas' requests or none), from the same
-    /// sample of workers as [`Self::load`].
+    /// the requests in flight.
     pub(super) fn others(&self) -> f64 {
-        *self.others.get_or_init(|| {
-            let step = self.workers.len().div_ceil(SAMPLED).max(1);
-            let (others, all) = self
-                .workers
-                .iter()
-                .step_by(step)
-                .filter(|w| w.is_usable())
-                .map(|w| w.traffic.sums())
-                .fold((0.0, 0.0), |(o, a), (wo, wa)| (o + wo, a + wa));
-            if all > 0.0 {
-                (2.0 * others / all).min(1.0)
-            } else {
-                0.0
-            }
-        })
+        (2.0 * self.load().foreign_share()).min(1.0)
     }
 }
