@@ -311,6 +311,69 @@ async fn load_signals_are_polled_from_the_workers_metrics() {
     task.await.unwrap().unwrap();
 }
 
+/// A worker's count of requests beyond this gateway's own (other replicas') is what it had when
+/// polled less this gateway's requests there. One of this gateway's requests that ends while the
+/// poll is out is still in the worker's count; read after the poll came back, this gateway's
+/// count would have dropped, and a lone gateway would take its own request for another
+/// replica's. A worker that counts a request this gateway never sent does show it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_that_ends_while_the_poll_is_out_is_not_taken_for_another_replicas() {
+    use axum::{extract::State, routing::get, Router};
+    use tokio::sync::{mpsc, Mutex};
+    type Answers = std::sync::Arc<(mpsc::Sender<()>, Mutex<mpsc::Receiver<u32>>)>;
+    // A worker whose /metrics tells the test it was asked and answers the running count the
+    // test then gives it.
+    async fn metrics(State(s): State<Answers>) -> String {
+        let _ = s.0.try_send(());
+        let running = s.1.lock().await.recv().await.unwrap_or(0);
+        format!("vllm:num_requests_running {running}\nvllm:num_requests_waiting 0\nvllm:kv_cache_usage_perc 0.1\n")
+    }
+    let (asked_tx, mut asked) = mpsc::channel(1);
+    let (answer, answer_rx) = mpsc::channel(1);
+    let state: Answers = std::sync::Arc::new((asked_tx, Mutex::new(answer_rx)));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let app = Router::new()
+        .route("/metrics", get(metrics))
+        .with_state(state);
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    let mut cfg = config_of(&[format!("http://{addr}")]);
+    cfg.load_signals.interval_seconds = 0.01;
+    let state = kvroute::routes::AppState::new(cfg).unwrap();
+    let up = state.upstreams.clone();
+    let worker = up.pool.snapshot()[0].clone();
+    // One request of this gateway's in flight as the poll goes out, ended before it comes back:
+    // the worker counted it.
+    let ours = kvroute::workers::HeldWorker::from(&worker).acquire();
+    let stop = CancellationToken::new();
+    let poller = tokio::spawn(kvroute::load::run(up, stop.clone()));
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    asked.recv().await.unwrap();
+    drop(ours);
+    answer.send(1).await.unwrap();
+    // The next poll waits for its answer, so what the first one stored stays.
+    asked.recv().await.unwrap();
+    assert_eq!(worker.load.kv_usage(), Some(0.1));
+    assert_eq!(
+        worker.load.queued(0),
+        0,
+        "its own request taken for another's"
+    );
+    // Now the worker counts one request, and this gateway has none there.
+    answer.send(1).await.unwrap();
+    while worker.load.queued(0) == 0 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "another's request never seen"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert_eq!(worker.load.queued(0), 1);
+    stop.cancel();
+    drop(answer);
+    poller.await.unwrap();
+}
+
 /// The prefill backlog the gateway prices is exported per worker: a request the worker has not
 /// started answering counts its prompt there until its first token, then nothing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

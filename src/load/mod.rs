@@ -14,13 +14,15 @@
 //! Here: the gateway's own accounting ([`Load`], [`RequestLoad`]) and the step clocks' time base;
 //! in the files beside it, the step clock of each worker's engine (`step_clock`), the workers'
 //! speeds rated from it (`speeds`), the KV clock that dates what a worker's cache holds
-//! (`kv_clock`), vLLM's metrics exposition read (`exposition`) and the poll loop (`poller`).
+//! (`kv_clock`), how much of its traffic is other replicas' over many polls (`traffic`), vLLM's
+//! metrics exposition read (`exposition`) and the poll loop (`poller`).
 
 mod exposition;
 mod kv_clock;
 mod poller;
 mod speeds;
 mod step_clock;
+mod traffic;
 
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 
@@ -32,6 +34,7 @@ pub use kv_clock::{KvClock, RECENT_TAU_US};
 pub use poller::run;
 pub use speeds::{rate_speeds, ALONE_SHARE, SPEED_DEADBAND};
 pub use step_clock::StepClock;
+pub use traffic::{Traffic, TRAFFIC_POLLS};
 
 /// Laid out in declaration order, 32 bytes: it sits in the worker's first cache line.
 #[derive(Debug)]
@@ -144,7 +147,9 @@ impl Load {
             .store(next.round() as u32, Ordering::Relaxed);
     }
 
-    /// Records a poll's result; `local_inflight` is this gateway's in-flight count as it arrived.
+    /// Records a poll's result; `local_inflight` is as many of this gateway's requests as the
+    /// worker can have counted (the poll loop's: the most in flight as the poll went out or as it
+    /// came back).
     pub fn store(&self, p: Option<Polled>, local_inflight: usize) {
         let Some(p) = p else {
             self.polled.store(false, Ordering::Relaxed);

@@ -32,7 +32,7 @@ pub async fn run(up: Arc<Upstreams>, cancel: CancellationToken) {
         let workers = up.pool.snapshot();
         let polls = workers.iter().map(|w| poll(&up, w, &cfg.path, timeout));
         let mut engines = Vec::new();
-        for (w, (p, ranks)) in workers.iter().zip(join_all(polls).await) {
+        for (w, (p, ranks, local)) in workers.iter().zip(join_all(polls).await) {
             if let (Some(url), Some(ranks)) = (&w.ranks_of, ranks) {
                 engines.push((url, ranks));
             }
@@ -46,13 +46,12 @@ pub async fn run(up: Arc<Upstreams>, cancel: CancellationToken) {
                     .with_label_values(&[&w.name])
                     .inc();
             }
-            let inflight = w.inflight();
             w.steps.polled(
                 now_us(),
                 p.as_ref().and_then(Polled::prefilled),
-                inflight > 0,
+                w.inflight() > 0,
             );
-            w.load.store(p, inflight);
+            w.polled(p, local);
         }
         rate_speeds(&workers);
         for (url, ranks) in engines {
@@ -98,14 +97,19 @@ fn follow_ranks(up: &Upstreams, url: &str, ranks: Vec<u32>) {
     }
 }
 
-/// The worker's load signals, and for the worker of a `data_parallel_size: auto` entry the
-/// engines its exposition shows ([`engine_ranks`]).
+/// The worker's load signals, for the worker of a `data_parallel_size: auto` entry the engines
+/// its exposition shows ([`engine_ranks`]), and the most requests this gateway had in flight there
+/// as the poll went out or as its answer came back: as many of this gateway's own as the worker
+/// can have counted, but for one that both started and ended meanwhile. Read after all the polls
+/// came back, or at either end alone, the count would miss a request that ended while the poll
+/// was out, and a lone gateway would take the worker's count of it for another replica's.
 async fn poll(
     up: &Upstreams,
     w: &Worker,
     path: &str,
     timeout: Duration,
-) -> (Option<Polled>, Option<Vec<u32>>) {
+) -> (Option<Polled>, Option<Vec<u32>>, usize) {
+    let sent = w.inflight();
     let read = async {
         let uri = http::Uri::builder()
             .scheme(w.scheme.clone())
@@ -133,8 +137,9 @@ async fn poll(
             .and_then(|_| engine_ranks(text));
         Some((polled, ranks))
     };
-    match tokio::time::timeout(timeout, read).await {
+    let (polled, ranks) = match tokio::time::timeout(timeout, read).await {
         Ok(Some(read)) => read,
         _ => (None, None),
-    }
+    };
+    (polled, ranks, sent.max(w.inflight()))
 }

@@ -189,7 +189,7 @@ mod tests {
             ..Polled::default()
         };
         for w in &ws {
-            w.load.store(Some(polled), w.inflight());
+            w.polled(Some(polled), w.inflight());
         }
         for _ in 0..RATINGS / 2 + 1 {
             rate_speeds(&ws);
@@ -226,7 +226,7 @@ mod tests {
                     running,
                     ..Polled::default()
                 };
-                w.load.store(Some(polled), w.inflight());
+                w.polled(Some(polled), w.inflight());
             }
         };
         // Beside another replica.

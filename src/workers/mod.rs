@@ -49,6 +49,9 @@ pub struct Worker {
     /// When its engine steps end, from this gateway's streams (read for every priced worker,
     /// written once a step).
     pub steps: crate::load::StepClock,
+    /// Its requests at each poll, this gateway's and others', over many polls (read when a
+    /// decision asks how far other replicas place prompts).
+    pub traffic: crate::load::Traffic,
     pub name: String,
     pub scheme: Scheme,
     pub authority: Authority,
@@ -181,10 +184,22 @@ impl Worker {
             load: crate::load::Load::default(),
             kv: crate::load::KvClock::default(),
             steps: crate::load::StepClock::default(),
+            traffic: crate::load::Traffic::default(),
             freed,
             series: Default::default(),
             ranks_of: cfg.detects_ranks().then(|| cfg.url.as_str().into()),
         })
+    }
+
+    /// What a load poll of the worker showed (`None`: the poll failed), of which as many as
+    /// `local_inflight` requests may be this gateway's: to its load ([`crate::load::Load::store`]) and, for the
+    /// requests it counted, to its traffic over many polls ([`crate::load::Traffic`]).
+    pub fn polled(&self, p: Option<crate::load::Polled>, local_inflight: usize) {
+        if let Some(p) = &p {
+            let others = (p.running + p.waiting - local_inflight as f64).max(0.0);
+            self.traffic.polled(others, local_inflight as f64);
+        }
+        self.load.store(p, local_inflight);
     }
 
     /// The series this worker's requests update under the arm `arm` of policy `policy`, as a

@@ -69,7 +69,9 @@
 //! Several replicas sharing nothing each know only the turns they routed. Once one of them sends
 //! a turn elsewhere for load, it would follow that copy while the others keep to the home, and
 //! the conversation would bounce between two workers, each missing the other's turns. So when the
-//! workers' polled load shows requests beyond this gateway's own (a share `f` of the pool's), the
+//! workers' polled load shows requests beyond this gateway's own (a share `f` of what the polls
+//! found over about the last 32 of them, [`crate::load::Traffic`], since at light load one poll
+//! finds the other replicas' requests or none), the
 //! home is presumed to hold, besides what it is known to, `min(1, 2f)` of the rest of what any
 //! worker is known to hold: the other replicas send the conversation there. For the same reason
 //! the home's credit for the part no worker is known to hold rises from `home_affinity` (or

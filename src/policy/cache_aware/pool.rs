@@ -62,16 +62,6 @@ impl PoolLoad {
             self.local as f64 * n as f64 / self.seen as f64
         }
     }
-
-    /// The share of the requests in flight that are not this gateway's (other replicas'), in
-    /// [0, 1].
-    pub(super) fn foreign_share(self) -> f64 {
-        if self.queued > self.local {
-            (self.queued - self.local) as f64 / self.queued as f64
-        } else {
-            0.0
-        }
-    }
 }
 
 /// The pool's load for one decision, sampled when first asked: `spread_share` needs this
@@ -80,6 +70,7 @@ impl PoolLoad {
 pub(super) struct PoolSample<'a> {
     workers: &'a [Arc<Worker>],
     load: OnceCell<PoolLoad>,
+    share: OnceCell<f64>,
 }
 
 impl<'a> PoolSample<'a> {
@@ -87,6 +78,7 @@ impl<'a> PoolSample<'a> {
         Self {
             workers,
             load: OnceCell::new(),
+            share: OnceCell::new(),
         }
     }
 
@@ -94,9 +86,31 @@ impl<'a> PoolSample<'a> {
         *self.load.get_or_init(|| PoolLoad::sampled(self.workers))
     }
 
-    /// How far other replicas decide where a prompt goes: `min(1, 2f)` for their share `f` of
-    /// the requests in flight.
+    /// Other replicas' share `f` of the requests the workers had at recent polls
+    /// ([`crate::load::Traffic`]: over many polls, since one poll at light load finds the other
+    /// replicas' requests or none), from the same sample of workers as [`Self::load`]. 0 for a
+    /// gateway alone: the poll counts its own requests as it went out and came back.
+    pub(super) fn share(&self) -> f64 {
+        *self.share.get_or_init(|| {
+            let step = self.workers.len().div_ceil(SAMPLED).max(1);
+            let (others, all) = self
+                .workers
+                .iter()
+                .step_by(step)
+                .filter(|w| w.is_usable())
+                .map(|w| w.traffic.sums())
+                .fold((0.0, 0.0), |(o, a), (wo, wa)| (o + wo, a + wa));
+            if all > 0.0 {
+                others / all
+            } else {
+                0.0
+            }
+        })
+    }
+
+    /// How far other replicas decide where a prompt goes: `min(1, 2f)` for their share `f`
+    /// ([`Self::share`]).
     pub(super) fn others(&self) -> f64 {
-        (2.0 * self.load().foreign_share()).min(1.0)
+        (2.0 * self.share()).min(1.0)
     }
 }

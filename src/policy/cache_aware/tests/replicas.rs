@@ -154,8 +154,8 @@ fn another_replicas_requests_count_as_much_pending_prefill_as_ours_there() {
         running: 4.0,
         ..Default::default()
     };
-    ws[0].load.store(Some(polled), 4);
-    ws[1].load.store(Some(polled), 1);
+    ws[0].polled(Some(polled), 4);
+    ws[1].polled(Some(polled), 1);
     // Both have four requests queued; a one-block prompt (64 tokens) is new to both, so
     // besides the pending prefill only the home's credit (under 64 tokens) separates them.
     for c in 0..8 {
@@ -176,6 +176,39 @@ fn with_other_replicas_in_the_pool_a_question_under_a_shared_prefix_goes_home() 
     let _held = hold(&ws[home], 256, 256);
     assert_eq!(p.peek(&ws, &question).unwrap().index, home);
     assert_eq!(other.peek(&ws, &convo(5, 4, 4)).unwrap().index, home);
+}
+
+/// At light load one poll finds another replica's requests and the next finds none. A replica
+/// that decided by the last poll alone would place a question under the shared prefix as a lone
+/// gateway does, by pending prefill, on every poll that found the pool idle, while the other
+/// replica sends the conversation's next turn home; it reads the pool's traffic over many polls
+/// instead and keeps to the home. Workers that have only ever carried this gateway's traffic
+/// read it alone.
+#[test]
+fn a_poll_that_finds_the_pool_idle_does_not_make_a_replica_decide_alone() {
+    let idle = crate::load::Polled::default();
+    let question = convo(5, 4, 2);
+    let ws = test_workers(4);
+    let (p, other) = two_replicas_knowing_the_system_prompt(&ws);
+    let home = p.peek(&ws, &question).unwrap().index;
+    drop(another_replica_as_busy(&ws));
+    for w in &ws {
+        w.polled(Some(idle), 0);
+    }
+    let _held = hold(&ws[home], 256, 256);
+    assert_eq!(p.peek(&ws, &question).unwrap().index, home);
+    assert_eq!(other.peek(&ws, &convo(5, 4, 4)).unwrap().index, home);
+    // The same polls with nothing ever beyond this gateway's own: alone, by pending prefill.
+    let lone = test_workers(4);
+    let p = knowing_the_system_prompt(&lone, CacheAwareParams::default());
+    drop(polled_beside_four_of_ours(&lone, 4.0));
+    for w in &lone {
+        w.polled(Some(idle), 0);
+    }
+    let _held = hold(&lone[home], 256, 256);
+    let placed = p.peek(&lone, &question).unwrap().index;
+    assert_ne!(placed, home);
+    assert_eq!(lone[placed].load.pending_prefill(), 0);
 }
 
 /// With `fade_by_continuation`, a replica whose requests past the shared prefix never continue
