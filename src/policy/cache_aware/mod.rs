@@ -72,8 +72,9 @@
 //! workers' polled load shows requests beyond this gateway's own (a share `f` of what the polls
 //! found over about the last 32 of them, [`crate::load::Traffic`], since at light load one poll
 //! finds the other replicas' requests or none), the
-//! home is presumed to hold, besides what it is known to, `min(1, 2f)` of the rest of what any
-//! worker is known to hold: the other replicas send the conversation there. For the same reason
+//! home is presumed to hold, besides what it is known to, the rest of what any worker is known
+//! to hold (in proportion to `f` below [`PRESUME_ALL_FROM`]): the other replicas send the
+//! conversation there. For the same reason
 //! the home's credit for the part no worker is known to hold rises from `home_affinity` (or
 //! `reuse_affinity`) by `min(1, 2f)` of the rest: the turns this replica has not seen went there.
 //! Not for a prompt of which nothing at all is known, which is as likely new: placed by its hash
@@ -225,6 +226,14 @@ fn mean_block_tokens(req: &RequestInfo, usage: &super::Usage) -> u64 {
 
 /// Requests the reuse share averages over, about.
 const REUSE_WINDOW: f64 = 64.0;
+
+/// Other replicas' share of the pool's requests ([`pool::PoolSample::share`]) from which the home
+/// is presumed to hold all of what this replica knows of a prompt elsewhere, and in proportion
+/// below it. Whatever their share, the other replicas send a conversation's turns home, and the
+/// turn this replica moved for load is one they did not see; a presumption that stopped short of
+/// parity would hand the conversation to that one turn's worker. Not at any share above 0, for
+/// a pool that clients also reach directly now and then.
+const PRESUME_ALL_FROM: f64 = 0.1;
 
 impl CacheAware {
     pub fn new(params: CacheAwareParams) -> Self {
@@ -623,7 +632,8 @@ impl CacheAware {
             let others = sample.others();
             let presumed = if home.depth < deepest {
                 let held = known.held_by(req, home.index, &workers[home.index], home.depth);
-                others * (known.tokens_at(req, deepest) - held).max(0.0)
+                let full = (sample.share() / PRESUME_ALL_FROM).min(1.0);
+                full * (known.tokens_at(req, deepest) - held).max(0.0)
             } else {
                 0.0
             };

@@ -107,16 +107,39 @@ fn a_spilled_conversation_returns_to_a_home_that_holds_most_of_it_when_others_ro
     a.index
         .insert(&convo(3, 4, 2).block_hashes, ws[home].id_hash);
     a.index.insert(&convo(3, 4, 3).block_hashes, ws[x].id_hash);
-    // Other replicas route a third of the pool's requests (`min(1, 2f)` = 2/3): the home is
-    // presumed to hold two thirds of the block it lacks, and that, with its share of the new
-    // block, outweighs the one block `x` holds beyond it. A presumption of two thirds of
-    // everything `x` holds (299 tokens) would be less than the home holds already (384),
-    // crediting nothing, and the conversation would stay split.
+    // Other replicas route a third of the pool's requests: the home is presumed to hold the
+    // block it lacks, and that, with its share of the new block, outweighs the one block `x`
+    // holds beyond it. A presumption of a share of everything `x` holds (two thirds: 299
+    // tokens) would be less than the home holds already (384), crediting nothing, and the
+    // conversation would stay split.
     let _mine = polled_beside_four_of_ours(&ws, 6.0);
     let back = a.peek(&ws, &next).unwrap();
     assert_eq!((back.index, back.outcome), (home, Outcome::HashHome));
     // What it predicts there is what it knows the home holds.
     assert_eq!(back.prediction.unwrap().matched_blocks, 6);
+}
+
+/// Where other replicas route a fifth of the pool's requests, a conversation whose last two
+/// turns this replica moved for load still goes back home: the others send its turns there
+/// whatever their share, and a presumption of `min(1, 2f)` (two fifths) of what the home lacks
+/// would leave it where this replica's own record has it, each replica following its own turns.
+#[test]
+fn a_spilled_conversation_returns_home_where_other_replicas_route_a_fifth() {
+    let ws = test_workers(4);
+    let a = knowing_the_system_prompt(&ws, CacheAwareParams::default());
+    let next = convo(3, 4, 4);
+    let home = a.peek(&ws, &next).unwrap().index;
+    let x = (home + 1) % ws.len();
+    a.index
+        .insert(&convo(3, 4, 1).block_hashes, ws[home].id_hash);
+    a.index.insert(&convo(3, 4, 3).block_hashes, ws[x].id_hash);
+    // Alone, it follows its own record.
+    let alone = a.peek(&ws, &next).unwrap();
+    assert_eq!((alone.index, alone.outcome), (x, Outcome::LongestMatch));
+    let _mine = polled_beside_four_of_ours(&ws, 5.0);
+    let back = a.peek(&ws, &next).unwrap();
+    assert_eq!((back.index, back.outcome), (home, Outcome::HashHome));
+    assert_eq!(back.prediction.unwrap().matched_blocks, 5);
 }
 
 #[test]
