@@ -296,7 +296,8 @@ pub struct CacheAwareParams {
     /// timed (no streams), count as the median. While other replicas' requests are more than a
     /// quarter of the pool's in flight, their prefill throws this gateway's own fits off, and
     /// the workers are timed against the prefill their own counters show instead
-    /// ([`crate::load::Polled::prefilled`]; [`crate::load::rate_speeds`]). A pool of one GPU
+    /// ([`crate::load::Polled::prefilled`]; [`crate::load::rate_speeds`]), read only while that
+    /// fit's standard error is within a tenth of it (at light load it is not). A pool of one GPU
     /// type is priced as without it: on 4 simulated L4s and on 4 L40Ss, one gateway, every
     /// workload, the ratings read 1 at every scrape (see `docs/measurements.md`, "A pool of
     /// unlike GPUs").

@@ -3,7 +3,7 @@
 
 use std::sync::{atomic::Ordering, Arc};
 
-use super::StepClock;
+use super::{step_clock::PoolReading, StepClock};
 use crate::workers::Worker;
 
 /// Times per prefill token closer to the pool's median than this factor count as the median's:
@@ -69,7 +69,8 @@ impl StepClock {
 /// then carry others' prefill too, which this gateway's own fit takes for its own prompts' cost
 /// (under the mixed workload with two replicas on 4 simulated L4s, ratings from it left the
 /// deadband for seconds on end and one run of three collapsed, p95 TTFT 2.3x), and the
-/// counters count it. While nothing is in flight no reading is taken.
+/// counters count it, read only while it can tell (`StepClock::pool_reading`): a poll that
+/// cannot leaves the worker's rating as it was. While nothing is in flight no reading is taken.
 pub fn rate_speeds(workers: &[Arc<Worker>]) {
     let (local, others) = workers.iter().fold((0, 0), |(local, others), w| {
         (local + w.inflight(), others + w.load.queued(0))
@@ -93,18 +94,26 @@ pub fn rate_speeds(workers: &[Arc<Worker>]) {
             .unwrap_or(0)
             .saturating_sub(1)
     };
-    let readings: Vec<Option<f64>> = workers
+    let readings: Vec<PoolReading> = workers
         .iter()
         .map(|w| {
             w.steps.beside.store(beside, Ordering::Relaxed);
             if beside > 0 {
-                w.steps.settled_pool_per_token()
+                w.steps.pool_reading()
             } else {
-                w.steps.settled_per_token()
+                w.steps
+                    .settled_per_token()
+                    .map_or(PoolReading::Unknown, PoolReading::PerToken)
             }
         })
         .collect();
-    let fitted: Vec<f64> = readings.iter().flatten().copied().collect();
+    let fitted: Vec<f64> = readings
+        .iter()
+        .filter_map(|r| match r {
+            PoolReading::PerToken(per_token) => Some(*per_token),
+            _ => None,
+        })
+        .collect();
     let median = if fitted.len() >= 2 {
         crate::bench::stats::median(&fitted).unwrap_or(0.0)
     } else {
@@ -112,9 +121,12 @@ pub fn rate_speeds(workers: &[Arc<Worker>]) {
     };
     for (w, reading) in workers.iter().zip(readings) {
         // A reading more than four times off the median is more likely a bad fit than a GPU:
-        // it counts as four times.
+        // it counts as four times. A fit too uncertain to read leaves the rating as it was.
         let seen = match reading {
-            Some(per_token) if median > 0.0 => Some((per_token / median).clamp(0.25, 4.0)),
+            PoolReading::Unsure => continue,
+            PoolReading::PerToken(per_token) if median > 0.0 => {
+                Some((per_token / median).clamp(0.25, 4.0))
+            }
             _ => None,
         };
         w.steps.rate(seen);
@@ -125,7 +137,10 @@ pub fn rate_speeds(workers: &[Arc<Worker>]) {
 mod tests {
     use super::*;
     use crate::load::{
-        step_clock::{tests::fit_against_counters, STEP_WINDOW},
+        step_clock::{
+            tests::{fit_against_counters, spread_steps},
+            STEP_WINDOW,
+        },
         Polled,
     };
 
@@ -249,6 +264,37 @@ mod tests {
         }
         assert_eq!(ws[3].steps.slowness(), 1.0);
         assert!(ws[4].steps.slowness() > 2.5, "{}", ws[4].steps.slowness());
+    }
+
+    /// Beside another replica at light load, a worker's pool fit is too uncertain to read
+    /// (its prefill lost in the spread of its steps): no worker is rated apart, though one's
+    /// fit is three times the others'. Busy, the same worker is.
+    #[test]
+    fn workers_whose_pool_fits_are_unsure_are_not_rated_apart() {
+        for (thin, slow) in [(40, false), (1, true)] {
+            let ws = crate::workers::test_workers(4);
+            for (w, per_token) in ws.iter().zip([50, 50, 50, 150]) {
+                spread_steps(&w.steps, per_token, thin);
+            }
+            let _inflight: Vec<_> = ws.iter().map(|w| w.acquire()).collect();
+            for w in &ws {
+                let polled = Polled {
+                    running: 2.0,
+                    ..Polled::default()
+                };
+                w.polled(Some(polled), w.inflight());
+            }
+            for _ in 0..RATINGS {
+                rate_speeds(&ws);
+            }
+            let slowness: Vec<f64> = ws.iter().map(|w| w.steps.slowness()).collect();
+            if slow {
+                assert_eq!(slowness[..3], [1.0, 1.0, 1.0]);
+                assert!((slowness[3] - 3.0).abs() < 0.3, "{slowness:?}");
+            } else {
+                assert_eq!(slowness, [1.0; 4]);
+            }
+        }
     }
 
     #[test]

@@ -108,6 +108,7 @@ struct Moments {
     xx: f64,
     nd: f64,
     xd: f64,
+    dd: f64,
 }
 
 impl Moments {
@@ -123,6 +124,7 @@ impl Moments {
         mv(&mut self.xx, x * x);
         mv(&mut self.nd, n * d);
         mv(&mut self.xd, x * d);
+        mv(&mut self.dd, d * d);
     }
 
     /// The moments of both sets of samples, each set weighing as much as the other whatever
@@ -138,6 +140,7 @@ impl Moments {
             xx: self.xx + o.xx,
             nd: self.nd + o.nd,
             xd: self.xd + o.xd,
+            dd: self.dd + o.dd,
         }
     }
 
@@ -166,6 +169,36 @@ impl Moments {
         } else {
             (0.0, 0.0)
         }
+    }
+
+    /// The standard error of [`Self::solve`]'s time per token as a share of it, from the spread
+    /// of the samples about the fit over the last [`STEP_WINDOW`] of them; infinite while the
+    /// fit is unknown. Where a window's prefill is a small part of its time (a lightly loaded
+    /// worker whose prompts are mostly cached: a couple of hundred tokens against sixteen steps
+    /// of decoding), the time per token is lost in the steps' own spread, and the fit moves by
+    /// several times from one window to the next.
+    fn per_token_error(&self) -> f64 {
+        let (base, per_token) = self.solve();
+        if per_token <= 0.0 {
+            return f64::INFINITY;
+        }
+        // Mean squared residual: E[(d - base n - per_token x)^2], from the moments.
+        let residual = self.dd - 2.0 * (base * self.nd + per_token * self.xd)
+            + base * base * self.nn
+            + 2.0 * base * per_token * self.nx
+            + per_token * per_token * self.xx;
+        // The variance of the time per token: with the base fitted, the residual over the
+        // part of `x` that `n` does not explain; with the base held at 0, over `x` alone.
+        let spread = if base > 0.0 {
+            self.xx - self.nx * self.nx / self.nn
+        } else {
+            self.xx
+        };
+        let samples = STEP_WINDOW.min(f64::from(self.windows));
+        if spread <= 0.0 {
+            return f64::INFINITY;
+        }
+        (residual.max(0.0) / (spread * samples)).sqrt() / per_token
     }
 
     /// The least-squares `(base, per_token)` with no bound on either; `None` where the samples
@@ -198,6 +231,27 @@ struct PollFit {
     moments: Moments,
     /// The fit's time per prefill token, in microseconds; 0 while unknown.
     per_token: f64,
+    /// Its standard error as a share of it ([`Moments::per_token_error`]).
+    error: f64,
+}
+
+/// The largest standard error, as a share of the time per token, of a pool fit that a speed
+/// rating reads ([`StepClock::pool_reading`]). Ratings within [`SPEED_DEADBAND`] of the pool's
+/// median read as alike, so a fit that cannot tell 1.25 from 1 says nothing; unlike GPUs (an
+/// L40S takes about a third of an L4's time per token) are told apart well within it.
+///
+/// [`SPEED_DEADBAND`]: super::speeds::SPEED_DEADBAND
+pub(super) const POOL_FIT_MAX_ERROR: f64 = 0.1;
+
+/// What a worker's pool fit says of its time per prefill token, for its speed rating.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(super) enum PoolReading {
+    /// No fit yet.
+    Unknown,
+    /// A fit too uncertain to read ([`POOL_FIT_MAX_ERROR`]).
+    Unsure,
+    /// Microseconds per prefill token.
+    PerToken(f64),
 }
 
 /// Steps a window of [`PollFit`] sums at least, so that the prefill of the step under way at
@@ -421,7 +475,7 @@ impl StepClock {
     /// this gateway had requests in flight there. Polls that find this gateway busy and show it
     /// sum the steps between them into a window; once a window holds `POLL_WINDOW_STEPS`
     /// steps, its steps, their time and the prefill the counters moved by over it go to
-    /// `Self::settled_pool_per_token`'s fit. A poll that finds this gateway idle, or counters
+    /// `Self::pool_reading`'s fit. A poll that finds this gateway idle, or counters
     /// missing or fallen (a restart), drops the window under way.
     pub fn polled(&self, now: u64, prefilled: Option<f64>, busy: bool) {
         let mut fit = self.fit.lock();
@@ -445,6 +499,7 @@ impl StepClock {
         restart(p);
         p.moments.add(steps, prefill, time);
         p.per_token = p.moments.solve().1;
+        p.error = p.moments.per_token_error();
     }
 
     /// The time per prefill token, in microseconds, fitted over windows of load polls against
@@ -454,9 +509,20 @@ impl StepClock {
     /// L40S, the presets' ratio 2.9), which the median of [`RATINGS`](super::speeds::RATINGS) readings then outvotes;
     /// counted only from the sixteenth window, two replicas on the unlike pool kept less of what
     /// rating early gained them (`docs/measurements.md`, "Replicas rated from their first polls").
-    pub(super) fn settled_pool_per_token(&self) -> Option<f64> {
-        let per_token = self.fit.lock().polls.per_token;
-        (per_token > 0.0).then_some(per_token)
+    /// Read only while its standard error is within [`POOL_FIT_MAX_ERROR`] of it: at light load,
+    /// a window's prefill is too small a part of its time to be told from the steps' spread
+    /// (seen: four alike simulated L4s rated from 0.25 to 1.75 by two replicas with 16 users
+    /// pausing 2 s, each replica rating different workers apart, so that their homes differed).
+    pub(super) fn pool_reading(&self) -> PoolReading {
+        let fit = self.fit.lock();
+        let p = &fit.polls;
+        if p.per_token <= 0.0 {
+            PoolReading::Unknown
+        } else if p.error > POOL_FIT_MAX_ERROR {
+            PoolReading::Unsure
+        } else {
+            PoolReading::PerToken(p.per_token)
+        }
     }
 
     /// The fitted step without prefill and per prefill token, in microseconds, when known.
@@ -514,14 +580,54 @@ pub(super) mod tests {
         }
     }
 
+    /// Steps of 20 ms, give or take 2 (the spread of a real engine's steps), plus `per_token`
+    /// microseconds per prefill token, the counters polled every four steps, this gateway busy
+    /// throughout; each step prefills `1 / thin` of [`fit_against_counters`]'s mix.
+    pub(crate) fn spread_steps(clock: &StepClock, per_token: u64, thin: u64) {
+        let mix = [0, 300, 0, 900, 150, 0, 600, 0, 1200, 0, 30];
+        let mut t = 1_000;
+        clock.frame(t, 0, || 0);
+        let mut prefilled = 1_000.0;
+        clock.polled(t, Some(prefilled), true);
+        let steps = POLL_WINDOW_STEPS as usize * 2 * STEP_WINDOW as usize;
+        for (i, x) in mix.iter().copied().cycle().take(steps).enumerate() {
+            let x = x / thin;
+            let jitter = (i as u64 * 7_919) % 13 * 333;
+            t += 18_000 + jitter + per_token * x;
+            clock.frame(t, x, || 0);
+            prefilled += x as f64;
+            if i % 4 == 3 {
+                clock.polled(t, Some(prefilled), true);
+            }
+        }
+    }
+
+    /// A worker whose prompts are mostly cached prefills a few tokens a window, whose time is
+    /// lost in the spread of its steps: its pool fit is not read. The same steps with the
+    /// prefill of a busy pool are, within a tenth of the truth.
+    #[test]
+    fn a_pool_fit_lost_in_the_spread_of_the_steps_is_not_read() {
+        let light = StepClock::default();
+        spread_steps(&light, 50, 40);
+        assert_eq!(light.pool_reading(), PoolReading::Unsure);
+        let busy = StepClock::default();
+        spread_steps(&busy, 50, 1);
+        let PoolReading::PerToken(per_token) = busy.pool_reading() else {
+            panic!("not read: {:?}", busy.pool_reading());
+        };
+        assert!((per_token - 50.0).abs() < 5.0, "{per_token}");
+    }
+
     #[test]
     fn a_workers_steps_are_fitted_against_the_prefill_its_own_counters_show() {
         let clock = StepClock::default();
         fit_against_counters(&clock, 20_000, 30, 3, SOLVE_WINDOWS as usize - 1);
         // Not before it has enough windows.
-        assert_eq!(clock.settled_pool_per_token(), None);
+        assert_eq!(clock.pool_reading(), PoolReading::Unknown);
         fit_against_counters(&clock, 20_000, 30, 3, 1);
-        let per_token = clock.settled_pool_per_token().expect("a fit");
+        let PoolReading::PerToken(per_token) = clock.pool_reading() else {
+            panic!("no fit: {:?}", clock.pool_reading());
+        };
         assert!((per_token - 30.0).abs() < 0.5, "{per_token}");
         // The fit of this gateway's own prompts alone takes the other's prefill for its own
         // prompts' cost: about three times too slow.
