@@ -95,18 +95,29 @@ fn with_other_replicas_in_the_pool_a_spilled_conversation_returns_to_its_home() 
     assert_eq!(own.peek(&ws, &next).unwrap().index, x);
 }
 
+/// A replica that knows the system prompt on every worker, and sent conversation 3's first
+/// `at_home` blocks past it to the home of its next turn (4 blocks) and its first 3 to the
+/// worker after it (`x`), for load: the replica, that next turn, the home and `x`.
+fn spilled_conversation(
+    ws: &[Arc<Worker>],
+    at_home: u64,
+) -> (CacheAware, RequestInfo, usize, usize) {
+    let a = knowing_the_system_prompt(ws, CacheAwareParams::default());
+    let next = convo(3, 4, 4);
+    let home = a.peek(ws, &next).unwrap().index;
+    let x = (home + 1) % ws.len();
+    a.index
+        .insert(&convo(3, 4, at_home).block_hashes, ws[home].id_hash);
+    a.index.insert(&convo(3, 4, 3).block_hashes, ws[x].id_hash);
+    (a, next, home, x)
+}
+
 #[test]
 fn a_spilled_conversation_returns_to_a_home_that_holds_most_of_it_when_others_route_a_third() {
     // Replica `a` sent the first two turns of conversation 3 home, then one turn to `x` for
     // load: the home lacks one block of what `x` holds.
     let ws = test_workers(4);
-    let a = knowing_the_system_prompt(&ws, CacheAwareParams::default());
-    let next = convo(3, 4, 4);
-    let home = a.peek(&ws, &next).unwrap().index;
-    let x = (home + 1) % ws.len();
-    a.index
-        .insert(&convo(3, 4, 2).block_hashes, ws[home].id_hash);
-    a.index.insert(&convo(3, 4, 3).block_hashes, ws[x].id_hash);
+    let (a, next, home, _) = spilled_conversation(&ws, 2);
     // Other replicas route a third of the pool's requests: the home is presumed to hold the
     // block it lacks, and that, with its share of the new block, outweighs the one block `x`
     // holds beyond it. A presumption of a share of everything `x` holds (two thirds: 299
@@ -126,13 +137,7 @@ fn a_spilled_conversation_returns_to_a_home_that_holds_most_of_it_when_others_ro
 #[test]
 fn a_spilled_conversation_returns_home_where_other_replicas_route_a_fifth() {
     let ws = test_workers(4);
-    let a = knowing_the_system_prompt(&ws, CacheAwareParams::default());
-    let next = convo(3, 4, 4);
-    let home = a.peek(&ws, &next).unwrap().index;
-    let x = (home + 1) % ws.len();
-    a.index
-        .insert(&convo(3, 4, 1).block_hashes, ws[home].id_hash);
-    a.index.insert(&convo(3, 4, 3).block_hashes, ws[x].id_hash);
+    let (a, next, home, x) = spilled_conversation(&ws, 1);
     // Alone, it follows its own record.
     let alone = a.peek(&ws, &next).unwrap();
     assert_eq!((alone.index, alone.outcome), (x, Outcome::LongestMatch));
