@@ -149,11 +149,11 @@ impl Load {
 
     /// Records a poll's result; `local_inflight` is as many of this gateway's requests as the
     /// worker can have counted (the poll loop's: the most in flight as the poll went out or as it
-    /// came back).
-    pub fn store(&self, p: Option<Polled>, local_inflight: usize) {
+    /// came back). Returns the requests the worker had beyond those, `None` for a failed poll.
+    pub fn store(&self, p: Option<Polled>, local_inflight: usize) -> Option<f64> {
         let Some(p) = p else {
             self.polled.store(false, Ordering::Relaxed);
-            return;
+            return None;
         };
         let count = |v: f64| v.clamp(0.0, f64::from(u32::MAX)) as u32;
         let others = (p.running + p.waiting - local_inflight as f64).max(0.0);
@@ -161,6 +161,7 @@ impl Load {
         self.kv_usage_permille
             .store(count(p.kv_usage * 1000.0), Ordering::Relaxed);
         self.polled.store(true, Ordering::Relaxed);
+        Some(others)
     }
 }
 
@@ -244,16 +245,16 @@ mod tests {
             kv_usage: 0.5,
             ..Polled::default()
         };
-        l.store(Some(polled), 2);
+        assert_eq!(l.store(Some(polled), 2), Some(6.0));
         assert_eq!(l.queued(2), 8);
         // This gateway's own changes count at once; the others' part waits for the next poll.
         assert_eq!(l.queued(0), 6);
         assert_eq!(l.queued(10), 16);
         assert_eq!(l.kv_usage(), Some(0.5));
         // A lone gateway: the worker's count is its own, nothing is added.
-        l.store(Some(polled), 9);
+        assert_eq!(l.store(Some(polled), 9), Some(0.0));
         assert_eq!(l.queued(3), 3);
-        l.store(None, 0);
+        assert_eq!(l.store(None, 0), None);
         assert_eq!(l.queued(2), 2);
     }
 

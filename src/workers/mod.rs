@@ -195,11 +195,9 @@ impl Worker {
     /// `local_inflight` requests may be this gateway's: to its load ([`crate::load::Load::store`]) and, for the
     /// requests it counted, to its traffic over many polls ([`crate::load::Traffic`]).
     pub fn polled(&self, p: Option<crate::load::Polled>, local_inflight: usize) {
-        if let Some(p) = &p {
-            let others = (p.running + p.waiting - local_inflight as f64).max(0.0);
+        if let Some(others) = self.load.store(p, local_inflight) {
             self.traffic.polled(others, local_inflight as f64);
         }
-        self.load.store(p, local_inflight);
     }
 
     /// The series this worker's requests update under the arm `arm` of policy `policy`, as a
