@@ -511,7 +511,7 @@ impl StepClock {
     /// rating early gained them (`docs/measurements.md`, "Replicas rated from their first polls").
     /// Read only while its standard error is within [`POOL_FIT_MAX_ERROR`] of it: at light load,
     /// a window's prefill is too small a part of its time to be told from the steps' spread
-    /// (seen: four alike simulated L4s rated from 0.25 to 1.75 by two replicas with 16 users
+    /// (seen: four alike simulated L4s rated from 0.25 to 1.9 by two replicas with 16 users
     /// pausing 2 s, each replica rating different workers apart, so that their homes differed).
     pub(super) fn pool_reading(&self) -> PoolReading {
         let fit = self.fit.lock();
