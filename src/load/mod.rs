@@ -34,7 +34,7 @@ pub use kv_clock::{KvClock, RECENT_TAU_US};
 pub use poller::run;
 pub use speeds::{rate_speeds, ALONE_SHARE, SPEED_DEADBAND};
 pub use step_clock::StepClock;
-pub use traffic::{Traffic, TRAFFIC_POLLS};
+pub use traffic::Traffic;
 
 /// Laid out in declaration order, 32 bytes: it sits in the worker's first cache line.
 #[derive(Debug)]

@@ -3,7 +3,7 @@
 
 use std::sync::{atomic::Ordering, Arc};
 
-use super::{step_clock::PoolReading, StepClock};
+use super::{step_clock::SpeedReading, StepClock};
 use crate::workers::Worker;
 
 /// Times per prefill token closer to the pool's median than this factor count as the median's:
@@ -94,7 +94,7 @@ pub fn rate_speeds(workers: &[Arc<Worker>]) {
             .unwrap_or(0)
             .saturating_sub(1)
     };
-    let readings: Vec<PoolReading> = workers
+    let readings: Vec<SpeedReading> = workers
         .iter()
         .map(|w| {
             w.steps.beside.store(beside, Ordering::Relaxed);
@@ -103,14 +103,14 @@ pub fn rate_speeds(workers: &[Arc<Worker>]) {
             } else {
                 w.steps
                     .settled_per_token()
-                    .map_or(PoolReading::Unknown, PoolReading::PerToken)
+                    .map_or(SpeedReading::Unknown, SpeedReading::PerToken)
             }
         })
         .collect();
     let fitted: Vec<f64> = readings
         .iter()
         .filter_map(|r| match r {
-            PoolReading::PerToken(per_token) => Some(*per_token),
+            SpeedReading::PerToken(per_token) => Some(*per_token),
             _ => None,
         })
         .collect();
@@ -123,8 +123,8 @@ pub fn rate_speeds(workers: &[Arc<Worker>]) {
         // A reading more than four times off the median is more likely a bad fit than a GPU:
         // it counts as four times. A fit too uncertain to read leaves the rating as it was.
         let seen = match reading {
-            PoolReading::Unsure => continue,
-            PoolReading::PerToken(per_token) if median > 0.0 => {
+            SpeedReading::Unsure => continue,
+            SpeedReading::PerToken(per_token) if median > 0.0 => {
                 Some((per_token / median).clamp(0.25, 4.0))
             }
             _ => None,

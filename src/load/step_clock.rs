@@ -243,9 +243,10 @@ struct PollFit {
 /// [`SPEED_DEADBAND`]: super::speeds::SPEED_DEADBAND
 pub(super) const POOL_FIT_MAX_ERROR: f64 = 0.1;
 
-/// What a worker's pool fit says of its time per prefill token, for its speed rating.
+/// What a poll reads of a worker's time per prefill token for its speed rating, from its pool fit
+/// ([`StepClock::pool_reading`]) or this gateway's own fit.
 #[derive(Clone, Copy, Debug, PartialEq)]
-pub(super) enum PoolReading {
+pub(super) enum SpeedReading {
     /// No fit yet.
     Unknown,
     /// A fit too uncertain to read ([`POOL_FIT_MAX_ERROR`]).
@@ -513,15 +514,15 @@ impl StepClock {
     /// a window's prefill is too small a part of its time to be told from the steps' spread
     /// (seen: four alike simulated L4s rated from 0.25 to 1.9 by two replicas with 16 users
     /// pausing 2 s, each replica rating different workers apart, so that their homes differed).
-    pub(super) fn pool_reading(&self) -> PoolReading {
+    pub(super) fn pool_reading(&self) -> SpeedReading {
         let fit = self.fit.lock();
         let p = &fit.polls;
         if p.per_token <= 0.0 {
-            PoolReading::Unknown
+            SpeedReading::Unknown
         } else if p.error > POOL_FIT_MAX_ERROR {
-            PoolReading::Unsure
+            SpeedReading::Unsure
         } else {
-            PoolReading::PerToken(p.per_token)
+            SpeedReading::PerToken(p.per_token)
         }
     }
 
@@ -609,10 +610,10 @@ pub(super) mod tests {
     fn a_pool_fit_lost_in_the_spread_of_the_steps_is_not_read() {
         let light = StepClock::default();
         spread_steps(&light, 50, 40);
-        assert_eq!(light.pool_reading(), PoolReading::Unsure);
+        assert_eq!(light.pool_reading(), SpeedReading::Unsure);
         let busy = StepClock::default();
         spread_steps(&busy, 50, 1);
-        let PoolReading::PerToken(per_token) = busy.pool_reading() else {
+        let SpeedReading::PerToken(per_token) = busy.pool_reading() else {
             panic!("not read: {:?}", busy.pool_reading());
         };
         assert!((per_token - 50.0).abs() < 5.0, "{per_token}");
@@ -623,9 +624,9 @@ pub(super) mod tests {
         let clock = StepClock::default();
         fit_against_counters(&clock, 20_000, 30, 3, SOLVE_WINDOWS as usize - 1);
         // Not before it has enough windows.
-        assert_eq!(clock.pool_reading(), PoolReading::Unknown);
+        assert_eq!(clock.pool_reading(), SpeedReading::Unknown);
         fit_against_counters(&clock, 20_000, 30, 3, 1);
-        let PoolReading::PerToken(per_token) = clock.pool_reading() else {
+        let SpeedReading::PerToken(per_token) = clock.pool_reading() else {
             panic!("no fit: {:?}", clock.pool_reading());
         };
         assert!((per_token - 30.0).abs() < 0.5, "{per_token}");

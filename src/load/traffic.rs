@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 pub const TRAFFIC_POLLS: f64 = 32.0;
 
 /// Requests a worker had at each poll, this gateway's and others' (other replicas', other
-/// clients'), summed over about the last [`TRAFFIC_POLLS`] polls, older polls weighing less.
+/// clients'), summed over about the last `TRAFFIC_POLLS` polls, older polls weighing less.
 ///
 /// One poll's count is what a routing decision would otherwise read, and at light load it says
 /// little: with two replicas and a request or two in flight, one poll finds only the other

@@ -34,15 +34,9 @@ impl PoolLoad {
         })
     }
 
-    /// At most [`SAMPLED`] of `workers`, evenly spread (all of them in a pool of up to that
-    /// many): what a decision needs of the whole pool's load (its mean, other replicas' share) is
-    /// an average, and a full sum is about 1.3 us of a decision at 1,024 workers (criterion).
+    /// The load of [`sample`]`(workers)`.
     pub(super) fn sampled(workers: &[Arc<Worker>]) -> Self {
-        Self::of(
-            workers
-                .iter()
-                .step_by(workers.len().div_ceil(SAMPLED).max(1)),
-        )
+        Self::of(sample(workers))
     }
 
     /// The mean requests in flight per usable worker.
@@ -62,6 +56,15 @@ impl PoolLoad {
             self.local as f64 * n as f64 / self.seen as f64
         }
     }
+}
+
+/// At most [`SAMPLED`] of `workers`, evenly spread (all of them in a pool of up to that many):
+/// what a decision needs of the whole pool's load (its mean, other replicas' share) is an
+/// average, and a full sum is about 1.3 us of a decision at 1,024 workers (criterion).
+fn sample(workers: &[Arc<Worker>]) -> impl Iterator<Item = &Arc<Worker>> {
+    workers
+        .iter()
+        .step_by(workers.len().div_ceil(SAMPLED).max(1))
 }
 
 /// The pool's load for one decision, sampled when first asked: `spread_share` needs this
@@ -92,11 +95,7 @@ impl<'a> PoolSample<'a> {
     /// gateway alone: the poll counts its own requests as it went out and came back.
     pub(super) fn share(&self) -> f64 {
         *self.share.get_or_init(|| {
-            let step = self.workers.len().div_ceil(SAMPLED).max(1);
-            let (others, all) = self
-                .workers
-                .iter()
-                .step_by(step)
+            let (others, all) = sample(self.workers)
                 .filter(|w| w.is_usable())
                 .map(|w| w.traffic.sums())
                 .fold((0.0, 0.0), |(o, a), (wo, wa)| (o + wo, a + wa));
