@@ -23,6 +23,7 @@ pub mod load;
 pub mod logging;
 pub mod loop_copy;
 pub mod metrics;
+pub mod peers;
 pub mod policy;
 pub mod proxy;
 pub mod reload;

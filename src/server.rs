@@ -310,6 +310,10 @@ pub async fn serve_state_on(
         state.resolver.clone(),
         background.clone(),
     ));
+    tokio::spawn(crate::peers::run(
+        state.upstreams.clone(),
+        background.clone(),
+    ));
     let server = async {
         let accepted = crate::listener::serve_spread(
             listener,

@@ -207,8 +207,23 @@ async fn start_gateway(
     config
         .validate()
         .map_err(|e| BenchError::Setup(e.to_string()))?;
+    // Replicas of an arm whose config has `peers.bind` tell each other their load: each gets a
+    // UDP socket of its own on the bench's host, and every replica all of their addresses.
+    let mut peers = Vec::new();
+    if config.peers.bind.is_some() {
+        for _ in 0..replicas.max(1) {
+            let socket = std::net::UdpSocket::bind((host, 0))
+                .and_then(crate::peers::hand_over)
+                .map_err(|e| BenchError::Setup(e.to_string()))?;
+            peers.push(socket);
+        }
+        config.peers.addresses = peers.iter().map(ToString::to_string).collect();
+    }
     let mut urls = Vec::new();
-    for _ in 0..replicas.max(1) {
+    for k in 0..replicas.max(1) {
+        if let Some(addr) = peers.get(k) {
+            config.peers.bind = Some(*addr);
+        }
         let listener = TcpListener::bind((host, 0))
             .await
             .map_err(|e| BenchError::Setup(e.to_string()))?;

@@ -14,7 +14,7 @@ mod worker;
 
 pub use operations::{
     AdmissionConfig, AuthConfig, ClientKeyConfig, DiscoveryConfig, HealthConfig, LimitsConfig,
-    LoadSignalsConfig,
+    LoadSignalsConfig, PeersConfig,
 };
 pub use routing::{
     AbConfig, ArmConfig, CacheAwareParams, PolicyConfig, PrefixParams, RoutingConfig,
@@ -88,6 +88,8 @@ pub struct Config {
     pub tokenizers: Vec<TokenizerConfig>,
     /// A weighted split of traffic between policies; when set, it replaces `policy`.
     pub ab: Option<AbConfig>,
+    /// Other replicas of the gateway to exchange load with.
+    pub peers: PeersConfig,
 }
 
 impl Default for Config {
@@ -114,6 +116,7 @@ impl Default for Config {
             kv_events: KvEventsConfig::default(),
             tokenizers: Vec::new(),
             ab: None,
+            peers: PeersConfig::default(),
         }
     }
 }
@@ -399,6 +402,18 @@ impl Config {
             || self.discovery.data_parallel_size() == Some(DataParallelSize::Auto);
         if auto && l.interval_seconds == 0.0 {
             return Err("data_parallel_size: auto reads the engines from the load poll of /metrics: load_signals.interval_seconds must be above 0".into());
+        }
+        let p = &self.peers;
+        if p.bind.is_some()
+            && !(positive(p.interval_seconds)
+                && positive(p.resolve_seconds)
+                && positive(p.expire_seconds)
+                && p.addresses.iter().all(|a| {
+                    a.rsplit_once(':')
+                        .is_some_and(|(h, port)| !h.is_empty() && port.parse::<u16>().is_ok())
+                }))
+        {
+            return Err("peers: interval_seconds, resolve_seconds and expire_seconds > 0, addresses as host:port".into());
         }
         Ok(())
     }
@@ -726,11 +741,24 @@ mod tests {
                 format!("{w}\nload_signals: {{path: metrics}}"),
                 "load_signals: interval_seconds",
             ),
+            (
+                format!("{w}\npeers: {{bind: '127.0.0.1:7946', addresses: [no-port]}}"),
+                "peers: interval_seconds",
+            ),
+            (
+                format!("{w}\npeers: {{bind: '127.0.0.1:7946', interval_seconds: 0}}"),
+                "peers: interval_seconds",
+            ),
         ] {
             let e = Config::from_yaml(&yaml).unwrap_err().to_string();
             assert!(e.contains(message), "{yaml:?}: {e}");
         }
         Config::from_yaml(w).unwrap();
+        let peered = Config::from_yaml(&format!(
+            "{w}\npeers: {{bind: '0.0.0.0:7946', addresses: ['kvroute-peers.default.svc:7946']}}"
+        ))
+        .unwrap();
+        assert_eq!(peered.peers.interval_seconds, 0.001);
     }
 
     #[test]

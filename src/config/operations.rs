@@ -126,6 +126,37 @@ impl Default for LoadSignalsConfig {
     }
 }
 
+/// Replicas of the gateway telling each other the load they put on each worker, so that a
+/// request one sends is priced by the others within moments rather than at the next load poll
+/// (and then only as a count). Each replica sends, over UDP from `bind`, what changed of what it
+/// has in flight on every worker as soon as it changes (then waits `interval_seconds` before it
+/// looks again; all of it each second) to every address `addresses` resolve to, re-resolved
+/// every `resolve_seconds`: in Kubernetes, one headless Service name that resolves to every
+/// replica (a replica ignores its own datagrams). What a peer said expires after
+/// `expire_seconds` without word from it. No `bind`: off. The datagrams are neither signed nor
+/// encrypted: bind to an address only the replicas reach. Read at start.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct PeersConfig {
+    pub bind: Option<std::net::SocketAddr>,
+    pub addresses: Vec<String>,
+    pub interval_seconds: f64,
+    pub resolve_seconds: f64,
+    pub expire_seconds: f64,
+}
+
+impl Default for PeersConfig {
+    fn default() -> Self {
+        Self {
+            bind: None,
+            addresses: Vec::new(),
+            interval_seconds: 0.001,
+            resolve_seconds: 5.0,
+            expire_seconds: 3.0,
+        }
+    }
+}
+
 /// Worker discovery. `static` uses `workers`; `dns` re-resolves `host` (e.g. a headless Service)
 /// every `interval_seconds` and uses every address on `port`; `kubernetes` watches the
 /// EndpointSlices of `service` in `namespace` and uses the Ready, non-terminating endpoints on

@@ -36,7 +36,7 @@ pub use speeds::{rate_speeds, ALONE_SHARE, SPEED_DEADBAND};
 pub use step_clock::StepClock;
 pub use traffic::Traffic;
 
-/// Laid out in declaration order, 32 bytes: it sits in the worker's first cache line.
+/// Laid out in declaration order, 56 bytes: the figures a pricing pass reads together.
 #[derive(Debug)]
 #[repr(C)]
 pub struct Load {
@@ -44,7 +44,13 @@ pub struct Load {
     /// Prompt tokens of this gateway's requests in flight on the worker, counted from the choice
     /// to the end of the answer: the context each decode step reads on their behalf.
     context_tokens: AtomicU64,
-    /// Requests the worker had at the last poll beyond this gateway's own in flight then.
+    /// What peer replicas last said they have on the worker ([`crate::peers`]): their pending
+    /// prefill and context in tokens, and (below) their requests in flight. All 0 without peers.
+    peer_pending: AtomicU64,
+    peer_context: AtomicU64,
+    peer_inflight: AtomicU32,
+    /// Requests the worker had at the last poll beyond this gateway's own in flight then and its
+    /// peers' (other replicas that do not tell, other clients).
     others: AtomicU32,
     /// Share of the cached tokens a policy predicted that the worker then reported, in permille,
     /// smoothed: how far a policy may trust its index for this worker.
@@ -59,6 +65,9 @@ impl Default for Load {
         Self {
             pending_prefill: AtomicU64::new(0),
             context_tokens: AtomicU64::new(0),
+            peer_pending: AtomicU64::new(0),
+            peer_context: AtomicU64::new(0),
+            peer_inflight: AtomicU32::new(0),
             others: AtomicU32::new(0),
             kv_usage_permille: AtomicU32::new(0),
             polled: AtomicBool::new(false),
@@ -114,13 +123,35 @@ impl Load {
         self.context_tokens.load(Ordering::Relaxed)
     }
 
-    /// Requests queued or running on the worker: this gateway's in-flight count now, plus what the
-    /// last successful poll saw beyond this gateway's own.
+    /// Requests queued or running on the worker: this gateway's in-flight count now and its
+    /// peers' as they last said, plus what the last successful poll saw beyond both.
     pub fn queued(&self, local_inflight: usize) -> usize {
+        let known = local_inflight + self.peer_inflight() as usize;
         if !self.polled.load(Ordering::Relaxed) {
-            return local_inflight;
+            return known;
         }
-        local_inflight + self.others.load(Ordering::Relaxed) as usize
+        known + self.others.load(Ordering::Relaxed) as usize
+    }
+
+    /// Peer replicas' requests in flight on the worker, as they last said.
+    pub fn peer_inflight(&self) -> u32 {
+        self.peer_inflight.load(Ordering::Relaxed)
+    }
+
+    /// Peer replicas' pending prefill and context on the worker, in tokens, as they last said.
+    pub fn peer_tokens(&self) -> (u64, u64) {
+        (
+            self.peer_pending.load(Ordering::Relaxed),
+            self.peer_context.load(Ordering::Relaxed),
+        )
+    }
+
+    /// What peer replicas have on the worker, summed over them: requests in flight, pending
+    /// prefill and context tokens. Only the peers' receiver writes it.
+    pub fn set_peers(&self, inflight: u32, pending: u64, context: u64) {
+        self.peer_inflight.store(inflight, Ordering::Relaxed);
+        self.peer_pending.store(pending, Ordering::Relaxed);
+        self.peer_context.store(context, Ordering::Relaxed);
     }
 
     /// The worker's KV cache usage in [0, 1], when polled.
@@ -149,15 +180,18 @@ impl Load {
 
     /// Records a poll's result; `local_inflight` is as many of this gateway's requests as the
     /// worker can have counted (the poll loop's: the most in flight as the poll went out or as it
-    /// came back). Returns the requests the worker had beyond those, `None` for a failed poll.
-    pub fn store(&self, p: Option<Polled>, local_inflight: usize) -> Option<f64> {
+    /// came back), `peers` as many of its peers' ([`crate::peers`]; 0 without). Returns the
+    /// requests the worker had beyond this gateway's own, peers' included, `None` for a failed
+    /// poll.
+    pub fn store(&self, p: Option<Polled>, local_inflight: usize, peers: usize) -> Option<f64> {
         let Some(p) = p else {
             self.polled.store(false, Ordering::Relaxed);
             return None;
         };
         let count = |v: f64| v.clamp(0.0, f64::from(u32::MAX)) as u32;
         let others = (p.running + p.waiting - local_inflight as f64).max(0.0);
-        self.others.store(count(others), Ordering::Relaxed);
+        let untold = (others - peers as f64).max(0.0);
+        self.others.store(count(untold), Ordering::Relaxed);
         self.kv_usage_permille
             .store(count(p.kv_usage * 1000.0), Ordering::Relaxed);
         self.polled.store(true, Ordering::Relaxed);
@@ -183,6 +217,7 @@ impl RequestLoad {
             worker.steps.sent(now_us());
         }
         load.context_tokens.fetch_add(context, Ordering::Relaxed);
+        crate::peers::changed();
         Self {
             worker,
             tokens,
@@ -202,6 +237,7 @@ impl RequestLoad {
             .load
             .pending_prefill
             .fetch_sub(t, Ordering::Relaxed);
+        crate::peers::changed();
         t
     }
 }
@@ -213,6 +249,7 @@ impl Drop for RequestLoad {
             .load
             .context_tokens
             .fetch_sub(self.context, Ordering::Relaxed);
+        crate::peers::changed();
     }
 }
 
@@ -245,17 +282,38 @@ mod tests {
             kv_usage: 0.5,
             ..Polled::default()
         };
-        assert_eq!(l.store(Some(polled), 2), Some(6.0));
+        assert_eq!(l.store(Some(polled), 2, 0), Some(6.0));
         assert_eq!(l.queued(2), 8);
         // This gateway's own changes count at once; the others' part waits for the next poll.
         assert_eq!(l.queued(0), 6);
         assert_eq!(l.queued(10), 16);
         assert_eq!(l.kv_usage(), Some(0.5));
         // A lone gateway: the worker's count is its own, nothing is added.
-        assert_eq!(l.store(Some(polled), 9), Some(0.0));
+        assert_eq!(l.store(Some(polled), 9, 0), Some(0.0));
         assert_eq!(l.queued(3), 3);
-        assert_eq!(l.store(None, 0), None);
+        assert_eq!(l.store(None, 0, 0), None);
         assert_eq!(l.queued(2), 2);
+    }
+
+    #[test]
+    fn peers_count_as_they_say_and_the_poll_adds_only_what_nobody_told() {
+        let l = Load::default();
+        // A peer says it has 4 requests there: they count at once, before any poll.
+        l.set_peers(4, 300, 2_000);
+        assert_eq!(l.queued(2), 6);
+        assert_eq!(l.peer_tokens(), (300, 2_000));
+        // The worker ran 9 with 2 of ours and 4 of the peer's: 3 are from someone untold.
+        let polled = Polled {
+            running: 6.0,
+            waiting: 3.0,
+            ..Polled::default()
+        };
+        // Beyond this gateway's own, the peer's included, for the traffic share.
+        assert_eq!(l.store(Some(polled), 2, 4), Some(7.0));
+        assert_eq!(l.queued(2), 9);
+        // The peer's requests end: they leave at once, the untold 3 stay till the next poll.
+        l.set_peers(0, 0, 0);
+        assert_eq!(l.queued(2), 5);
     }
 
     #[test]

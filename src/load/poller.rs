@@ -32,7 +32,7 @@ pub async fn run(up: Arc<Upstreams>, cancel: CancellationToken) {
         let workers = up.pool.snapshot();
         let polls = workers.iter().map(|w| poll(&up, w, &cfg.path, timeout));
         let mut engines = Vec::new();
-        for (w, (p, ranks, local)) in workers.iter().zip(join_all(polls).await) {
+        for (w, (p, ranks, (local, peers))) in workers.iter().zip(join_all(polls).await) {
             if let (Some(url), Some(ranks)) = (&w.ranks_of, ranks) {
                 engines.push((url, ranks));
             }
@@ -51,7 +51,7 @@ pub async fn run(up: Arc<Upstreams>, cancel: CancellationToken) {
                 p.as_ref().and_then(Polled::prefilled),
                 w.inflight() > 0,
             );
-            w.polled(p, local);
+            w.polled(p, local, peers);
         }
         rate_speeds(&workers);
         for (url, ranks) in engines {
@@ -102,14 +102,16 @@ fn follow_ranks(up: &Upstreams, url: &str, ranks: Vec<u32>) {
 /// as the poll went out or as its answer came back: as many of this gateway's own as the worker
 /// can have counted, but for one that both started and ended meanwhile. Read after all the polls
 /// came back, or at either end alone, the count would miss a request that ended while the poll
-/// was out, and a lone gateway would take the worker's count of it for another replica's.
+/// was out, and a lone gateway would take the worker's count of it for another replica's. The
+/// same for the requests its peers said they had there ([`crate::peers`]).
 async fn poll(
     up: &Upstreams,
     w: &Worker,
     path: &str,
     timeout: Duration,
-) -> (Option<Polled>, Option<Vec<u32>>, usize) {
+) -> (Option<Polled>, Option<Vec<u32>>, (usize, usize)) {
     let sent = w.inflight();
+    let peers_sent = w.load.peer_inflight();
     let read = async {
         let uri = http::Uri::builder()
             .scheme(w.scheme.clone())
@@ -141,5 +143,6 @@ async fn poll(
         Ok(Some(read)) => read,
         _ => (None, None),
     };
-    (polled, ranks, sent.max(w.inflight()))
+    let peers = peers_sent.max(w.load.peer_inflight()) as usize;
+    (polled, ranks, (sent.max(w.inflight()), peers))
 }

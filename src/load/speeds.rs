@@ -204,7 +204,7 @@ mod tests {
             ..Polled::default()
         };
         for w in &ws {
-            w.polled(Some(polled), w.inflight());
+            w.polled(Some(polled), w.inflight(), 0);
         }
         for _ in 0..RATINGS / 2 + 1 {
             rate_speeds(&ws);
@@ -241,7 +241,7 @@ mod tests {
                     running,
                     ..Polled::default()
                 };
-                w.polled(Some(polled), w.inflight());
+                w.polled(Some(polled), w.inflight(), 0);
             }
         };
         // Beside another replica.
@@ -282,7 +282,7 @@ mod tests {
                     running: 2.0,
                     ..Polled::default()
                 };
-                w.polled(Some(polled), w.inflight());
+                w.polled(Some(polled), w.inflight(), 0);
             }
             for _ in 0..RATINGS {
                 rate_speeds(&ws);

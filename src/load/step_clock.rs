@@ -384,6 +384,22 @@ impl StepClock {
             .store(per_token.to_bits(), Ordering::Relaxed);
     }
 
+    /// Peer replicas said their prompts' first tokens cleared `cleared` tokens of their pending
+    /// prefill there ([`crate::peers`]): heard a moment after the burst their first tokens came
+    /// in (the same step end as this gateway's frames), so counted with it, as a frame of this
+    /// gateway's that came late in the burst would be. Without it, a replica beside others fits
+    /// its steps to its own prefill alone, and every step that prefilled a peer's prompt looks
+    /// long for the tokens it shows.
+    pub fn peer_cleared(&self, cleared: u64) {
+        if cleared == 0 || self.last.load(Ordering::Relaxed) == 0 {
+            return;
+        }
+        self.cleared.fetch_add(cleared, Ordering::Relaxed);
+        let in_step = self.in_step.load(Ordering::Relaxed);
+        self.in_step
+            .store(in_step.saturating_sub(cleared), Ordering::Relaxed);
+    }
+
     /// A prompt was sent at `now` ([`now_us`](super::now_us)) to the worker, which had none of this gateway's
     /// prompts waiting for their first token.
     pub fn sent(&self, now: u64) {
@@ -723,6 +739,37 @@ pub(super) mod tests {
             "per token after a pause {per_token} us"
         );
         assert!(ahead(t + 250) > 1_800.0);
+    }
+
+    #[test]
+    fn a_peers_prefill_heard_after_the_burst_counts_in_the_step_it_ended() {
+        // Steps of 20 ms plus 10 us a token, prefilling this gateway's prompts and a peer's.
+        let (told, untold) = (StepClock::default(), StepClock::default());
+        let own = [0u64, 128, 0, 512, 256, 0, 0, 1024];
+        let theirs = [256u64, 0, 512, 0, 0, 1024, 128, 0, 64];
+        let mut t = 1_000;
+        for (&x, &y) in own.iter().cycle().zip(theirs.iter().cycle()).take(300) {
+            t += 20_000 + 10 * (x + y);
+            for c in [&told, &untold] {
+                c.frame(t, x, || 0);
+            }
+            // The peer's first tokens came in the same burst; its word of them a moment later.
+            told.peer_cleared(y);
+            for f in 1..6 {
+                for c in [&told, &untold] {
+                    c.frame(t + 50 * f, 0, || 0);
+                }
+            }
+        }
+        let (base, per_token) = told.fit().expect("fitted");
+        assert!((base - 20_000.0).abs() < 1_000.0, "base {base} us");
+        assert!((per_token - 10.0).abs() < 0.5, "per token {per_token} us");
+        // Untold, the peer's prefill is time without tokens.
+        let (base, per_token) = untold.fit().expect("fitted");
+        assert!(
+            (base - 20_000.0).abs() > 2_000.0 || (per_token - 10.0).abs() > 2.0,
+            "untold: base {base} us, per token {per_token} us"
+        );
     }
 
     #[test]

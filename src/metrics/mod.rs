@@ -128,6 +128,13 @@ pub struct MetricSet {
     pub responses_followed: IntCounterVec,
     /// Stored responses whose worker is remembered (set at scrape time).
     pub responses_remembered: prometheus::IntGauge,
+    /// Peer replicas heard from within `peers.expire_seconds`.
+    pub peers: prometheus::IntGauge,
+    /// `worker`, `what` (requests, pending_prefill_tokens): what peer replicas said they have
+    /// on the worker (set at scrape time, with peers configured).
+    pub peer_load: GaugeVec,
+    /// `kind` (sent, received, rejected): datagrams exchanged with peer replicas.
+    pub peer_datagrams: IntCounterVec,
 }
 
 /// `kvroute_tokenized_requests_total`'s series (`how`).
@@ -221,7 +228,26 @@ impl Metrics {
         registry
             .register(Box::new(responses_remembered.clone()))
             .expect("metric registered once");
+        let peers = prometheus::IntGauge::new(
+            "kvroute_peers",
+            "Peer replicas heard from within peers.expire_seconds: the replicas whose requests in flight on each worker this gateway prices as its own.",
+        )
+        .expect("static metric definition");
+        registry
+            .register(Box::new(peers.clone()))
+            .expect("metric registered once");
         Self(std::sync::Arc::new(MetricSet {
+            peers,
+            peer_load: float_gauge(
+                "kvroute_worker_peer_load",
+                "What peer replicas last said they have on a worker, summed over them: requests in flight (what=requests) and prompt tokens not yet answered (what=pending_prefill_tokens). Priced as this gateway's own by cache_aware. Shown with peers configured.",
+                &["worker", "what"],
+            ),
+            peer_datagrams: counter(
+                "kvroute_peer_datagrams_total",
+                "Datagrams of load exchanged with peer replicas, by kind: sent (one per peer address), received, rejected (not a peer datagram, or stale).",
+                &["kind"],
+            ),
             responses_followed: counter(
                 "kvroute_responses_followed_total",
                 "Requests for a stored Responses API response (previous_response_id, /v1/responses/{id}), by how its worker was known: remembered, found (asked of every worker), unknown (no worker had it; sent to the least-loaded worker).",
@@ -454,6 +480,7 @@ impl Metrics {
         forget(&self.step_seconds, &by_worker);
         self.worker_slowness.remove_label_values(&[name]).ok();
         self.pending_prefill.remove_label_values(&[name]).ok();
+        forget(&self.peer_load, &by_worker);
         self.step_prefill_done.remove_label_values(&[name]).ok();
         self.worker_inflight.remove_label_values(&[name]);
         self.worker_healthy.remove_label_values(&[name]).ok();
@@ -535,6 +562,16 @@ impl Metrics {
         self.step_prefill_done
             .with_label_values(&[worker])
             .set(done);
+    }
+
+    /// Publishes what peer replicas said they have on a worker (called at scrape time).
+    pub fn publish_peer_load(&self, worker: &str, requests: u32, pending: u64) {
+        self.peer_load
+            .with_label_values(&[worker, "requests"])
+            .set(f64::from(requests));
+        self.peer_load
+            .with_label_values(&[worker, "pending_prefill_tokens"])
+            .set(pending as f64);
     }
 
     /// Publishes a prefix index's figures (called at scrape time).

@@ -175,7 +175,9 @@ impl Tracker {
             let cleared = f.load.done();
             if let Some(now) = now {
                 let w = self.slot.worker();
-                w.steps.frame(now, cleared, || w.load.pending_prefill());
+                w.steps.frame(now, cleared, || {
+                    w.load.pending_prefill() + w.load.peer_tokens().0
+                });
             }
             f.usage.read(data, f.names, sse);
         }

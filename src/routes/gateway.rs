@@ -118,6 +118,9 @@ pub async fn metrics(State(s): State<AppState>) -> Response {
         let pending = w.load.pending_prefill();
         let done = w.steps.prefill_done(crate::load::now_us(), pending);
         metrics.publish_prefill(&w.name, pending, done);
+        if s.upstreams.config.peers.bind.is_some() {
+            metrics.publish_peer_load(&w.name, w.load.peer_inflight(), w.load.peer_tokens().0);
+        }
     }
     (
         [(

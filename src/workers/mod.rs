@@ -194,8 +194,8 @@ impl Worker {
     /// What a load poll of the worker showed (`None`: the poll failed), of which as many as
     /// `local_inflight` requests may be this gateway's: to its load ([`crate::load::Load::store`]) and, for the
     /// requests it counted, to its traffic over many polls ([`crate::load::Traffic`]).
-    pub fn polled(&self, p: Option<crate::load::Polled>, local_inflight: usize) {
-        if let Some(others) = self.load.store(p, local_inflight) {
+    pub fn polled(&self, p: Option<crate::load::Polled>, local_inflight: usize, peers: usize) {
+        if let Some(others) = self.load.store(p, local_inflight, peers) {
             self.traffic.polled(others, local_inflight as f64);
         }
     }
@@ -333,6 +333,7 @@ impl HeldWorker {
             self.inflight.fetch_add(1, Ordering::Relaxed);
         }
         self.inflight_gauge.inc();
+        crate::peers::changed();
         Some(InflightGuard { worker: self })
     }
 
@@ -340,6 +341,7 @@ impl HeldWorker {
     pub fn acquire(self) -> InflightGuard {
         self.inflight.fetch_add(1, Ordering::Relaxed);
         self.inflight_gauge.inc();
+        crate::peers::changed();
         InflightGuard { worker: self }
     }
 }
@@ -424,6 +426,7 @@ impl Drop for InflightGuard {
         self.worker.inflight.fetch_sub(1, Ordering::Release);
         self.worker.inflight_gauge.dec();
         self.worker.freed.released(&self.worker.models);
+        crate::peers::changed();
     }
 }
 

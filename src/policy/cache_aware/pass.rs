@@ -65,25 +65,29 @@ pub(super) struct QueueWeights {
 
 impl QueueWeights {
     /// The work queued on `w`, in prompt tokens, given its requests in flight: this gateway's
-    /// (`local`) and all of them by the last poll (`queued`).
+    /// (`local`) and all of them by the last poll (`queued`, its peers' included).
     #[inline(always)]
     pub(super) fn cost(self, w: &Worker, local: usize, queued: usize, prompt: f64) -> f64 {
         // Counts go through `i64`: one instruction to a float on x86-64, where `u64` takes
         // several, and this runs for every worker of every decision (all are far below 2^63).
-        let own = w.load.context_tokens() as i64 as f64;
         let own_pending_tokens = w.load.pending_prefill();
-        let own_pending = own_pending_tokens as i64 as f64;
+        // What peer replicas said they have there counts as this gateway's own: their tokens
+        // are known, not guessed (all 0 without peers).
+        let (peer_pending, peer_context) = w.load.peer_tokens();
+        let known = local + w.load.peer_inflight() as usize;
+        let own = (w.load.context_tokens() + peer_context) as i64 as f64;
+        let own_pending = (own_pending_tokens + peer_pending) as i64 as f64;
         let queued_f = queued as i64 as f64;
-        // Tokens read per decode step on behalf of the queue, and prefill not started. Other
-        // replicas' requests there are taken to be like this gateway's on average, or, with none
-        // of its own there, their prompts like this one (their prefill then unknown). No division
-        // with one gateway.
-        let (context, pending) = if queued == local {
+        // Tokens read per decode step on behalf of the queue, and prefill not started. Requests
+        // nobody told of there (other replicas', other clients') are taken to be like the known
+        // ones on average, or, with none known there, their prompts like this one (their prefill
+        // then unknown). No division with one gateway.
+        let (context, pending) = if queued == known {
             (own, own_pending)
-        } else if local == 0 {
+        } else if known == 0 {
             (prompt * queued_f, own_pending)
         } else {
-            let per_own = queued_f / local as i64 as f64;
+            let per_own = queued_f / known as i64 as f64;
             (own * per_own, own_pending * per_own)
         };
         // What remains of the step under way delays this request's prefill as much as prefill
@@ -91,7 +95,8 @@ impl QueueWeights {
         let step = if self.now == 0 {
             0.0
         } else if self.step_prefill {
-            w.steps.remaining_less_done(self.now, own_pending_tokens)
+            w.steps
+                .remaining_less_done(self.now, own_pending_tokens + peer_pending)
         } else {
             w.steps.remaining_tokens(self.now)
         };

@@ -166,7 +166,7 @@ pub(super) fn polled_beside_four_of_ours(
             running,
             ..Default::default()
         };
-        w.polled(Some(polled), 4);
+        w.polled(Some(polled), 4, 0);
     }
     mine
 }

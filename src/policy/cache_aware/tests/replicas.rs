@@ -182,8 +182,8 @@ fn another_replicas_requests_count_as_much_pending_prefill_as_ours_there() {
         running: 4.0,
         ..Default::default()
     };
-    ws[0].polled(Some(polled), 4);
-    ws[1].polled(Some(polled), 1);
+    ws[0].polled(Some(polled), 4, 0);
+    ws[1].polled(Some(polled), 1, 0);
     // Both have four requests queued; a one-block prompt (64 tokens) is new to both, so
     // besides the pending prefill only the home's credit (under 64 tokens) separates them.
     for c in 0..8 {
@@ -221,7 +221,7 @@ fn a_poll_that_finds_the_pool_idle_does_not_make_a_replica_decide_alone() {
     let home = p.peek(&ws, &question).unwrap().index;
     drop(another_replica_as_busy(&ws));
     for w in &ws {
-        w.polled(Some(idle), 0);
+        w.polled(Some(idle), 0, 0);
     }
     let _held = hold(&ws[home], 256, 256);
     assert_eq!(p.peek(&ws, &question).unwrap().index, home);
@@ -231,7 +231,7 @@ fn a_poll_that_finds_the_pool_idle_does_not_make_a_replica_decide_alone() {
     let p = knowing_the_system_prompt(&lone, CacheAwareParams::default());
     drop(polled_beside_four_of_ours(&lone, 4.0));
     for w in &lone {
-        w.polled(Some(idle), 0);
+        w.polled(Some(idle), 0, 0);
     }
     let _held = hold(&lone[home], 256, 256);
     let placed = p.peek(&lone, &question).unwrap().index;

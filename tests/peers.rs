@@ -1,0 +1,111 @@
+//! Peer replicas over real UDP on loopback: a request one replica sends is priced by the other
+//! before any load poll, and leaves its price when it ends.
+
+mod common;
+
+use std::{net::SocketAddr, time::Duration};
+
+use common::*;
+use kvroute::config::Config;
+
+fn replica(workers: &[&Upstream], me: Option<SocketAddr>, all: &[SocketAddr]) -> Config {
+    let mut c = config_for(workers, "cache_aware");
+    // No poll reaches these upstreams (they serve no /metrics): what one replica knows of the
+    // other's requests is only what the peers' datagrams say.
+    c.load_signals.interval_seconds = 0.0;
+    c.peers.bind = me;
+    c.peers.addresses = all.iter().map(ToString::to_string).collect();
+    c
+}
+
+fn completion(prompt: &str) -> serde_json::Value {
+    serde_json::json!({"model": "m", "prompt": prompt, "max_tokens": 1})
+}
+
+/// Where the gateway at `gw` would send `body` now (`/debug/route` changes nothing).
+async fn route(gw: SocketAddr, body: &serde_json::Value) -> String {
+    let d = request(
+        gw,
+        "POST",
+        "/debug/route/v1/completions",
+        body.to_string().as_bytes(),
+    )
+    .await;
+    assert_eq!(d.status, 200, "{}", String::from_utf8_lossy(&d.body));
+    d.json()["worker"].as_str().unwrap().to_owned()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_prices_its_peers_requests_at_once_and_drops_them_when_they_end() {
+    let (wa, wb) = (upstream("wa", &[]).await, upstream("wb", &[]).await);
+    let sockets: Vec<SocketAddr> = (0..2)
+        .map(|_| {
+            let s = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+            kvroute::peers::hand_over(s).unwrap()
+        })
+        .collect();
+    let a = gateway(replica(&[&wa, &wb], Some(sockets[0]), &sockets)).await;
+    let b = gateway(replica(&[&wa, &wb], Some(sockets[1]), &sockets)).await;
+    // The control: a replica with no peers, in front of the same workers.
+    let alone = gateway(replica(&[&wa, &wb], None, &[])).await;
+
+    // A long prompt, held by its worker without an answer: its prefill stays pending on A.
+    let long = "a long document to read ".repeat(400);
+    let held =
+        serde_json::json!({"model": "m", "prompt": long, "max_tokens": 1, "delay_ms": 30_000});
+    let x = route(a.addr, &held).await;
+    // A short prompt that B, with the pool idle, would send to the same worker.
+    let mut q = None;
+    for k in 0..64 {
+        let body = completion(&format!("question {k}"));
+        if route(b.addr, &body).await == x {
+            q = Some(body);
+            break;
+        }
+    }
+    let q = q.expect("one of 64 prompts has its home on the held prompt's worker");
+
+    let mut conn = send(
+        a.addr,
+        "POST",
+        "/v1/completions",
+        held.to_string().as_bytes(),
+    )
+    .await;
+    let requests = format!("kvroute_worker_peer_load{{what=\"requests\",worker=\"{x}\"}}");
+    assert_eq!(
+        wait_metric(b.addr, &requests, 1.0, Duration::from_secs(10)).await,
+        Some(1.0),
+        "B never heard of A's request"
+    );
+    let pending =
+        format!("kvroute_worker_peer_load{{what=\"pending_prefill_tokens\",worker=\"{x}\"}}");
+    let tokens = metric(&metrics_text(b.addr).await, &pending).unwrap();
+    assert!(
+        tokens > 1_000.0,
+        "A's pending prefill as B heard it: {tokens}"
+    );
+    assert_eq!(
+        metric(&metrics_text(b.addr).await, "kvroute_peers"),
+        Some(1.0)
+    );
+
+    // B now sends the short prompt to the other worker; the replica without peers still to X.
+    assert_ne!(route(b.addr, &q).await, x, "B priced A's pending prefill");
+    assert_eq!(
+        route(alone.addr, &q).await,
+        x,
+        "the control knows nothing of it"
+    );
+
+    // A's client goes away: A aborts the request, tells B, and B's home for the prompt is back.
+    use tokio::io::AsyncWriteExt as _;
+    conn.shutdown().await.unwrap();
+    drop(conn);
+    assert_eq!(
+        wait_metric(b.addr, &requests, 0.0, Duration::from_secs(10)).await,
+        Some(0.0),
+        "B never heard that A's request ended"
+    );
+    assert_eq!(route(b.addr, &q).await, x);
+}
