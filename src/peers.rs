@@ -35,6 +35,9 @@ const MAGIC: &[u8; 4] = b"KVRP";
 const VERSION: u8 = 1;
 const HEAD: usize = 24;
 const ENTRY: usize = 20;
+/// Datagram kinds: a replica's load on workers, and prompts it placed.
+const LOAD: u8 = 0;
+const PLACED: u8 = 1;
 /// Entries a datagram carries at most: 1,304 bytes, within an Ethernet frame.
 pub const PER_DATAGRAM: usize = 64;
 /// How often every figure is sent, changed or not: what keeps a quiet replica heard.
@@ -69,7 +72,7 @@ pub fn encode(sender: u64, seq: u64, entries: &[Entry]) -> Vec<Vec<u8>> {
         .map(|chunk| {
             let mut d = Vec::with_capacity(HEAD + ENTRY * chunk.len());
             d.extend_from_slice(MAGIC);
-            d.extend_from_slice(&[VERSION, 0, 0, 0]);
+            d.extend_from_slice(&[VERSION, LOAD, 0, 0]);
             d.extend_from_slice(&sender.to_le_bytes());
             d.extend_from_slice(&seq.to_le_bytes());
             for e in chunk {
@@ -86,7 +89,7 @@ pub fn encode(sender: u64, seq: u64, entries: &[Entry]) -> Vec<Vec<u8>> {
 /// A datagram's sender, sequence number and entries; `None` if it is not a peer datagram of
 /// this version.
 pub fn decode(d: &[u8]) -> Option<(u64, u64, Vec<Entry>)> {
-    if d.len() < HEAD || &d[..4] != MAGIC || d[4] != VERSION || (d.len() - HEAD) % ENTRY != 0 {
+    if kind(d) != Some(LOAD) || (d.len() - HEAD) % ENTRY != 0 {
         return None;
     }
     let u64_at = |i: usize| u64::from_le_bytes(d[i..i + 8].try_into().expect("8 bytes"));
@@ -101,6 +104,122 @@ pub fn decode(d: &[u8]) -> Option<(u64, u64, Vec<Entry>)> {
         })
         .collect();
     Some((u64_at(8), u64_at(16), entries))
+}
+
+/// The kind of a peer datagram of this version (its sixth byte), `None` if it is none.
+fn kind(d: &[u8]) -> Option<u8> {
+    (d.len() >= HEAD && &d[..4] == MAGIC && d[4] == VERSION).then(|| d[5])
+}
+
+/// A prompt a replica sent a worker: the chained hashes of its blocks (all of them, or a run of
+/// them when a long prompt's did not fit one datagram) and the tokens of it the replica expected
+/// the worker to prefill (0 in the runs after the first).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Placed {
+    pub worker: u64,
+    pub uncached: u32,
+    pub hashes: Vec<u64>,
+}
+
+/// Bytes a placement datagram carries at most: its head and its placements' (16 bytes each
+/// and 8 a hash).
+const PLACED_MAX: usize = 1_400;
+/// Hashes one placement carries at most.
+const PLACED_HASHES: usize = (PLACED_MAX - HEAD - 16) / 8;
+
+/// The datagrams that carry `placed` from `sender`.
+pub fn encode_placed(sender: u64, placed: &[Placed]) -> Vec<Vec<u8>> {
+    let head = |d: &mut Vec<u8>| {
+        d.extend_from_slice(MAGIC);
+        d.extend_from_slice(&[VERSION, PLACED, 0, 0]);
+        d.extend_from_slice(&sender.to_le_bytes());
+        d.extend_from_slice(&0u64.to_le_bytes());
+    };
+    let mut out = Vec::new();
+    let mut d = Vec::with_capacity(PLACED_MAX);
+    head(&mut d);
+    for p in placed {
+        for (k, run) in p.hashes.chunks(PLACED_HASHES).enumerate() {
+            if d.len() + 16 + 8 * run.len() > PLACED_MAX {
+                out.push(std::mem::replace(&mut d, Vec::with_capacity(PLACED_MAX)));
+                head(&mut d);
+            }
+            d.extend_from_slice(&p.worker.to_le_bytes());
+            d.extend_from_slice(&(if k == 0 { p.uncached } else { 0 }).to_le_bytes());
+            d.extend_from_slice(&(run.len() as u16).to_le_bytes());
+            d.extend_from_slice(&[0, 0]);
+            for h in run {
+                d.extend_from_slice(&h.to_le_bytes());
+            }
+        }
+    }
+    if d.len() > HEAD {
+        out.push(d);
+    }
+    out
+}
+
+/// A placement datagram's sender and placements; `None` if it is not one, or is torn.
+pub fn decode_placed(d: &[u8]) -> Option<(u64, Vec<Placed>)> {
+    if kind(d) != Some(PLACED) {
+        return None;
+    }
+    let u64_at = |i: usize| u64::from_le_bytes(d[i..i + 8].try_into().expect("8 bytes"));
+    let mut placed = Vec::new();
+    let mut i = HEAD;
+    while i < d.len() {
+        if i + 16 > d.len() {
+            return None;
+        }
+        let n = usize::from(u16::from_le_bytes([d[i + 12], d[i + 13]]));
+        let end = i + 16 + 8 * n;
+        if end > d.len() {
+            return None;
+        }
+        placed.push(Placed {
+            worker: u64_at(i),
+            uncached: u32::from_le_bytes(d[i + 8..i + 12].try_into().expect("4 bytes")),
+            hashes: (i + 16..end).step_by(8).map(u64_at).collect(),
+        });
+        i = end;
+    }
+    Some((u64_at(8), placed))
+}
+
+/// A worker's placements for the peers, queued by the policy as it decides and taken by the
+/// sender: filled only while a sender of this gateway runs ([`Outbox::open`]), and bounded, so a
+/// sender that falls behind drops placements rather than memory.
+#[derive(Debug, Default)]
+pub struct Outbox {
+    open: std::sync::atomic::AtomicBool,
+    placed: parking_lot::Mutex<Vec<(Vec<u64>, u32)>>,
+}
+
+/// Placements a worker's outbox holds at most.
+const OUTBOX_MAX: usize = 1_024;
+
+impl Outbox {
+    /// A prompt through `hashes` was sent to the worker, `uncached` tokens of it to prefill.
+    #[inline]
+    pub fn placed(&self, hashes: &[u64], uncached: u64) {
+        if !self.open.load(std::sync::atomic::Ordering::Relaxed) || hashes.is_empty() {
+            return;
+        }
+        let mut q = self.placed.lock();
+        if q.len() < OUTBOX_MAX {
+            q.push((hashes.to_vec(), uncached.min(u64::from(u32::MAX)) as u32));
+        }
+        drop(q);
+        WAKE.notify_one();
+    }
+
+    fn open(&self) {
+        self.open.store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    fn take(&self) -> Vec<(Vec<u64>, u32)> {
+        std::mem::take(&mut *self.placed.lock())
+    }
 }
 
 /// What peers said, per peer and worker, with when; and their sums per worker.
@@ -232,7 +351,11 @@ fn handed(addr: SocketAddr) -> Option<std::net::UdpSocket> {
 }
 
 /// Exchanges load with the peers until `cancel` fires; returns at once without `peers.bind`.
-pub async fn run(up: Arc<Upstreams>, cancel: CancellationToken) {
+pub async fn run(
+    up: Arc<Upstreams>,
+    arms: Arc<arc_swap::ArcSwap<crate::policy::arms::Arms>>,
+    cancel: CancellationToken,
+) {
     let cfg = up.config.peers.clone();
     let Some(bind) = cfg.bind else {
         return;
@@ -260,7 +383,7 @@ pub async fn run(up: Arc<Upstreams>, cancel: CancellationToken) {
     tracing::info!(%bind, addresses = ?cfg.addresses, "peers: telling and hearing other replicas' load");
     tokio::join!(
         tell(&up, &socket, id, &cfg, &cancel),
-        hear(&up, &socket, id, &cfg, &cancel)
+        hear(&up, &arms, &socket, id, &cfg, &cancel)
     );
 }
 
@@ -350,6 +473,32 @@ impl Teller<'_> {
             self.set = set;
             self.last = vec![None; self.set.len()];
         }
+        for w in self.set.iter() {
+            w.peer_outbox.open();
+        }
+        let placed: Vec<Placed> = self
+            .set
+            .iter()
+            .flat_map(|w| {
+                w.peer_outbox
+                    .take()
+                    .into_iter()
+                    .map(|(hashes, uncached)| Placed {
+                        worker: w.id_hash,
+                        uncached,
+                        hashes,
+                    })
+            })
+            .collect();
+        if !placed.is_empty() {
+            for d in encode_placed(self.id, &placed) {
+                for t in &self.targets {
+                    if self.socket.send_to(&d, t).await.is_ok() {
+                        self.sent.inc();
+                    }
+                }
+            }
+        }
         let tick = tokio::time::Instant::now();
         if tick >= self.full_at {
             self.full_at = tick + FULL_EVERY;
@@ -396,6 +545,7 @@ async fn resolve(addresses: &[String]) -> Option<Vec<SocketAddr>> {
 /// a peer has not repeated within `expire_seconds`.
 async fn hear(
     up: &Upstreams,
+    arms: &arc_swap::ArcSwap<crate::policy::arms::Arms>,
     socket: &UdpSocket,
     id: u64,
     cfg: &crate::config::PeersConfig,
@@ -418,6 +568,20 @@ async fn hear(
             _ = sweep.tick() => heard.expire(Instant::now(), after),
             r = socket.recv_from(&mut buf) => {
                 let Ok((n, _)) = r else { continue };
+                if let Some((sender, placed)) = decode_placed(&buf[..n]) {
+                    if sender != id {
+                        received.inc();
+                        let arms = arms.load();
+                        for p in &placed {
+                            if let Some(w) = by_id.get(&p.worker) {
+                                for arm in arms.iter() {
+                                    arm.policy.learn_placement(w, &p.hashes, u64::from(p.uncached));
+                                }
+                            }
+                        }
+                    }
+                    continue;
+                }
                 match decode(&buf[..n]) {
                     Some((sender, _, _)) if sender == id => continue,
                     Some((sender, seq, entries)) => {
@@ -506,6 +670,40 @@ mod tests {
     }
 
     #[test]
+    fn placements_cross_the_wire_a_long_prompt_in_runs() {
+        let long = Placed {
+            worker: 7,
+            uncached: 9_000,
+            hashes: (0..400).collect(),
+        };
+        let short = Placed {
+            worker: 8,
+            uncached: 12,
+            hashes: vec![11, 12],
+        };
+        let datagrams = encode_placed(42, &[long.clone(), short.clone()]);
+        assert!(datagrams.iter().all(|d| d.len() <= PLACED_MAX));
+        assert!(datagrams.iter().all(|d| decode(d).is_none()), "not load");
+        let back: Vec<Placed> = datagrams
+            .iter()
+            .flat_map(|d| {
+                let (sender, placed) = decode_placed(d).expect("a placement datagram");
+                assert_eq!(sender, 42);
+                placed
+            })
+            .collect();
+        // The long prompt's hashes in order, in runs; its uncached tokens counted once.
+        let runs: Vec<&Placed> = back.iter().filter(|p| p.worker == 7).collect();
+        assert!(runs.len() >= 3);
+        let hashes: Vec<u64> = runs.iter().flat_map(|p| p.hashes.clone()).collect();
+        assert_eq!(hashes, long.hashes);
+        assert_eq!(runs.iter().map(|p| p.uncached).sum::<u32>(), 9_000);
+        assert_eq!(back.last(), Some(&short));
+        let torn = &datagrams[0][..datagrams[0].len() - 3];
+        assert!(decode_placed(torn).is_none());
+    }
+
+    #[test]
     fn what_is_not_a_peer_datagram_is_refused() {
         let good = encode(1, 1, &[entry(5, 1)]).remove(0);
         assert!(decode(&good).is_some());
@@ -514,6 +712,7 @@ mod tests {
         let mut other_version = good.clone();
         other_version[4] = 2;
         assert!(decode(&other_version).is_none());
+        assert!(decode_placed(&good).is_none(), "load, not placements");
     }
 
     #[test]

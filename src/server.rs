@@ -312,6 +312,7 @@ pub async fn serve_state_on(
     ));
     tokio::spawn(crate::peers::run(
         state.upstreams.clone(),
+        state.arms.clone(),
         background.clone(),
     ));
     let server = async {

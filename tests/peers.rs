@@ -6,7 +6,7 @@ mod common;
 use std::{net::SocketAddr, time::Duration};
 
 use common::*;
-use kvroute::config::Config;
+use kvroute::config::{Config, PolicyConfig};
 
 fn replica(workers: &[&Upstream], me: Option<SocketAddr>, all: &[SocketAddr]) -> Config {
     let mut c = config_for(workers, "cache_aware");
@@ -44,10 +44,19 @@ async fn a_replica_prices_its_peers_requests_at_once_and_drops_them_when_they_en
             kvroute::peers::hand_over(s).unwrap()
         })
         .collect();
-    let a = gateway(replica(&[&wa, &wb], Some(sockets[0]), &sockets)).await;
-    let b = gateway(replica(&[&wa, &wb], Some(sockets[1]), &sockets)).await;
+    // A prompt of which nothing is known goes home here, not to the worker least written to,
+    // so that what moves B's choice below is A's load and not A's placement (which B learns too).
+    let by_load = |me, all: &[SocketAddr]| {
+        let mut c = replica(&[&wa, &wb], me, all);
+        if let PolicyConfig::CacheAware(p) = &mut c.policy {
+            p.fresh_by_writes = false;
+        }
+        c
+    };
+    let a = gateway(by_load(Some(sockets[0]), &sockets)).await;
+    let b = gateway(by_load(Some(sockets[1]), &sockets)).await;
     // The control: a replica with no peers, in front of the same workers.
-    let alone = gateway(replica(&[&wa, &wb], None, &[])).await;
+    let alone = gateway(by_load(None, &[])).await;
 
     // A long prompt, held by its worker without an answer: its prefill stays pending on A.
     let long = "a long document to read ".repeat(400);
@@ -108,4 +117,49 @@ async fn a_replica_prices_its_peers_requests_at_once_and_drops_them_when_they_en
         "B never heard that A's request ended"
     );
     assert_eq!(route(b.addr, &q).await, x);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_learns_where_its_peer_placed_a_prompt() {
+    let (wa, wb) = (upstream("wa", &[]).await, upstream("wb", &[]).await);
+    let sockets: Vec<SocketAddr> = (0..2)
+        .map(|_| {
+            let s = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+            kvroute::peers::hand_over(s).unwrap()
+        })
+        .collect();
+    let a = gateway(replica(&[&wa, &wb], Some(sockets[0]), &sockets)).await;
+    let b = gateway(replica(&[&wa, &wb], Some(sockets[1]), &sockets)).await;
+    let alone = gateway(replica(&[&wa, &wb], None, &[])).await;
+
+    // Each has heard the other: their senders run.
+    for gw in [&a, &b] {
+        let peers = wait_metric(gw.addr, "kvroute_peers", 1.0, Duration::from_secs(10)).await;
+        assert_eq!(peers, Some(1.0));
+    }
+    // A conversation's first turn through A, answered at once.
+    let history = "a conversation's first turn, long enough for several blocks. ".repeat(40);
+    let first = completion(&history);
+    let r = request(
+        a.addr,
+        "POST",
+        "/v1/completions",
+        first.to_string().as_bytes(),
+    )
+    .await;
+    assert_eq!(r.status, 200);
+    let x = r.header("x-kvroute-worker").unwrap().to_owned();
+    // Its next turn, asked of B: B has seen none of it, but heard where A placed it.
+    let next = completion(&format!("{history} and the second turn"));
+    until_routed_to(b.addr, &next, &x, 1, Duration::from_secs(10)).await;
+    // The replica without peers knows nothing of the history.
+    let d = request(
+        alone.addr,
+        "POST",
+        "/debug/route/v1/completions",
+        next.to_string().as_bytes(),
+    )
+    .await
+    .json();
+    assert_eq!(d["predicted_cached_tokens"].as_u64(), Some(0), "{d}");
 }

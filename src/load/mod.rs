@@ -181,8 +181,8 @@ impl Load {
     /// Records a poll's result; `local_inflight` is as many of this gateway's requests as the
     /// worker can have counted (the poll loop's: the most in flight as the poll went out or as it
     /// came back), `peers` as many of its peers' ([`crate::peers`]; 0 without). Returns the
-    /// requests the worker had beyond this gateway's own, peers' included, `None` for a failed
-    /// poll.
+    /// requests the worker had beyond both (of replicas and clients that do not tell), `None`
+    /// for a failed poll.
     pub fn store(&self, p: Option<Polled>, local_inflight: usize, peers: usize) -> Option<f64> {
         let Some(p) = p else {
             self.polled.store(false, Ordering::Relaxed);
@@ -195,7 +195,7 @@ impl Load {
         self.kv_usage_permille
             .store(count(p.kv_usage * 1000.0), Ordering::Relaxed);
         self.polled.store(true, Ordering::Relaxed);
-        Some(others)
+        Some(untold)
     }
 }
 
@@ -308,8 +308,8 @@ mod tests {
             waiting: 3.0,
             ..Polled::default()
         };
-        // Beyond this gateway's own, the peer's included, for the traffic share.
-        assert_eq!(l.store(Some(polled), 2, 4), Some(7.0));
+        // Beyond what this gateway and its peer know of.
+        assert_eq!(l.store(Some(polled), 2, 4), Some(3.0));
         assert_eq!(l.queued(2), 9);
         // The peer's requests end: they leave at once, the untold 3 stay till the next poll.
         l.set_peers(0, 0, 0);

@@ -148,6 +148,11 @@ pub trait Policy: Send + Sync + 'static {
         false
     }
 
+    /// A peer replica sent `worker` a prompt through all of `hashes` (chained block hashes,
+    /// as [`RequestInfo::block_hashes`]), `uncached` tokens of which it expected the worker to
+    /// prefill ([`crate::peers`]): a policy that keeps an index learns it as its own placement.
+    fn learn_placement(&self, _worker: &Worker, _hashes: &[u64], _uncached: u64) {}
+
     /// The policy's prefix index, if it keeps one.
     fn index_stats(&self) -> Option<crate::index::IndexStats> {
         None

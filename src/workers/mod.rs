@@ -52,6 +52,8 @@ pub struct Worker {
     /// Its requests at each poll, this gateway's and others', over many polls (read when a
     /// decision asks how far other replicas place prompts).
     pub traffic: crate::load::Traffic,
+    /// Prompts sent to it that peer replicas are yet to be told of ([`crate::peers`]).
+    pub peer_outbox: crate::peers::Outbox,
     pub name: String,
     pub scheme: Scheme,
     pub authority: Authority,
@@ -185,6 +187,7 @@ impl Worker {
             kv: crate::load::KvClock::default(),
             steps: crate::load::StepClock::default(),
             traffic: crate::load::Traffic::default(),
+            peer_outbox: crate::peers::Outbox::default(),
             freed,
             series: Default::default(),
             ranks_of: cfg.detects_ranks().then(|| cfg.url.as_str().into()),
@@ -195,8 +198,11 @@ impl Worker {
     /// `local_inflight` requests may be this gateway's: to its load ([`crate::load::Load::store`]) and, for the
     /// requests it counted, to its traffic over many polls ([`crate::load::Traffic`]).
     pub fn polled(&self, p: Option<crate::load::Polled>, local_inflight: usize, peers: usize) {
-        if let Some(others) = self.load.store(p, local_inflight, peers) {
-            self.traffic.polled(others, local_inflight as f64);
+        // Peers tell this gateway their placements as well as their load ([`crate::peers`]):
+        // what it routes on is as much theirs as its own, and only the requests nobody told of
+        // are other replicas' share.
+        if let Some(untold) = self.load.store(p, local_inflight, peers) {
+            self.traffic.polled(untold, (local_inflight + peers) as f64);
         }
     }
 

@@ -755,6 +755,9 @@ impl Policy for CacheAware {
         let restarts = Some(worker.kv.restarts());
         self.index
             .insert_at(&req.block_hashes, worker.id_hash, kv, restarts);
+        worker
+            .peer_outbox
+            .placed(&req.block_hashes, u64::from(uncached));
         tracing::debug!(
             policy = "cache_aware",
             outcome = selection.outcome.as_str(),
@@ -777,6 +780,14 @@ impl Policy for CacheAware {
 
     fn index_stats(&self) -> Option<IndexStats> {
         Some(self.index.stats())
+    }
+
+    fn learn_placement(&self, worker: &Worker, hashes: &[u64], uncached: u64) {
+        // The peer's prompt is written into the worker's KV cache as this gateway's would be.
+        let kv = worker.kv.stamp(uncached);
+        let kv = kv.filter(|_| self.params.evict_by_capacity);
+        let restarts = Some(worker.kv.restarts());
+        self.index.insert_at(hashes, worker.id_hash, kv, restarts);
     }
 
     fn reuse_share(&self) -> Option<f64> {

@@ -292,3 +292,15 @@ fn the_continuation_share_is_reported_only_while_fade_by_continuation_is_on() {
     );
     assert_eq!(Policy::continuing_share(&off), None);
 }
+
+#[test]
+fn a_peers_placement_is_followed_like_this_gateways_own() {
+    let p = policy();
+    let ws = crate::workers::test_workers(4);
+    let first = convo(7, 4, 4);
+    let next = convo(7, 4, 8);
+    p.learn_placement(&ws[2], &first.block_hashes, 800);
+    let s = pick(&p, &ws, &next);
+    assert_eq!(s.index, 2, "{s:?}");
+    assert!(s.prediction.unwrap().cached_tokens > 0, "{s:?}");
+}
