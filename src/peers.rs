@@ -187,8 +187,8 @@ pub fn decode_placed(d: &[u8]) -> Option<(u64, Vec<Placed>)> {
 }
 
 /// A worker's placements for the peers, queued by the policy as it decides and taken by the
-/// sender: filled only while a sender of this gateway runs ([`Outbox::open`]), and bounded, so a
-/// sender that falls behind drops placements rather than memory.
+/// sender: filled only once a sender of this gateway has opened it, and bounded, so a sender
+/// that falls behind drops placements rather than memory.
 #[derive(Debug, Default)]
 pub struct Outbox {
     open: std::sync::atomic::AtomicBool,
