@@ -18,6 +18,16 @@ fn replica(workers: &[&Upstream], me: Option<SocketAddr>, all: &[SocketAddr]) ->
     c
 }
 
+/// `n` UDP sockets on loopback, handed over for the gateways whose `peers.bind` they are.
+fn peer_sockets(n: usize) -> Vec<SocketAddr> {
+    (0..n)
+        .map(|_| {
+            let s = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+            kvroute::peers::hand_over(s).unwrap()
+        })
+        .collect()
+}
+
 fn completion(prompt: &str) -> serde_json::Value {
     serde_json::json!({"model": "m", "prompt": prompt, "max_tokens": 1})
 }
@@ -38,12 +48,7 @@ async fn route(gw: SocketAddr, body: &serde_json::Value) -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replica_prices_its_peers_requests_at_once_and_drops_them_when_they_end() {
     let (wa, wb) = (upstream("wa", &[]).await, upstream("wb", &[]).await);
-    let sockets: Vec<SocketAddr> = (0..2)
-        .map(|_| {
-            let s = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
-            kvroute::peers::hand_over(s).unwrap()
-        })
-        .collect();
+    let sockets = peer_sockets(2);
     // A prompt of which nothing is known goes home here, not to the worker least written to,
     // so that what moves B's choice below is A's load and not A's placement (which B learns too).
     let by_load = |me, all: &[SocketAddr]| {
@@ -122,12 +127,7 @@ async fn a_replica_prices_its_peers_requests_at_once_and_drops_them_when_they_en
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replica_learns_where_its_peer_placed_a_prompt() {
     let (wa, wb) = (upstream("wa", &[]).await, upstream("wb", &[]).await);
-    let sockets: Vec<SocketAddr> = (0..2)
-        .map(|_| {
-            let s = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
-            kvroute::peers::hand_over(s).unwrap()
-        })
-        .collect();
+    let sockets = peer_sockets(2);
     let a = gateway(replica(&[&wa, &wb], Some(sockets[0]), &sockets)).await;
     let b = gateway(replica(&[&wa, &wb], Some(sockets[1]), &sockets)).await;
     let alone = gateway(replica(&[&wa, &wb], None, &[])).await;
