@@ -14,10 +14,18 @@
 //! send, not a tick later. Under load the sender then waits `interval_seconds` before it looks
 //! again, so a burst of changes costs a datagram an interval.
 //!
-//! A datagram is a 24-byte head (`KVRP`, version 1, three zero bytes, the sender's random id,
-//! its sequence number) and up to [`PER_DATAGRAM`] entries of 20 bytes (worker id, requests in
-//! flight, pending prefill tokens, context tokens), little-endian. Each entry is absolute, so a
-//! lost datagram costs only the time to the next change or second.
+//! Placements go the same way: each `cache_aware` decision queues its prompt's block hashes in
+//! the chosen worker's [`Outbox`], and the peers insert them into their index
+//! ([`crate::policy::Policy::learn_placement`]). A decision made before this gateway's sender
+//! first ran (the moment after start) is not told.
+//!
+//! A datagram is a 24-byte head (`KVRP`, version 1, its kind, two zero bytes, the sender's
+//! random id, its sequence number; little-endian throughout) and, for load (kind 0), up to
+//! [`PER_DATAGRAM`] entries of 20 bytes (worker id, requests in flight, pending prefill tokens,
+//! context tokens). Each entry is absolute, so a lost datagram costs only the time to the next
+//! change or second. For placements (kind 1, sequence 0): runs of a worker id, the tokens to
+//! prefill, a count and two zero bytes, then that many block hashes, within 1,400 bytes. A lost
+//! placement is a prompt the peers do not know of, as without peers.
 
 use std::{
     collections::HashMap,
@@ -472,9 +480,10 @@ impl Teller<'_> {
         if !Arc::ptr_eq(&set, &self.set) || self.last.len() != set.len() {
             self.set = set;
             self.last = vec![None; self.set.len()];
-        }
-        for w in self.set.iter() {
-            w.peer_outbox.open();
+            // The workers of a new set queue their placements from now on.
+            for w in self.set.iter() {
+                w.peer_outbox.open();
+            }
         }
         let placed: Vec<Placed> = self
             .set
