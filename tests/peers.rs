@@ -32,8 +32,8 @@ fn completion(prompt: &str) -> serde_json::Value {
     serde_json::json!({"model": "m", "prompt": prompt, "max_tokens": 1})
 }
 
-/// Where the gateway at `gw` would send `body` now (`/debug/route` changes nothing).
-async fn route(gw: SocketAddr, body: &serde_json::Value) -> String {
+/// What the gateway at `gw` would do with `body` now (`/debug/route` changes nothing).
+async fn peek(gw: SocketAddr, body: &serde_json::Value) -> serde_json::Value {
     let d = request(
         gw,
         "POST",
@@ -42,7 +42,12 @@ async fn route(gw: SocketAddr, body: &serde_json::Value) -> String {
     )
     .await;
     assert_eq!(d.status, 200, "{}", String::from_utf8_lossy(&d.body));
-    d.json()["worker"].as_str().unwrap().to_owned()
+    d.json()
+}
+
+/// Where the gateway at `gw` would send `body` now.
+async fn route(gw: SocketAddr, body: &serde_json::Value) -> String {
+    peek(gw, body).await["worker"].as_str().unwrap().to_owned()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -153,13 +158,6 @@ async fn a_replica_learns_where_its_peer_placed_a_prompt() {
     let next = completion(&format!("{history} and the second turn"));
     until_routed_to(b.addr, &next, &x, 1, Duration::from_secs(10)).await;
     // The replica without peers knows nothing of the history.
-    let d = request(
-        alone.addr,
-        "POST",
-        "/debug/route/v1/completions",
-        next.to_string().as_bytes(),
-    )
-    .await
-    .json();
+    let d = peek(alone.addr, &next).await;
     assert_eq!(d["predicted_cached_tokens"].as_u64(), Some(0), "{d}");
 }
